@@ -1,0 +1,50 @@
+"""`gpu-dra`: one console command, one sub-command per job. Each sub-command lives in its own module
+and is imported only when used, so `gpu-dra slices` never loads gRPC and `gpu-dra inventory` never
+loads the Kubernetes client."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# sub-command -> (module under cli/, one-line help). Each module offers add_arguments(parser) and run(args) -> int.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "inventory": ("cli.inventory_cmd", "show the GPUs found through NVML or in a simulated fleet"),
+    "slices": ("cli.slices_cmd", "print the ResourceSlices that would be published, as YAML"),
+    "deviceclasses": ("cli.deviceclasses_cmd", "print the DeviceClasses of this driver, as YAML"),
+    "controller": ("cli.controller_cmd", "run the cluster controller (DeviceClasses, stale slices, metrics)"),
+    "publish": ("cli.publish_cmd", "publish ResourceSlices for a simulated fleet and keep them exact"),
+    "kubelet-plugin": ("cli.kubeletplugin_cmd", "run the node plugin: register with the kubelet, prepare claims"),
+    "demo": ("cli.demo_cmd", "start a local control plane with a simulated fleet and allocate the examples"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpu-dra", description="Kubernetes DRA driver for NVIDIA GPUs")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            p.set_defaults(_missing=True)
+            continue
+        module.add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "_missing", False):
+        print(f"gpu-dra: sub-command {args.command!r} is not available in this build", file=sys.stderr)
+        return 2
+    module = importlib.import_module(args._module)
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
