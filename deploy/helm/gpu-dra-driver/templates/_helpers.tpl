@@ -1,0 +1,46 @@
+{{/* Names and labels shared by all templates. */}}
+
+{{- define "gpu-dra-driver.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "gpu-dra-driver.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else if contains (include "gpu-dra-driver.name" .) .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name (include "gpu-dra-driver.name" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{/* The DRA driver name: fixed to NVIDIA's in compatibility mode. */}}
+{{- define "gpu-dra-driver.driverName" -}}
+{{- if .Values.compatNvidia }}gpu.nvidia.com{{ else }}{{ required "driverName is required" .Values.driverName }}{{ end }}
+{{- end }}
+
+{{- define "gpu-dra-driver.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "gpu-dra-driver.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: gpu-dra-driver
+{{- end }}
+
+{{- define "gpu-dra-driver.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "gpu-dra-driver.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "gpu-dra-driver.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{- define "gpu-dra-driver.kubeletPluginServiceAccount" -}}
+{{ include "gpu-dra-driver.fullname" . }}-kubelet-plugin
+{{- end }}
+
+{{- define "gpu-dra-driver.controllerServiceAccount" -}}
+{{ include "gpu-dra-driver.fullname" . }}-controller
+{{- end }}
