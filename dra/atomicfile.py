@@ -1,0 +1,74 @@
+"""Crash-safe file replacement.
+
+Container runtimes read CDI specs and the plugin re-reads its checkpoint after a crash, so neither may ever
+see a half-written file: write a temporary file in the same directory, fsync it, rename it over the target
+(atomic on POSIX within one file system) and fsync the directory so the rename itself survives a power cut.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+# Temporary files start with a dot and end in ".tmp": CDI loaders only read *.json / *.yaml, and
+# cleanup code can recognise leftovers from a crash by this shape.
+TEMP_SUFFIX = ".tmp"
+
+
+def temp_prefix(target: Path) -> str:
+    return f".{target.name}."
+
+
+def write_atomic(path: Path | str, data: bytes, mode: int = 0o644) -> None:
+    """Replace ``path`` with ``data`` so that readers see either the old or the new content, never a mix."""
+    target = Path(path)
+    directory = target.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=temp_prefix(target), suffix=TEMP_SUFFIX, dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp_name, mode)
+        os.replace(tmp_name, target)
+    except BaseException:
+        try:
+            os.unlink(tmp_name)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(directory)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Persist a rename or unlink in ``directory`` (a no-op where directories cannot be opened)."""
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+
+
+def remove_file(path: Path | str) -> bool:
+    """Delete ``path`` durably; a file that is already gone is fine. Returns whether a file was removed."""
+    target = Path(path)
+    try:
+        target.unlink()
+    except FileNotFoundError:
+        return False
+    fsync_dir(target.parent)
+    return True
+
+
+def leftover_temp_files(directory: Path | str) -> list[Path]:
+    """Temporary files a crashed ``write_atomic`` left behind in ``directory``."""
+    base = Path(directory)
+    if not base.is_dir():
+        return []
+    return sorted(p for p in base.iterdir() if p.name.startswith(".") and p.name.endswith(TEMP_SUFFIX))

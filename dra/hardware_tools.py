@@ -1,0 +1,443 @@
+"""The seam for GPU sharing settings NVML does not cover: time-slice interval, compute mode, MPS daemons.
+
+``SharingControl`` is the one small interface. ``NvidiaSmiSharingControl`` runs the driver's own programs
+(``nvidia-smi`` and ``nvidia-cuda-mps-control``, never through a shell); ``SimulatedSharingControl``
+enforces the same rules in memory and records every action, for tests, simulated fleets and demos.
+
+Rules both implementations share:
+
+* Time-slice intervals (Default=0, Short=1, Medium=2, Long=3) apply to whole GPUs; a GPU (or a MIG device)
+  that does not support it fails with ``SharingNotSupported``, a clean per-claim error.
+* An MPS control daemon is identified by its pipe directory: one daemon per pipe directory.
+* A GPU in EXCLUSIVE_PROCESS compute mode admits one process, so at most one MPS daemon serves it; in
+  DEFAULT mode several daemons (one per claim) may share the GPU. The compute mode of a GPU an MPS daemon
+  serves is not changed while the daemon runs.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal, Mapping, Sequence
+
+log = logging.getLogger(__name__)
+
+TimeSliceInterval = Literal["Default", "Short", "Medium", "Long"]
+TIME_SLICE_VALUES: dict[str, int] = {"Default": 0, "Short": 1, "Medium": 2, "Long": 3}
+ComputeMode = Literal["DEFAULT", "EXCLUSIVE_PROCESS"]
+COMPUTE_MODES: tuple[str, ...] = ("DEFAULT", "EXCLUSIVE_PROCESS")
+
+MPS_CONTROL = "nvidia-cuda-mps-control"
+
+
+class SharingError(RuntimeError):
+    """A sharing action failed; the message names the GPU or daemon and the reason."""
+
+
+class SharingNotSupported(SharingError):
+    """The GPU does not support the requested sharing setting (e.g. time-slicing on a MIG device)."""
+
+
+@dataclass(frozen=True)
+class MpsDaemonSpec:
+    """What an MPS control daemon serves and where its directories are."""
+
+    pipe_dir: str
+    log_dir: str
+    visible_devices: tuple[str, ...]      # CUDA_VISIBLE_DEVICES: GPU or MIG UUIDs
+    shm_dir: str | None = None            # becomes the daemon's /dev/shm (clients mount the same directory)
+
+
+def is_mig_uuid(uuid: str) -> bool:
+    return uuid.startswith("MIG-")
+
+
+def check_interval(interval: str) -> int:
+    if interval not in TIME_SLICE_VALUES:
+        raise SharingError(f"time-slice interval {interval!r}: must be one of {', '.join(TIME_SLICE_VALUES)}")
+    return TIME_SLICE_VALUES[interval]
+
+
+def check_compute_mode(mode: str) -> None:
+    if mode not in COMPUTE_MODES:
+        raise SharingError(f"compute mode {mode!r}: must be one of {', '.join(COMPUTE_MODES)}")
+
+
+class SharingControl(ABC):
+    """GPU sharing actions that need the driver's tools rather than NVML."""
+
+    @abstractmethod
+    def set_time_slice(self, gpu_uuid: str, interval: str) -> None:
+        """Set the GPU-wide time-slice interval (whole GPUs only)."""
+
+    @abstractmethod
+    def get_time_slice(self, gpu_uuid: str) -> str | None:
+        """The current interval, or None where it cannot be read."""
+
+    @abstractmethod
+    def set_compute_mode(self, gpu_uuid: str, mode: str) -> None:
+        """DEFAULT or EXCLUSIVE_PROCESS (whole GPUs only)."""
+
+    @abstractmethod
+    def start_mps_daemon(self, spec: MpsDaemonSpec) -> None:
+        """Start an MPS control daemon; returns once it runs."""
+
+    @abstractmethod
+    def mps_daemon_running(self, pipe_dir: str) -> bool:
+        """Whether the daemon of this pipe directory is alive."""
+
+    @abstractmethod
+    def mps_command(self, pipe_dir: str, command: str) -> str:
+        """Send one control command (e.g. ``set_default_active_thread_percentage 50``); returns its reply."""
+
+    @abstractmethod
+    def stop_mps_daemon(self, pipe_dir: str) -> None:
+        """Stop the daemon (``quit``, then signals); a daemon that is not running is fine."""
+
+
+# ----- real: the driver's programs --------------------------------------------------------------------------------
+Runner = Callable[..., subprocess.CompletedProcess]
+
+CLONE_NEWNS = 0x00020000
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+
+
+def _private_shm(shm_dir: str) -> Callable[[], None]:
+    """preexec_fn: give the daemon a private mount namespace whose /dev/shm is ``shm_dir``.
+
+    MPS clients and server share memory through /dev/shm, so the daemon must see the same directory that
+    workload containers get mounted at /dev/shm. Needs CAP_SYS_ADMIN (the plugin runs privileged).
+    """
+
+    def setup() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.unshare(CLONE_NEWNS) != 0:
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) failed")
+        if libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+            raise OSError(ctypes.get_errno(), "making / private failed")
+        if libc.mount(shm_dir.encode(), b"/dev/shm", None, MS_BIND, None) != 0:
+            raise OSError(ctypes.get_errno(), f"bind-mounting {shm_dir} on /dev/shm failed")
+
+    return setup
+
+
+class NvidiaSmiSharingControl(SharingControl):
+    """Runs ``nvidia-smi`` and ``nvidia-cuda-mps-control`` from the driver (no shell involved).
+
+    nvidia_smi / mps_control:  program paths as this process sees them (e.g. found in the driver root)
+    env:                       extra environment for both (e.g. LD_LIBRARY_PATH of the driver root's libraries)
+    isolate_shm:               start daemons in a private mount namespace with the claim's shm dir as /dev/shm
+    """
+
+    def __init__(
+        self,
+        nvidia_smi: str = "nvidia-smi",
+        mps_control: str = MPS_CONTROL,
+        *,
+        env: Mapping[str, str] | None = None,
+        timeout_s: float = 30.0,
+        isolate_shm: bool = True,
+        proc_root: str = "/proc",
+        runner: Runner = subprocess.run,
+    ) -> None:
+        self.nvidia_smi = nvidia_smi
+        self.mps_control = mps_control
+        self.extra_env = dict(env or {})
+        self.timeout_s = timeout_s
+        self.isolate_shm = isolate_shm
+        self.proc_root = Path(proc_root)
+        self.run = runner
+        self._intervals: dict[str, str] = {}  # what we set: nvidia-smi cannot read the interval back
+
+    @classmethod
+    def from_driver_root(cls, driver_root: Any, **kwargs: Any) -> NvidiaSmiSharingControl:
+        """Use the tools and libraries of a ``dra.driverroot.DriverRoot``."""
+        smi = driver_root.find_binary("nvidia-smi")
+        mps = driver_root.find_binary(MPS_CONTROL)
+        if smi is None:
+            raise SharingError(f"driver root {driver_root.root}: nvidia-smi not found")
+        lib_dirs = [os.path.join(str(driver_root.root), d.lstrip("/")) for d in driver_root.files().library_dirs]
+        env = {"LD_LIBRARY_PATH": ":".join(lib_dirs)} if lib_dirs else {}
+        env.update(kwargs.pop("env", None) or {})
+        return cls(smi, mps or MPS_CONTROL, env=env, **kwargs)
+
+    def _env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.extra_env)
+        env.update(extra or {})
+        return env
+
+    def _smi(self, args: Sequence[str], what: str) -> None:
+        argv = [self.nvidia_smi, *args]
+        try:
+            done = self.run(argv, env=self._env(), capture_output=True, text=True, timeout=self.timeout_s, check=False)
+        except (OSError, subprocess.SubprocessError) as err:
+            raise SharingError(f"{what}: running {' '.join(argv)} failed: {err}") from err
+        if done.returncode != 0:
+            output = " ".join(f"{done.stdout or ''} {done.stderr or ''}".split())
+            if "not supported" in output.lower():
+                raise SharingNotSupported(f"{what}: not supported on this GPU ({output})")
+            raise SharingError(f"{what}: {' '.join(argv)} exited with {done.returncode}: {output}")
+
+    def set_time_slice(self, gpu_uuid: str, interval: str) -> None:
+        value = check_interval(interval)
+        if is_mig_uuid(gpu_uuid):
+            raise SharingNotSupported(f"time-slice on {gpu_uuid}: MIG devices have no time-slice setting")
+        self._smi(["compute-policy", "-i", gpu_uuid, "--set-timeslice", str(value)],
+                  f"setting time-slice {interval} on GPU {gpu_uuid}")
+        self._intervals[gpu_uuid] = interval
+
+    def get_time_slice(self, gpu_uuid: str) -> str | None:
+        return self._intervals.get(gpu_uuid)
+
+    def set_compute_mode(self, gpu_uuid: str, mode: str) -> None:
+        check_compute_mode(mode)
+        if is_mig_uuid(gpu_uuid):
+            raise SharingNotSupported(f"compute mode on {gpu_uuid}: MIG devices have no compute mode")
+        self._smi(["-i", gpu_uuid, "-c", mode], f"setting compute mode {mode} on GPU {gpu_uuid}")
+
+    # -- MPS --
+    def _mps_env(
+        self, pipe_dir: str, log_dir: str | None = None, visible: Sequence[str] | None = None
+    ) -> dict[str, str]:
+        extra = {"CUDA_MPS_PIPE_DIRECTORY": pipe_dir}
+        if log_dir is not None:
+            extra["CUDA_MPS_LOG_DIRECTORY"] = log_dir
+        if visible is not None:
+            extra["CUDA_VISIBLE_DEVICES"] = ",".join(visible)
+        return self._env(extra)
+
+    def start_mps_daemon(self, spec: MpsDaemonSpec) -> None:
+        if self.mps_daemon_running(spec.pipe_dir):
+            raise SharingError(f"MPS daemon for {spec.pipe_dir}: already running")
+        argv = [self.mps_control, "-d"]
+        out_path = Path(spec.log_dir) / "control-start.out"
+        preexec = _private_shm(spec.shm_dir) if (self.isolate_shm and spec.shm_dir) else None
+        try:
+            # The daemon forks away and may keep inherited descriptors open: give it a file, not a pipe, or
+            # waiting for the starter would wait for the daemon.
+            with open(out_path, "wb") as out:
+                done = self.run(argv, env=self._mps_env(spec.pipe_dir, spec.log_dir, spec.visible_devices),
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                timeout=self.timeout_s, check=False, preexec_fn=preexec)
+        except (OSError, subprocess.SubprocessError) as err:
+            raise SharingError(f"MPS daemon for {spec.pipe_dir}: starting {' '.join(argv)} failed: {err}") from err
+        if done.returncode != 0:
+            output = out_path.read_text(errors="replace").strip() if out_path.exists() else ""
+            raise SharingError(f"MPS daemon for {spec.pipe_dir}: {' '.join(argv)} exited with {done.returncode}: "
+                               f"{output}")
+        deadline = time.monotonic() + self.timeout_s
+        while not self.mps_daemon_running(spec.pipe_dir):
+            if time.monotonic() > deadline:
+                raise SharingError(f"MPS daemon for {spec.pipe_dir}: did not come up (see {spec.log_dir})")
+            time.sleep(0.05)
+
+    def _daemon_pids(self, pipe_dir: str) -> list[int]:
+        """Processes that are an MPS control daemon (``... nvidia-cuda-mps-control -d``) for ``pipe_dir``."""
+        want = f"CUDA_MPS_PIPE_DIRECTORY={pipe_dir}".encode()
+        pids = []
+        for entry in self.proc_root.iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                if b"-d" not in argv or not any(os.path.basename(a) == MPS_CONTROL.encode() for a in argv):
+                    continue
+                if want not in (entry / "environ").read_bytes().split(b"\0"):
+                    continue
+            except OSError:
+                continue  # gone meanwhile, or not ours to read
+            pids.append(int(entry.name))
+        return pids
+
+    def mps_daemon_running(self, pipe_dir: str) -> bool:
+        return bool(self._daemon_pids(pipe_dir))
+
+    def mps_command(self, pipe_dir: str, command: str) -> str:
+        argv = [self.mps_control]
+        try:
+            done = self.run(argv, input=command + "\n", env=self._mps_env(pipe_dir), capture_output=True, text=True,
+                            timeout=self.timeout_s, check=False)
+        except (OSError, subprocess.SubprocessError) as err:
+            raise SharingError(f"MPS daemon for {pipe_dir}: command {command!r} failed: {err}") from err
+        if done.returncode != 0:
+            output = " ".join(f"{done.stdout or ''} {done.stderr or ''}".split())
+            raise SharingError(
+                f"MPS daemon for {pipe_dir}: command {command!r} exited with {done.returncode}: {output}")
+        return (done.stdout or "").strip()
+
+    def stop_mps_daemon(self, pipe_dir: str) -> None:
+        pids = self._daemon_pids(pipe_dir)
+        if not pids:
+            return
+        try:
+            self.mps_command(pipe_dir, "quit")
+        except SharingError as err:
+            log.warning("%s; sending signals instead", err)
+        for sig, wait_s in ((None, self.timeout_s), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            if sig is not None:
+                for pid in self._daemon_pids(pipe_dir):
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
+            deadline = time.monotonic() + wait_s
+            while self._daemon_pids(pipe_dir):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            else:
+                return
+        raise SharingError(f"MPS daemon for {pipe_dir}: still running after quit, SIGTERM and SIGKILL")
+
+
+# ----- simulated --------------------------------------------------------------------------------------------------
+@dataclass
+class SimulatedMpsDaemon:
+    spec: MpsDaemonSpec
+    alive: bool = True
+    active_thread_percentage: int | None = None
+    pinned_memory_limits: dict[str, str] = field(default_factory=dict)
+    commands: list[str] = field(default_factory=list)
+
+
+class SimulatedSharingControl(SharingControl):
+    """In-memory sharing state with the real rules; ``actions`` records what was done, in order.
+
+    gpus:                     known whole-GPU UUIDs (None: any ``GPU-...`` UUID is accepted)
+    time_slice_unsupported:   GPUs whose driver refuses time-slicing (e.g. older boards)
+    nvml:                     a FakeNvml to mirror compute-mode changes into, so NVML readers see them
+    """
+
+    def __init__(
+        self,
+        gpus: Sequence[str] | None = None,
+        *,
+        time_slice_unsupported: Sequence[str] = (),
+        nvml: Any = None,
+    ) -> None:
+        self._lock = threading.RLock()
+        self.gpus = set(gpus) if gpus is not None else (set(nvml.gpu_uuids) if nvml is not None else None)
+        self.time_slice_unsupported = set(time_slice_unsupported)
+        self.nvml = nvml
+        self.time_slices: dict[str, str] = {}
+        self.compute_modes: dict[str, str] = {}
+        self.daemons: dict[str, SimulatedMpsDaemon] = {}
+        self.actions: list[tuple[Any, ...]] = []
+
+    def _check_gpu(self, uuid: str, what: str) -> None:
+        if is_mig_uuid(uuid):
+            raise SharingNotSupported(f"{what} on {uuid}: MIG devices have no such setting")
+        if self.gpus is not None and uuid not in self.gpus:
+            raise SharingError(f"{what}: no GPU with UUID {uuid} on this node")
+
+    def _live_daemons_on(self, uuid: str) -> list[SimulatedMpsDaemon]:
+        return [d for d in self.daemons.values() if d.alive and uuid in d.spec.visible_devices]
+
+    def set_time_slice(self, gpu_uuid: str, interval: str) -> None:
+        with self._lock:
+            check_interval(interval)
+            self._check_gpu(gpu_uuid, "time-slice")
+            if gpu_uuid in self.time_slice_unsupported:
+                raise SharingNotSupported(f"setting time-slice {interval} on GPU {gpu_uuid}: not supported on this GPU")
+            self.time_slices[gpu_uuid] = interval
+            self.actions.append(("set_time_slice", gpu_uuid, interval))
+
+    def get_time_slice(self, gpu_uuid: str) -> str | None:
+        with self._lock:
+            return self.time_slices.get(gpu_uuid, "Default")
+
+    def compute_mode(self, gpu_uuid: str) -> str:
+        with self._lock:
+            return self.compute_modes.get(gpu_uuid, "DEFAULT")
+
+    def set_compute_mode(self, gpu_uuid: str, mode: str) -> None:
+        with self._lock:
+            check_compute_mode(mode)
+            self._check_gpu(gpu_uuid, "compute mode")
+            if mode != self.compute_mode(gpu_uuid) and self._live_daemons_on(gpu_uuid):
+                raise SharingError(f"setting compute mode {mode} on GPU {gpu_uuid}: an MPS daemon is running on it")
+            self.compute_modes[gpu_uuid] = mode
+            if self.nvml is not None:
+                handle = self.nvml.nvmlDeviceGetHandleByUUID(gpu_uuid)
+                self.nvml.nvmlDeviceSetComputeMode(handle, getattr(self.nvml, f"NVML_COMPUTEMODE_{mode}"))
+            self.actions.append(("set_compute_mode", gpu_uuid, mode))
+
+    def start_mps_daemon(self, spec: MpsDaemonSpec) -> None:
+        with self._lock:
+            current = self.daemons.get(spec.pipe_dir)
+            if current is not None and current.alive:
+                raise SharingError(f"MPS daemon for {spec.pipe_dir}: already running")
+            if not spec.visible_devices:
+                raise SharingError(f"MPS daemon for {spec.pipe_dir}: no devices to serve")
+            for uuid in spec.visible_devices:
+                if not is_mig_uuid(uuid):
+                    self._check_gpu(uuid, "MPS daemon")
+                others = [d for d in self._live_daemons_on(uuid) if d.spec.pipe_dir != spec.pipe_dir]
+                exclusive = not is_mig_uuid(uuid) and self.compute_mode(uuid) == "EXCLUSIVE_PROCESS"
+                if others and (exclusive or is_mig_uuid(uuid)):
+                    raise SharingError(f"MPS daemon for {spec.pipe_dir}: {uuid} is already served by the MPS daemon "
+                                       f"of {others[0].spec.pipe_dir}")
+            for directory in (spec.pipe_dir, spec.log_dir):
+                if not Path(directory).is_dir():
+                    raise SharingError(f"MPS daemon for {spec.pipe_dir}: directory {directory} does not exist")
+            self.daemons[spec.pipe_dir] = SimulatedMpsDaemon(spec=spec)
+            self.actions.append(("start_mps_daemon", spec.pipe_dir, spec.visible_devices))
+
+    def mps_daemon_running(self, pipe_dir: str) -> bool:
+        with self._lock:
+            daemon = self.daemons.get(pipe_dir)
+            return daemon is not None and daemon.alive
+
+    def mps_command(self, pipe_dir: str, command: str) -> str:
+        with self._lock:
+            daemon = self.daemons.get(pipe_dir)
+            if daemon is None or not daemon.alive:
+                raise SharingError(f"MPS daemon for {pipe_dir}: command {command!r}: no daemon is running")
+            words = command.split()
+            daemon.commands.append(command)
+            self.actions.append(("mps_command", pipe_dir, command))
+            if words == ["quit"]:
+                daemon.alive = False
+                return ""
+            if len(words) == 2 and words[0] == "set_default_active_thread_percentage":
+                if not words[1].isdigit() or not 1 <= int(words[1]) <= 100:
+                    raise SharingError(
+                        f"MPS daemon for {pipe_dir}: active thread percentage {words[1]!r} is not 1..100")
+                daemon.active_thread_percentage = int(words[1])
+                return words[1]
+            if len(words) == 3 and words[0] == "set_default_device_pinned_mem_limit":
+                device, limit = words[1], words[2]
+                if device not in daemon.spec.visible_devices:
+                    raise SharingError(f"MPS daemon for {pipe_dir}: device {device} is not served by this daemon")
+                if not (limit[:-1].isdigit() and limit[-1] in "MG"):
+                    raise SharingError(f"MPS daemon for {pipe_dir}: pinned memory limit {limit!r} must look like 4096M")
+                daemon.pinned_memory_limits[device] = limit
+                return ""
+            if words == ["get_server_list"]:
+                return ""
+            raise SharingError(f"MPS daemon for {pipe_dir}: unknown command {command!r}")
+
+    def stop_mps_daemon(self, pipe_dir: str) -> None:
+        with self._lock:
+            daemon = self.daemons.get(pipe_dir)
+            if daemon is None or not daemon.alive:
+                return
+            self.mps_command(pipe_dir, "quit")
+            self.actions.append(("stop_mps_daemon", pipe_dir))
+
+    # -- simulation controls --
+    def kill_mps_daemon(self, pipe_dir: str) -> None:
+        """The daemon dies without being asked (a crash)."""
+        with self._lock:
+            self.daemons[pipe_dir].alive = False
+            self.actions.append(("killed_mps_daemon", pipe_dir))

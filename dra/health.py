@@ -1,0 +1,359 @@
+"""Device health from NVML events, as device taints.
+
+The monitor registers XID, double-bit and single-bit ECC events on every GPU, waits for them in a stoppable
+loop and keeps the current taints of every published device:
+
+* An XID on a whole GPU (no GPU/compute instance in the event) taints every device of that GPU (the GPU,
+  its MIG devices, slots and shares); an XID naming a GPU instance (and compute instance) taints only the
+  MIG device(s) there.
+* Application-error XIDs (13, 31, 43, 45, 68, 109 and any configured extra) are informational: effect
+  ``None``. Every other XID, and double-bit ECC errors, get ``NoSchedule``. Single-bit ECC errors are
+  corrected by the hardware and only logged. The driver never uses NoExecute: eviction is the
+  administrator's call (DeviceTaintRule).
+* A lost GPU (``NVML_ERROR_GPU_IS_LOST``) taints all of its devices with ``<driver>/gpu-lost`` (NoSchedule).
+* A GPU whose events cannot be registered is tainted ``<driver>/unmonitored`` (None).
+
+Recovery: a lost GPU that answers again loses all its taints (it came back through a reset); XID and ECC
+taints disappear after ``quiet_period_s`` without a new event on the device (None: only ``recover``
+clears them). ``on_change`` receives the complete taint map (device name → wire-format taint dicts, empty
+for healthy devices) whenever it changes.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterable
+
+log = logging.getLogger(__name__)
+
+APPLICATION_XIDS: frozenset[int] = frozenset({13, 31, 43, 45, 68, 109})
+NO_INSTANCE = 0xFFFFFFFF          # gpuInstanceId / computeInstanceId of an event about the whole GPU
+EFFECT_NONE = "None"
+EFFECT_NO_SCHEDULE = "NoSchedule"
+_SEVERITY = {EFFECT_NONE: 0, EFFECT_NO_SCHEDULE: 1}
+
+TaintMap = dict[str, list[dict[str, str]]]
+
+
+@dataclass(frozen=True)
+class HealthDevice:
+    """A published device and where it lives: a whole-GPU device has no GI/CI."""
+
+    name: str
+    gpu_uuid: str
+    gi_id: int | None = None
+    ci_id: int | None = None
+
+
+@dataclass(frozen=True)
+class Taint:
+    key: str
+    value: str
+    effect: str
+    since: float          # wall-clock time the taint was first set (unix seconds)
+    last_seen: float      # monotonic time of the latest event behind it (for the quiet period)
+
+    def to_wire(self) -> dict[str, str]:
+        wire = {"key": self.key, "effect": self.effect}
+        if self.value:
+            wire["value"] = self.value
+        return wire
+
+
+class HealthMonitor:
+    """Turns NVML events into per-device taints. Thread-safe; ``run`` loops until stopped."""
+
+    def __init__(
+        self,
+        nvml: Any,
+        driver_name: str,
+        devices: Iterable[HealthDevice],
+        on_change: Callable[[TaintMap], None] | None = None,
+        *,
+        ignored_xids: Iterable[int] = (),
+        quiet_period_s: float | None = 300.0,
+        probe_interval_s: float = 10.0,
+        wait_timeout_ms: int = 5000,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.nvml = nvml
+        self.driver = driver_name
+        self.on_change = on_change
+        self.info_xids = APPLICATION_XIDS | frozenset(ignored_xids)
+        self.quiet_period_s = quiet_period_s
+        self.probe_interval_s = probe_interval_s
+        self.wait_timeout_ms = wait_timeout_ms
+        self._clock = clock
+        self._wall = wall_clock
+        self._lock = threading.RLock()
+        self._devices: dict[str, HealthDevice] = {}
+        self._taints: dict[str, dict[str, Taint]] = {}
+        self._event_set: Any = None
+        self._registered: set[str] = set()
+        self._lost: set[str] = set()
+        self._last_probe = float("-inf")
+        self._last_sent: TaintMap | None = None
+        self.set_devices(devices, notify=False)
+
+    # ----- keys ----------------------------------------------------------------------------------------------
+    @property
+    def xid_key(self) -> str:
+        return f"{self.driver}/xid"
+
+    @property
+    def ecc_key(self) -> str:
+        return f"{self.driver}/ecc"
+
+    @property
+    def lost_key(self) -> str:
+        return f"{self.driver}/gpu-lost"
+
+    @property
+    def unmonitored_key(self) -> str:
+        return f"{self.driver}/unmonitored"
+
+    # ----- device mapping ------------------------------------------------------------------------------------
+    def set_devices(self, devices: Iterable[HealthDevice], notify: bool = True) -> None:
+        """Replace the published devices (e.g. after a MIG device was created or a slice republished)."""
+        with self._lock:
+            self._devices = {d.name: d for d in devices}
+            self._taints = {name: taints for name, taints in self._taints.items() if name in self._devices}
+            for name, device in self._devices.items():
+                self._taints.setdefault(name, {})
+                if device.gpu_uuid in self._lost:
+                    self._set(name, self.lost_key, "", EFFECT_NO_SCHEDULE)
+            if self._event_set is not None:
+                self._register_all()
+        if notify:
+            self._notify()
+
+    def bind_mig(self, name: str, gpu_uuid: str, gi_id: int, ci_id: int) -> None:
+        """A dynamic MIG device now exists at GI/CI: route its events to it."""
+        with self._lock:
+            devices = dict(self._devices)
+        devices[name] = HealthDevice(name, gpu_uuid, gi_id, ci_id)
+        self.set_devices(devices.values())
+
+    def unbind_mig(self, name: str) -> None:
+        """The dynamic MIG device is gone; it stays published as an abstract placement on its GPU."""
+        with self._lock:
+            devices = dict(self._devices)
+            if name not in devices:
+                return
+            old = devices[name]
+            devices[name] = HealthDevice(name, old.gpu_uuid, None, None) if old.gi_id is not None else old
+            mig_taints = self._taints.get(name, {})
+            for key in (self.xid_key, self.ecc_key):
+                mig_taints.pop(key, None)  # they were about the destroyed instance
+        self.set_devices(devices.values())
+
+    def _affected(self, gpu_uuid: str, gi: int | None, ci: int | None) -> list[str]:
+        on_gpu = [d for d in self._devices.values() if d.gpu_uuid == gpu_uuid]
+        if gi is None:
+            return sorted(d.name for d in on_gpu)
+        return sorted(d.name for d in on_gpu
+                      if d.gi_id == gi and (ci is None or d.ci_id is None or d.ci_id == ci))
+
+    # ----- taints --------------------------------------------------------------------------------------------
+    def taints(self) -> TaintMap:
+        """Device name → wire-format taints (empty list for a healthy device)."""
+        with self._lock:
+            return {name: [t.to_wire() for _, t in sorted(self._taints.get(name, {}).items())]
+                    for name in sorted(self._devices)}
+
+    def _set(self, device: str, key: str, value: str, effect: str) -> None:
+        now = self._clock()
+        current = self._taints.setdefault(device, {}).get(key)
+        if current is not None and _SEVERITY[current.effect] > _SEVERITY[effect]:
+            # A harmless XID after a serious one must not make the device schedulable again.
+            self._taints[device][key] = replace(current, last_seen=now)
+            return
+        since = current.since if current is not None else self._wall()
+        self._taints[device][key] = Taint(key, value, effect, since, now)
+
+    def recover(self, gpu_uuid: str) -> None:
+        """Clear every taint of a GPU's devices (an operator confirmed it is healthy, or it was reset)."""
+        with self._lock:
+            self._lost.discard(gpu_uuid)
+            for device in self._devices.values():
+                if device.gpu_uuid == gpu_uuid:
+                    self._taints[device.name] = {}
+            self._registered.discard(gpu_uuid)
+            if self._event_set is not None:
+                self._register_gpu(gpu_uuid)
+        self._notify()
+
+    # ----- events --------------------------------------------------------------------------------------------
+    def _gpus(self) -> list[str]:
+        return sorted({d.gpu_uuid for d in self._devices.values()})
+
+    def start(self) -> None:
+        """Create the event set and register every GPU (idempotent)."""
+        with self._lock:
+            if self._event_set is None:
+                self._event_set = self.nvml.nvmlEventSetCreate()
+            self._register_all()
+        self._notify()
+
+    def _register_all(self) -> None:
+        for uuid in self._gpus():
+            if uuid not in self._registered and uuid not in self._lost:
+                self._register_gpu(uuid)
+
+    def _register_gpu(self, uuid: str) -> None:
+        nvml = self.nvml
+        wanted = (nvml.nvmlEventTypeXidCriticalError | nvml.nvmlEventTypeDoubleBitEccError
+                  | nvml.nvmlEventTypeSingleBitEccError)
+        names = [d.name for d in self._devices.values() if d.gpu_uuid == uuid]
+        try:
+            handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
+            mask = wanted & nvml.nvmlDeviceGetSupportedEventTypes(handle)
+            if not mask & nvml.nvmlEventTypeXidCriticalError:
+                raise nvml.NVMLError(nvml.NVML_ERROR_NOT_SUPPORTED)
+            nvml.nvmlDeviceRegisterEvents(handle, mask, self._event_set)
+        except nvml.NVMLError as err:
+            if getattr(err, "value", None) == nvml.NVML_ERROR_GPU_IS_LOST:
+                self._mark_lost(uuid)
+                return
+            log.warning("cannot register health events on GPU %s (%s): its devices are unmonitored", uuid, err)
+            for name in names:
+                self._set(name, self.unmonitored_key, "", EFFECT_NONE)
+            return
+        self._registered.add(uuid)
+        for name in names:
+            self._taints.setdefault(name, {}).pop(self.unmonitored_key, None)
+
+    def _mark_lost(self, uuid: str) -> None:
+        if uuid not in self._lost:
+            log.error("GPU %s is lost: tainting all of its devices", uuid)
+        self._lost.add(uuid)
+        self._registered.discard(uuid)
+        for name in self._affected(uuid, None, None):
+            self._set(name, self.lost_key, "", EFFECT_NO_SCHEDULE)
+
+    def _handle_event(self, data: Any) -> None:
+        nvml = self.nvml
+        try:
+            uuid = nvml.nvmlDeviceGetUUID(data.device)
+        except nvml.NVMLError as err:
+            log.warning("dropping an NVML event (type 0x%x, data %d) from a device that cannot be named: %s",
+                        data.eventType, data.eventData, err)
+            return
+        gi = None if data.gpuInstanceId == NO_INSTANCE else int(data.gpuInstanceId)
+        ci = None if gi is None or data.computeInstanceId == NO_INSTANCE else int(data.computeInstanceId)
+        where = f"GPU {uuid}" + (f" GI {gi}" if gi is not None else "") + (f" CI {ci}" if ci is not None else "")
+        if data.eventType & nvml.nvmlEventTypeXidCriticalError:
+            xid = int(data.eventData)
+            effect = EFFECT_NONE if xid in self.info_xids else EFFECT_NO_SCHEDULE
+            names = self._affected(uuid, gi, ci)
+            log.warning("XID %d on %s (effect %s) affects %s", xid, where, effect, ", ".join(names) or "no device")
+            for name in names:
+                self._set(name, self.xid_key, str(xid), effect)
+        elif data.eventType & nvml.nvmlEventTypeDoubleBitEccError:
+            names = self._affected(uuid, gi, ci)
+            log.error("double-bit ECC error on %s affects %s", where, ", ".join(names) or "no device")
+            for name in names:
+                self._set(name, self.ecc_key, "double-bit", EFFECT_NO_SCHEDULE)
+        elif data.eventType & nvml.nvmlEventTypeSingleBitEccError:
+            log.info("single-bit ECC error (corrected) on %s", where)
+
+    def _probe(self) -> list[str]:
+        """Find lost GPUs and recover the ones that answer again. Returns the GPUs now lost."""
+        nvml = self.nvml
+        lost = []
+        for uuid in self._gpus():
+            try:
+                handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
+                nvml.nvmlDeviceGetMemoryInfo(handle)
+            except nvml.NVMLError as err:
+                if getattr(err, "value", None) == nvml.NVML_ERROR_GPU_IS_LOST:
+                    lost.append(uuid)
+                    self._mark_lost(uuid)
+                continue
+            if uuid in self._lost:
+                log.info("GPU %s answers again: clearing its taints", uuid)
+                self._lost.discard(uuid)
+                for name in self._affected(uuid, None, None):
+                    self._taints[name] = {}
+                if self._event_set is not None:
+                    self._register_gpu(uuid)
+        self._last_probe = self._clock()
+        return lost
+
+    def _expire(self) -> None:
+        if self.quiet_period_s is None:
+            return
+        now = self._clock()
+        for name, taints in self._taints.items():
+            for key in (self.xid_key, self.ecc_key):
+                taint = taints.get(key)
+                if taint is not None and now - taint.last_seen >= self.quiet_period_s:
+                    log.info("device %s: no new %s event for %.0f s, removing the taint", name, key,
+                             self.quiet_period_s)
+                    del taints[key]
+
+    def poll_once(self, timeout_ms: int | None = None) -> bool:
+        """Wait for one event (or the timeout), then probe and expire. Returns whether the taints changed."""
+        if self._event_set is None:
+            self.start()
+        nvml = self.nvml
+        timeout = self.wait_timeout_ms if timeout_ms is None else timeout_ms
+        data = None
+        gpu_lost = False
+        try:
+            data = nvml.nvmlEventSetWait(self._event_set, timeout)
+        except nvml.NVMLError as err:
+            code = getattr(err, "value", None)
+            if code == nvml.NVML_ERROR_GPU_IS_LOST:
+                gpu_lost = True
+            elif code != nvml.NVML_ERROR_TIMEOUT:
+                log.warning("waiting for NVML events failed: %s", err)
+        with self._lock:
+            if data is not None:
+                self._handle_event(data)
+            if gpu_lost:
+                if not self._probe():
+                    # NVML did not say which GPU: without a culprit, every GPU is suspect.
+                    log.error("NVML reports a lost GPU but no GPU fails a probe: tainting all devices")
+                    for uuid in self._gpus():
+                        self._mark_lost(uuid)
+            elif self._clock() - self._last_probe >= self.probe_interval_s:
+                self._probe()
+            self._expire()
+        return self._notify()
+
+    def run(self, stop: threading.Event) -> None:
+        """Poll until ``stop`` is set; the wait timeout bounds how long stopping takes."""
+        self.start()
+        while not stop.is_set():
+            try:
+                self.poll_once()
+            except Exception:  # noqa: BLE001 - the monitor must survive one bad event
+                log.exception("health monitor round failed")
+                stop.wait(1.0)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._event_set is not None:
+                try:
+                    self.nvml.nvmlEventSetFree(self._event_set)
+                except self.nvml.NVMLError as err:
+                    log.warning("freeing the NVML event set failed: %s", err)
+                self._event_set = None
+                self._registered.clear()
+
+    def _notify(self) -> bool:
+        current = self.taints()
+        with self._lock:
+            if current == self._last_sent:
+                return False
+            self._last_sent = current
+        if self.on_change is not None:
+            try:
+                self.on_change(current)
+            except Exception:  # noqa: BLE001 - a failing consumer must not stop monitoring
+                log.exception("health change callback failed")
+        return True

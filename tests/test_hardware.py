@@ -1,0 +1,478 @@
+"""Hardware actions: MIG through (fake) NVML, sharing tools (simulated and real with stand-in programs),
+time-slice bookkeeping and the MPS supervisor."""
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pynvml
+import pytest
+
+from dra import hardware
+from dra.fakenvml import FakeNvml, SimulatedGpu
+from dra.hardware import (
+    MigError,
+    create_mig_device,
+    destroy_mig_device,
+    destroy_unknown_mig_devices,
+    disable_mig_mode_if_unused,
+    list_mig_devices,
+)
+from dra.hardware_sharing import MpsDevice, MpsSupervisor, TimeSliceApplied, TimeSlicing, mps_daemon_id
+from dra.hardware_tools import (
+    MpsDaemonSpec,
+    NvidiaSmiSharingControl,
+    SharingError,
+    SharingNotSupported,
+    SimulatedSharingControl,
+)
+
+H100 = "GPU-11111111-0000-4000-8000-000000000000"
+H100_B = "GPU-11111111-0000-4000-8000-000000000001"
+A100 = "GPU-a1000000-0000-4000-8000-000000000000"
+A100_MIG = "GPU-a1000000-0000-4000-8000-000000000001"
+
+# GPU-instance profile ids on 8-slice GPUs (nvidia-smi numbering).
+P_1G, P_1G_2SLICE, P_2G, P_3G, P_4G, P_7G = 19, 15, 14, 9, 5, 0
+
+
+@pytest.fixture
+def nvml() -> FakeNvml:
+    fake = FakeNvml([
+        SimulatedGpu(model="H100-80GB", uuid=H100, minor=0, pci_bus_id="00000000:18:00.0"),
+        SimulatedGpu(model="H100-80GB", uuid=H100_B, minor=1, pci_bus_id="00000000:28:00.0"),
+        SimulatedGpu(model="A100-40GB", uuid=A100, minor=2, pci_bus_id="00000000:38:00.0"),
+        SimulatedGpu(model="A100-40GB", uuid=A100_MIG, minor=3, pci_bus_id="00000000:48:00.0", mig_enabled=True),
+    ])
+    fake.nvmlInit()
+    return fake
+
+
+def mig_mode(nvml, uuid: str) -> list[int]:
+    return nvml.nvmlDeviceGetMigMode(nvml.nvmlDeviceGetHandleByUUID(uuid))
+
+
+# ----- MIG ----------------------------------------------------------------------------------------------------
+def test_create_on_hopper_enables_mig_and_places_exactly(nvml):
+    assert mig_mode(nvml, H100) == [0, 0]
+    live = create_mig_device(nvml, H100, P_2G, 4)
+    assert mig_mode(nvml, H100)[0] == 1
+    assert live.uuid.startswith("MIG-") and live.parent_uuid == H100
+    assert (live.profile_id, live.start) == (P_2G, 4)
+    (listed,) = list_mig_devices(nvml, H100)
+    assert listed == live
+    # The MIG device is visible through NVML under that UUID, at the GI/CI we returned.
+    mig = nvml.nvmlDeviceGetHandleByUUID(live.uuid)
+    assert nvml.nvmlDeviceGetGpuInstanceId(mig) == live.gi_id
+    assert nvml.nvmlDeviceGetComputeInstanceId(mig) == live.ci_id
+
+
+def test_compute_instance_spans_the_whole_gpu_instance(nvml):
+    live = create_mig_device(nvml, H100, P_7G, 0)
+    gi = nvml.nvmlDeviceGetGpuInstanceById(nvml.nvmlDeviceGetHandleByUUID(H100), live.gi_id)
+    for index in (pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE, pynvml.NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE):
+        assert nvml.nvmlGpuInstanceGetComputeInstanceRemainingCapacity(gi, index) == 0
+
+
+def test_ampere_with_mig_off_is_an_error_and_mode_untouched(nvml):
+    with pytest.raises(MigError, match="reset"):
+        create_mig_device(nvml, A100, P_1G, 0)
+    assert mig_mode(nvml, A100) == [0, 0]
+
+
+def test_ampere_with_mig_on_works_and_mode_is_never_turned_off(nvml):
+    live = create_mig_device(nvml, A100_MIG, P_3G, 4)
+    assert destroy_mig_device(nvml, A100_MIG, live.gi_id, live.ci_id) is True
+    assert disable_mig_mode_if_unused(nvml, A100_MIG) is False
+    assert mig_mode(nvml, A100_MIG) == [1, 1]
+
+
+def test_invalid_start_names_valid_ones(nvml):
+    with pytest.raises(MigError, match=r"valid: \[0, 4\]"):
+        create_mig_device(nvml, H100, P_3G, 2)
+
+
+def test_overlap_fails_cleanly_and_leaves_nothing_behind(nvml):
+    create_mig_device(nvml, H100, P_4G, 0)
+    with pytest.raises(MigError, match="overlap") as err:
+        create_mig_device(nvml, H100, P_2G, 2)
+    assert err.value.code == pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES
+    assert len(list_mig_devices(nvml, H100)) == 1
+
+
+class FailingCi:
+    """Wraps an NVML object; compute-instance creation fails."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def nvmlGpuInstanceCreateComputeInstance(self, gi, profile):
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
+
+
+def test_failure_after_gi_creation_rolls_back(nvml):
+    with pytest.raises(MigError, match="compute instance"):
+        create_mig_device(FailingCi(nvml), H100, P_1G, 3)
+    assert list_mig_devices(nvml, H100) == []
+
+
+def test_destroy_is_idempotent_and_guards_reused_ids(nvml):
+    live = create_mig_device(nvml, H100, P_1G, 0)
+    assert destroy_mig_device(nvml, H100, live.gi_id, live.ci_id, live.uuid) is True
+    assert destroy_mig_device(nvml, H100, live.gi_id, live.ci_id, live.uuid) is False
+    # Same placement again → same GI id, different MIG device: an old record must not destroy it.
+    again = create_mig_device(nvml, H100, P_1G, 0)
+    assert again.gi_id == live.gi_id and again.uuid != live.uuid
+    assert destroy_mig_device(nvml, H100, live.gi_id, live.ci_id, live.uuid) is False
+    assert list_mig_devices(nvml, H100) == [again]
+
+
+def test_destroy_on_gpu_with_mig_off_is_a_no_op(nvml):
+    assert destroy_mig_device(nvml, H100, 7, 0) is False
+
+
+def test_disable_mig_mode_when_last_device_is_gone_on_hopper(nvml):
+    live = create_mig_device(nvml, H100, P_1G, 1)
+    assert disable_mig_mode_if_unused(nvml, H100) is False  # still in use
+    destroy_mig_device(nvml, H100, live.gi_id, live.ci_id)
+    assert disable_mig_mode_if_unused(nvml, H100) is True
+    assert mig_mode(nvml, H100) == [0, 0]
+
+
+def test_destroy_unknown_keeps_claimed_devices_and_other_gpus(nvml):
+    keep = create_mig_device(nvml, H100, P_1G, 0)
+    stray1 = create_mig_device(nvml, H100, P_1G, 1)
+    stray2 = create_mig_device(nvml, H100, P_3G, 4)
+    # A GPU instance a crash left without a compute instance.
+    handle = nvml.nvmlDeviceGetHandleByUUID(H100)
+    placement = pynvml.c_nvmlGpuInstancePlacement_t(start=2, size=2)
+    nvml.nvmlDeviceCreateGpuInstanceWithPlacement(handle, P_2G, ctypes.byref(placement))
+    other_gpu = create_mig_device(nvml, A100_MIG, P_1G, 0)  # static MIG on another GPU: not ours
+    destroyed = destroy_unknown_mig_devices(nvml, {keep.key}, gpus=[H100])
+    assert {d.uuid for d in destroyed if d.uuid} == {stray1.uuid, stray2.uuid}
+    assert any(d.ci_id == -1 and d.start == 2 for d in destroyed)
+    assert list_mig_devices(nvml, H100) == [keep]
+    assert list_mig_devices(nvml, A100_MIG) == [other_gpu]
+
+
+def test_parallel_creates_on_one_gpu(nvml):
+    results: list = []
+    errors: list = []
+
+    def make(start: int) -> None:
+        try:
+            results.append(create_mig_device(nvml, H100, P_1G, start))
+        except Exception as err:  # noqa: BLE001
+            errors.append(err)
+
+    threads = [threading.Thread(target=make, args=(s,)) for s in range(7)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len({r.uuid for r in results}) == 7
+    assert sorted(r.start for r in results) == list(range(7))
+
+
+def test_only_real_pynvml_names_are_used():
+    """The modules must work with the real pynvml module, so every nvml.<name> must exist there."""
+    root = Path(hardware.__file__).parent
+    for module in ("hardware.py", "health.py"):
+        names = set(re.findall(r"\bnvml\.([A-Za-z_][A-Za-z0-9_]*)", (root / module).read_text()))
+        assert names, module
+        missing = sorted(n for n in names if not hasattr(pynvml, n))
+        assert missing == [], f"{module} uses names pynvml lacks: {missing}"
+
+
+# ----- simulated sharing control -----------------------------------------------------------------------------
+def test_simulated_time_slice_rules(nvml):
+    tools = SimulatedSharingControl(nvml=nvml, time_slice_unsupported=[H100_B])
+    tools.set_time_slice(H100, "Long")
+    assert tools.get_time_slice(H100) == "Long"
+    with pytest.raises(SharingNotSupported, match="not supported"):
+        tools.set_time_slice(H100_B, "Short")
+    with pytest.raises(SharingNotSupported, match="MIG"):
+        tools.set_time_slice("MIG-1234", "Short")
+    with pytest.raises(SharingError, match="interval"):
+        tools.set_time_slice(H100, "Forever")
+    with pytest.raises(SharingError, match="no GPU"):
+        tools.set_time_slice("GPU-unknown", "Short")
+
+
+def test_simulated_compute_mode_is_mirrored_into_nvml(nvml):
+    tools = SimulatedSharingControl(nvml=nvml)
+    tools.set_compute_mode(H100, "EXCLUSIVE_PROCESS")
+    mode = nvml.nvmlDeviceGetComputeMode(nvml.nvmlDeviceGetHandleByUUID(H100))
+    assert mode == pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
+
+
+def test_simulated_mps_rules(tmp_path, nvml):
+    tools = SimulatedSharingControl(nvml=nvml)
+    dirs = [tmp_path / n for n in ("p1", "l1", "p2", "l2")]
+    for d in dirs:
+        d.mkdir()
+    spec1 = MpsDaemonSpec(str(dirs[0]), str(dirs[1]), (H100,))
+    spec2 = MpsDaemonSpec(str(dirs[2]), str(dirs[3]), (H100,))
+    tools.set_compute_mode(H100, "EXCLUSIVE_PROCESS")
+    tools.start_mps_daemon(spec1)
+    with pytest.raises(SharingError, match="already running"):
+        tools.start_mps_daemon(spec1)
+    with pytest.raises(SharingError, match="already served"):
+        tools.start_mps_daemon(spec2)  # exclusive-process GPU: one MPS server
+    with pytest.raises(SharingError, match="MPS daemon is running"):
+        tools.set_compute_mode(H100, "DEFAULT")
+    with pytest.raises(SharingError, match="not served"):
+        tools.mps_command(spec1.pipe_dir, f"set_default_device_pinned_mem_limit {H100_B} 100M")
+    tools.stop_mps_daemon(spec1.pipe_dir)
+    tools.stop_mps_daemon(spec1.pipe_dir)
+    tools.set_compute_mode(H100, "DEFAULT")
+    tools.start_mps_daemon(spec1)
+    tools.start_mps_daemon(spec2)  # DEFAULT mode: daemons of different claims may share the GPU
+    with pytest.raises(SharingError, match="no daemon"):
+        tools.mps_command(str(tmp_path / "nowhere"), "get_server_list")
+
+
+# ----- time-slicing bookkeeping -------------------------------------------------------------------------------
+def test_time_slicing_shared_gpu_lifecycle(nvml):
+    tools = SimulatedSharingControl(nvml=nvml)
+    ts = TimeSlicing(tools)
+    a = ts.apply("claim-a", [H100], "Medium")
+    assert a == TimeSliceApplied((H100,), "Medium", "Default")
+    b = ts.apply("claim-b", [H100], "Medium")  # joins: no second hardware call
+    assert [x for x in tools.actions if x[0] == "set_time_slice"] == [("set_time_slice", H100, "Medium")]
+    with pytest.raises(SharingError, match="claim-a|claim-b"):
+        ts.apply("claim-c", [H100], "Long")
+    ts.release("claim-a", a)
+    assert tools.get_time_slice(H100) == "Medium"  # claim-b still holds it
+    ts.release("claim-b", b)
+    assert tools.get_time_slice(H100) == "Default"
+
+
+def test_time_slicing_partial_failure_is_rolled_back(nvml):
+    tools = SimulatedSharingControl(nvml=nvml, time_slice_unsupported=[H100_B])
+    ts = TimeSlicing(tools)
+    with pytest.raises(SharingNotSupported):
+        ts.apply("claim-a", [H100, H100_B], "Short")
+    assert tools.get_time_slice(H100) == "Default"
+    assert ts.holders(H100) == {} and ts.holders(H100_B) == {}
+    with pytest.raises(SharingNotSupported, match="whole GPUs"):
+        ts.apply("claim-a", ["MIG-abc"], "Short")
+
+
+def test_time_slicing_adopt_after_restart(nvml):
+    tools = SimulatedSharingControl(nvml=nvml)
+    tools.set_time_slice(H100, "Long")
+    ts = TimeSlicing(tools)
+    applied = TimeSliceApplied((H100,), "Long", "Default")
+    ts.adopt("claim-a", applied)
+    with pytest.raises(SharingError):
+        ts.apply("claim-b", [H100], "Short")
+    ts.release("claim-a", applied)
+    assert tools.get_time_slice(H100) == "Default"
+
+
+# ----- MPS supervisor -----------------------------------------------------------------------------------------
+def test_mps_supervisor_start_limits_restart_stop(tmp_path, nvml):
+    tools = SimulatedSharingControl(nvml=nvml)
+    sup = MpsSupervisor(tools, tmp_path / "state")
+    daemon = sup.start("claim-a", [MpsDevice(H100, exclusive=True)], active_thread_percentage=50,
+                       pinned_memory_limit_mib={H100: 8192})
+    assert daemon.daemon_id == mps_daemon_id("claim-a", [H100])
+    assert Path(daemon.pipe_dir).is_dir() and Path(daemon.shm_dir).is_dir()
+    assert Path(daemon.pipe_dir).parent == tmp_path / "state" / "mps" / daemon.daemon_id
+    assert tools.compute_mode(H100) == "EXCLUSIVE_PROCESS"
+    sim = tools.daemons[daemon.pipe_dir]
+    assert sim.spec.visible_devices == (H100,)
+    assert sim.active_thread_percentage == 50 and sim.pinned_memory_limits == {H100: "8192M"}
+    assert sup.start("claim-a", [MpsDevice(H100, exclusive=True)]) is daemon  # idempotent
+    assert sup.supervise() == []
+    tools.kill_mps_daemon(daemon.pipe_dir)
+    assert sup.supervise() == [daemon.daemon_id]
+    assert tools.mps_daemon_running(daemon.pipe_dir)
+    assert tools.daemons[daemon.pipe_dir].pinned_memory_limits == {H100: "8192M"}  # limits re-applied
+    sup.stop(daemon)
+    sup.stop(daemon.daemon_id)
+    assert not tools.mps_daemon_running(daemon.pipe_dir)
+    assert tools.compute_mode(H100) == "DEFAULT"
+    assert not (tmp_path / "state" / "mps" / daemon.daemon_id).exists()
+
+
+def test_mps_on_mig_devices_and_shared_gpus(tmp_path, nvml):
+    tools = SimulatedSharingControl(nvml=nvml)
+    sup = MpsSupervisor(tools, tmp_path)
+    mig = create_mig_device(nvml, H100_B, P_3G, 0)
+    d1 = sup.start("claim-mig", [MpsDevice(mig.uuid)], pinned_memory_limit_mib={mig.uuid: 1024})
+    assert tools.daemons[d1.pipe_dir].spec.visible_devices == (mig.uuid,)
+    assert d1.compute_mode_set == ()
+    s1 = sup.start("slot-1", [MpsDevice(H100)], active_thread_percentage=25)
+    s2 = sup.start("slot-2", [MpsDevice(H100)], active_thread_percentage=75)
+    assert tools.compute_mode(H100) == "DEFAULT"
+    assert tools.mps_daemon_running(s1.pipe_dir) and tools.mps_daemon_running(s2.pipe_dir)
+
+
+def test_mps_start_failure_undoes_everything(tmp_path, nvml):
+    tools = SimulatedSharingControl(nvml=nvml)
+    sup = MpsSupervisor(tools, tmp_path)
+    sup.start("claim-a", [MpsDevice(H100, exclusive=True)])
+    with pytest.raises(SharingError, match="already served"):
+        sup.start("claim-b", [MpsDevice(H100_B, exclusive=True), MpsDevice(H100)])
+    assert tools.compute_mode(H100_B) == "DEFAULT"
+    assert list(sup.daemons()) == [mps_daemon_id("claim-a", [H100])]
+    assert sorted(p.name for p in (tmp_path / "mps").iterdir()) == [mps_daemon_id("claim-a", [H100])]
+    with pytest.raises(SharingError, match="does not serve"):
+        sup.start("claim-c", [MpsDevice(H100_B)], pinned_memory_limit_mib={H100: 1})
+    with pytest.raises(SharingError, match="1..100"):
+        sup.start("claim-c", [MpsDevice(H100_B)], active_thread_percentage=0)
+
+
+def test_mps_adopt_restarts_a_daemon_lost_with_the_plugin(tmp_path, nvml):
+    before = MpsSupervisor(SimulatedSharingControl(nvml=nvml), tmp_path)
+    record = before.start("claim-a", [MpsDevice(H100_B)], active_thread_percentage=40)
+    tools = SimulatedSharingControl(nvml=nvml)   # a new plugin process: no daemons run
+    after = MpsSupervisor(tools, tmp_path)
+    after.adopt(record)
+    assert after.supervise() == [record.daemon_id]
+    assert tools.daemons[record.pipe_dir].active_thread_percentage == 40
+
+
+def test_mps_supervisor_run_loop_stops(tmp_path, nvml):
+    tools = SimulatedSharingControl(nvml=nvml)
+    sup = MpsSupervisor(tools, tmp_path)
+    daemon = sup.start("claim-a", [MpsDevice(H100)])
+    stop = threading.Event()
+    thread = threading.Thread(target=sup.run, args=(stop, 0.01))
+    thread.start()
+    tools.kill_mps_daemon(daemon.pipe_dir)
+    deadline = time.monotonic() + 5
+    while not tools.mps_daemon_running(daemon.pipe_dir) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stop.set()
+    thread.join(5)
+    assert not thread.is_alive()
+    assert sup.restarts[daemon.daemon_id] >= 1
+
+
+# ----- real sharing control with stand-in programs --------------------------------------------------------------
+FAKE_SMI = """#!{python}
+import os, sys
+with open(os.environ["FAKE_LOG"], "a") as log:
+    log.write(" ".join(sys.argv[1:]) + "\\n")
+if os.environ.get("FAKE_UNSUPPORTED", "") in sys.argv:
+    print("Setting compute policy is Not Supported for GPU", os.environ["FAKE_UNSUPPORTED"])
+    sys.exit(3)
+if "--set-timeslice" in sys.argv and sys.argv[-1] not in "0123":
+    print("Invalid value"); sys.exit(2)
+"""
+
+FAKE_MPS = """#!{python}
+import os, signal, sys, time
+pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
+if sys.argv[1:] == ["-d"]:
+    if os.fork() == 0:
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        with open(os.path.join(pipe, "daemon.pid"), "w") as f:
+            f.write(str(os.getpid()))
+        with open(os.path.join(pipe, "daemon.env"), "w") as f:
+            f.write(os.environ.get("CUDA_VISIBLE_DEVICES", "") + " " + os.environ.get("CUDA_MPS_LOG_DIRECTORY", ""))
+        while True:
+            time.sleep(0.05)
+    sys.exit(0)
+line = sys.stdin.read().strip()
+with open(os.path.join(pipe, "commands.log"), "a") as f:
+    f.write(line + "\\n")
+if line == "quit":
+    os.kill(int(open(os.path.join(pipe, "daemon.pid")).read()), signal.SIGTERM)
+print("ok")
+"""
+
+
+@pytest.fixture
+def programs(tmp_path: Path):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for name, text in (("nvidia-smi", FAKE_SMI), ("nvidia-cuda-mps-control", FAKE_MPS)):
+        path = bindir / name
+        path.write_text(text.format(python=sys.executable))
+        path.chmod(0o755)
+    return bindir
+
+
+def real_tools(programs: Path, tmp_path: Path, **env) -> NvidiaSmiSharingControl:
+    env = {"FAKE_LOG": str(tmp_path / "smi.log"), **env}
+    return NvidiaSmiSharingControl(str(programs / "nvidia-smi"), str(programs / "nvidia-cuda-mps-control"), env=env,
+                                   timeout_s=10, isolate_shm=False)
+
+
+def test_real_tools_run_nvidia_smi_with_exact_arguments(programs, tmp_path):
+    tools = real_tools(programs, tmp_path, FAKE_UNSUPPORTED="GPU-old")
+    tools.set_time_slice(H100, "Medium")
+    tools.set_compute_mode(H100, "EXCLUSIVE_PROCESS")
+    tools.set_compute_mode(H100, "DEFAULT")
+    assert (tmp_path / "smi.log").read_text().splitlines() == [
+        f"compute-policy -i {H100} --set-timeslice 2",
+        f"-i {H100} -c EXCLUSIVE_PROCESS",
+        f"-i {H100} -c DEFAULT",
+    ]
+    assert tools.get_time_slice(H100) == "Medium"
+    with pytest.raises(SharingNotSupported, match="GPU-old"):
+        tools.set_time_slice("GPU-old", "Short")
+    with pytest.raises(SharingNotSupported):
+        tools.set_compute_mode("MIG-x", "DEFAULT")
+    with pytest.raises(SharingError, match="interval"):
+        tools.set_time_slice(H100, "Sometimes")
+
+
+def test_real_tools_report_a_missing_program(tmp_path):
+    tools = NvidiaSmiSharingControl(str(tmp_path / "absent-smi"), timeout_s=5)
+    with pytest.raises(SharingError, match="absent-smi"):
+        tools.set_compute_mode(H100, "DEFAULT")
+
+
+def test_real_tools_mps_daemon_lifecycle(programs, tmp_path):
+    tools = real_tools(programs, tmp_path)
+    pipe, logs = tmp_path / "pipe", tmp_path / "log"
+    pipe.mkdir()
+    logs.mkdir()
+    spec = MpsDaemonSpec(str(pipe), str(logs), (H100, "MIG-abc"))
+    try:
+        tools.start_mps_daemon(spec)
+        assert tools.mps_daemon_running(str(pipe))
+        assert not tools.mps_daemon_running(str(tmp_path / "other"))
+        assert (pipe / "daemon.env").read_text() == f"{H100},MIG-abc {logs}"
+        with pytest.raises(SharingError, match="already running"):
+            tools.start_mps_daemon(spec)
+        assert tools.mps_command(str(pipe), "set_default_active_thread_percentage 30") == "ok"
+        tools.stop_mps_daemon(str(pipe))
+        assert not tools.mps_daemon_running(str(pipe))
+        assert (pipe / "commands.log").read_text().splitlines() == ["set_default_active_thread_percentage 30", "quit"]
+        tools.stop_mps_daemon(str(pipe))  # not running: fine
+    finally:
+        pid_file = pipe / "daemon.pid"
+        if pid_file.exists():
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_real_tools_from_driver_root(tmp_path):
+    from fixtures.fake_driver_root import build_fake_driver_root
+
+    tree = build_fake_driver_root(tmp_path / "host")
+    tools = NvidiaSmiSharingControl.from_driver_root(tree.driver_root())
+    assert tools.nvidia_smi == str(tree.root / "usr/bin/nvidia-smi")
+    assert tools.mps_control == str(tree.root / "usr/bin/nvidia-cuda-mps-control")
+    assert tools.extra_env["LD_LIBRARY_PATH"] == str(tree.root / "usr/lib/x86_64-linux-gnu")

@@ -1,0 +1,263 @@
+"""Health monitor: NVML events → device taints, with the fake NVML."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pynvml
+import pytest
+
+from dra.fakenvml import FakeNvml, SimulatedGpu
+from dra.hardware import create_mig_device
+from dra.health import HealthDevice, HealthMonitor
+
+GPU0 = "GPU-00000000-0000-4000-8000-00000000aaaa"
+GPU1 = "GPU-00000000-0000-4000-8000-00000000bbbb"
+DRIVER = "gpu.dra-driver.io"
+
+
+@pytest.fixture
+def nvml() -> FakeNvml:
+    fake = FakeNvml([
+        SimulatedGpu(model="H100-80GB", uuid=GPU0, minor=0, pci_bus_id="00000000:18:00.0", mig_enabled=True),
+        SimulatedGpu(model="L4", uuid=GPU1, minor=1, pci_bus_id="00000000:28:00.0"),
+    ])
+    fake.nvmlInit()
+    return fake
+
+
+DEVICES = [
+    HealthDevice("gpu-0-mig-1g10gb-19-0", GPU0, gi_id=7, ci_id=0),
+    HealthDevice("gpu-0-mig-1g10gb-19-1", GPU0, gi_id=8, ci_id=0),
+    HealthDevice("gpu-1", GPU1),
+    HealthDevice("gpu-1-slot-0", GPU1),
+]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def monitor(nvml, changes: list, **kwargs) -> HealthMonitor:
+    kwargs.setdefault("probe_interval_s", 0.0)
+    m = HealthMonitor(nvml, DRIVER, DEVICES, changes.append, wait_timeout_ms=50, **kwargs)
+    m.start()
+    return m
+
+
+def keys(taints: list[dict]) -> list[tuple]:
+    return [(t["key"], t.get("value"), t["effect"]) for t in taints]
+
+
+def test_starts_healthy_and_reports_full_map(nvml):
+    changes: list = []
+    m = monitor(nvml, changes)
+    assert changes == [{d.name: [] for d in DEVICES}]
+    assert m.poll_once(10) is False  # nothing new: no second notification
+    assert len(changes) == 1
+
+
+def test_fatal_xid_on_whole_gpu_taints_all_its_devices(nvml):
+    changes: list = []
+    m = monitor(nvml, changes)
+    nvml.inject_xid(GPU1, 79)
+    assert m.poll_once() is True
+    latest = changes[-1]
+    assert keys(latest["gpu-1"]) == [(f"{DRIVER}/xid", "79", "NoSchedule")]
+    assert keys(latest["gpu-1-slot-0"]) == [(f"{DRIVER}/xid", "79", "NoSchedule")]
+    assert latest["gpu-0-mig-1g10gb-19-0"] == [] and latest["gpu-0-mig-1g10gb-19-1"] == []
+
+
+def test_application_xid_is_informational(nvml):
+    changes: list = []
+    m = monitor(nvml, changes)
+    nvml.inject_xid(GPU1, 13)
+    m.poll_once()
+    assert keys(m.taints()["gpu-1"]) == [(f"{DRIVER}/xid", "13", "None")]
+
+
+def test_configured_extra_xid_is_informational(nvml):
+    m = monitor(nvml, [], ignored_xids=[94])
+    nvml.inject_xid(GPU1, 94)
+    m.poll_once()
+    assert m.taints()["gpu-1"][0]["effect"] == "None"
+
+
+def test_later_harmless_xid_does_not_clear_a_fatal_one(nvml):
+    m = monitor(nvml, [])
+    nvml.inject_xid(GPU1, 48)
+    m.poll_once()
+    nvml.inject_xid(GPU1, 31)
+    m.poll_once()
+    assert keys(m.taints()["gpu-1"]) == [(f"{DRIVER}/xid", "48", "NoSchedule")]
+
+
+def test_mig_scoped_xid_taints_only_that_partition(nvml):
+    m = monitor(nvml, [])
+    nvml.inject_xid(GPU0, 43, gi=8, ci=0)
+    m.poll_once()
+    taints = m.taints()
+    assert keys(taints["gpu-0-mig-1g10gb-19-1"]) == [(f"{DRIVER}/xid", "43", "None")]
+    assert taints["gpu-0-mig-1g10gb-19-0"] == []
+    nvml.inject_xid(GPU0, 94, gi=3)  # a GI no published device lives in: nobody is tainted
+    m.poll_once()
+    assert m.taints()["gpu-0-mig-1g10gb-19-0"] == []
+
+
+def test_gpu_lost_and_recovered(nvml):
+    changes: list = []
+    m = monitor(nvml, changes)
+    nvml.inject_xid(GPU1, 79)
+    m.poll_once()
+    nvml.lose_gpu(GPU1)
+    m.poll_once()
+    taints = m.taints()
+    assert (f"{DRIVER}/gpu-lost", None, "NoSchedule") in keys(taints["gpu-1"])
+    assert (f"{DRIVER}/gpu-lost", None, "NoSchedule") in keys(taints["gpu-1-slot-0"])
+    assert taints["gpu-0-mig-1g10gb-19-0"] == []
+    m.poll_once(10)
+    assert (f"{DRIVER}/gpu-lost", None, "NoSchedule") in keys(m.taints()["gpu-1"])  # still lost
+    nvml.recover_gpu(GPU1)
+    assert m.poll_once(10) is True
+    assert m.taints()["gpu-1"] == [] and m.taints()["gpu-1-slot-0"] == []
+    # Events flow again after recovery.
+    nvml.inject_xid(GPU1, 62)
+    m.poll_once()
+    assert keys(m.taints()["gpu-1"]) == [(f"{DRIVER}/xid", "62", "NoSchedule")]
+
+
+def test_quiet_period_removes_xid_taints(nvml):
+    clock = Clock()
+    m = monitor(nvml, [], quiet_period_s=60, clock=clock)
+    nvml.inject_xid(GPU1, 79)
+    m.poll_once()
+    clock.now += 59
+    nvml.inject_xid(GPU1, 79)  # a repeat restarts the quiet period
+    m.poll_once()
+    clock.now += 30
+    m.poll_once(1)
+    assert m.taints()["gpu-1"] != []
+    clock.now += 31
+    assert m.poll_once(1) is True
+    assert m.taints()["gpu-1"] == []
+
+
+def test_no_quiet_period_keeps_taints_until_recover(nvml):
+    clock = Clock()
+    m = monitor(nvml, [], quiet_period_s=None, clock=clock)
+    nvml.inject_xid(GPU1, 79)
+    m.poll_once()
+    clock.now += 10_000
+    m.poll_once(1)
+    assert m.taints()["gpu-1"] != []
+    m.recover(GPU1)
+    assert m.taints()["gpu-1"] == []
+
+
+class PickyNvml:
+    """FakeNvml whose second GPU offers no XID events."""
+
+    def __init__(self, inner: FakeNvml):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def nvmlDeviceGetSupportedEventTypes(self, handle):
+        if self._inner.nvmlDeviceGetUUID(handle) == GPU1:
+            return pynvml.nvmlEventTypeSingleBitEccError
+        return self._inner.nvmlDeviceGetSupportedEventTypes(handle)
+
+
+def test_gpu_without_events_is_unmonitored(nvml):
+    m = HealthMonitor(PickyNvml(nvml), DRIVER, DEVICES, wait_timeout_ms=10)
+    m.start()
+    assert keys(m.taints()["gpu-1"]) == [(f"{DRIVER}/unmonitored", None, "None")]
+    assert m.taints()["gpu-0-mig-1g10gb-19-0"] == []
+
+
+class DbeNvml:
+    """FakeNvml that delivers one double-bit ECC event on GPU0's GI 7."""
+
+    def __init__(self, inner: FakeNvml):
+        self._inner = inner
+        self.sent = False
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def nvmlEventSetWait(self, event_set, timeout_ms):
+        if self.sent:
+            return self._inner.nvmlEventSetWait(event_set, timeout_ms)
+        self.sent = True
+        data = pynvml.c_nvmlEventData_t()
+        data.device = self._inner.nvmlDeviceGetHandleByUUID(GPU0)
+        data.eventType = pynvml.nvmlEventTypeDoubleBitEccError
+        data.eventData = 0
+        data.gpuInstanceId = 7
+        data.computeInstanceId = 0xFFFFFFFF
+        return data
+
+
+def test_double_bit_ecc_taints_no_schedule(nvml):
+    m = HealthMonitor(DbeNvml(nvml), DRIVER, DEVICES, wait_timeout_ms=10, probe_interval_s=0)
+    m.start()
+    m.poll_once()
+    assert keys(m.taints()["gpu-0-mig-1g10gb-19-0"]) == [(f"{DRIVER}/ecc", "double-bit", "NoSchedule")]
+    assert m.taints()["gpu-0-mig-1g10gb-19-1"] == []
+
+
+def test_dynamic_mig_binding(nvml):
+    devices = [HealthDevice("gpu-1", GPU1), HealthDevice("gpu-0", GPU0),
+               HealthDevice("gpu-0-mig-3g40gb-9-4", GPU0)]
+    m = HealthMonitor(nvml, DRIVER, devices, wait_timeout_ms=50, probe_interval_s=0)
+    m.start()
+    live = create_mig_device(nvml, GPU0, 9, 4)
+    m.bind_mig("gpu-0-mig-3g40gb-9-4", GPU0, live.gi_id, live.ci_id)
+    nvml.inject_xid(GPU0, 45, gi=live.gi_id, ci=live.ci_id)
+    m.poll_once()
+    assert keys(m.taints()["gpu-0-mig-3g40gb-9-4"]) == [(f"{DRIVER}/xid", "45", "None")]
+    assert m.taints()["gpu-0"] == []
+    m.unbind_mig("gpu-0-mig-3g40gb-9-4")
+    assert m.taints()["gpu-0-mig-3g40gb-9-4"] == []
+    nvml.inject_xid(GPU0, 79)  # whole-GPU XID still reaches the abstract placement device
+    m.poll_once()
+    assert m.taints()["gpu-0-mig-3g40gb-9-4"][0]["value"] == "79"
+
+
+def test_run_loop_notifies_and_stops(nvml):
+    got = threading.Event()
+    seen: list = []
+
+    def on_change(taints):
+        seen.append(taints)
+        if taints["gpu-1"]:
+            got.set()
+
+    m = HealthMonitor(nvml, DRIVER, DEVICES, on_change, wait_timeout_ms=50)
+    stop = threading.Event()
+    thread = threading.Thread(target=m.run, args=(stop,))
+    thread.start()
+    time.sleep(0.1)
+    nvml.inject_xid(GPU1, 79)
+    assert got.wait(5)
+    stop.set()
+    thread.join(5)
+    assert not thread.is_alive()
+    m.close()
+    assert seen[-1]["gpu-1"][0]["key"] == f"{DRIVER}/xid"
+
+
+def test_failing_callback_does_not_stop_monitoring(nvml):
+    def broken(_):
+        raise RuntimeError("consumer bug")
+
+    m = HealthMonitor(nvml, DRIVER, DEVICES, broken, wait_timeout_ms=50, probe_interval_s=0)
+    m.start()
+    nvml.inject_xid(GPU1, 79)
+    assert m.poll_once() is True
+    assert m.taints()["gpu-1"] != []
