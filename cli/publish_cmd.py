@@ -1,0 +1,192 @@
+"""`gpu-dra publish`: publish the ResourceSlices of every node of a simulated fleet and keep them exact.
+
+Each node's GPUs come from its simulated NVML library, through the same inventory, device-model and slice code
+as on a real node; one ResourceSlice controller serves all the fleet's pools. It owns every slice of the driver
+in the cluster: pools of nodes that are not in the fleet are deleted, so do not run it next to kubelet plugins
+of the same driver. Without --once it keeps running, restores slices changed by others and re-publishes when
+the fleet file changes.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
+
+log = logging.getLogger("gpu-dra.publish")
+PROG = "gpu-dra publish"
+SIMULATED_LABEL = "gpu.dra-driver.io/simulated"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--fleet", required=True, metavar="FILE", help="fleet file with the simulated nodes")
+    parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then $KUBECONFIG / ~/.kube/config)")
+    parser.add_argument("--driver-name", default=None, metavar="NAME",
+                        help=f"DRA driver name (default {DEFAULT_DRIVER_NAME}, or {NVIDIA_DRIVER_NAME} with --compat-nvidia)")
+    parser.add_argument("--compat-nvidia", action="store_true", help=f"publish as {NVIDIA_DRIVER_NAME}")
+    parser.add_argument("--once", action="store_true", help="bring the slices in line once (with retries), then exit")
+    parser.add_argument("--create-nodes", action="store_true",
+                        help="register missing fleet nodes as simulated Node objects (Ready, no kubelet)")
+    parser.add_argument("--sync-delay", type=float, default=5.0,
+                        help="seconds between noticing a foreign change and repairing it (default 5)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="--once: give up after this many seconds")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="serve /healthz and /metrics on this port (default: not served)")
+    parser.add_argument("--metrics-address", default="0.0.0.0", help="address for /healthz and /metrics")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def desired_fleet_pools(fleet: Any, fleet_path: str, driver: str, features: Any) -> dict[str, Any]:
+    """node name -> DesiredPool for every node of the fleet (simulated NVML -> inventory -> slices)."""
+    from controller.resourceslices import DesiredPool
+    from dra.fleet import nvml_for_node
+    from dra.inventory import discover
+    from dra.policy import parse_node_policy
+    from dra.slices import plan_pool
+
+    pools = {}
+    for node in fleet.nodes:
+        policy = parse_node_policy(node.policy, source=f"{fleet_path}: node {node.name}: policy")
+        nvml = nvml_for_node(node)
+        nvml.nvmlInit()
+        try:
+            inventory = discover(nvml)
+        finally:
+            nvml.nvmlShutdown()
+        plan = plan_pool(inventory, policy, driver, node.name, features)
+        for warning in plan.warnings:
+            log.warning("node %s: %s", node.name, warning)
+        for note in plan.notes:
+            log.warning("node %s: %s", node.name, note)
+        pools[node.name] = DesiredPool.from_slice_specs(plan.slices, node.name)
+    return pools
+
+
+def missing_nodes(api: Any, names: list[str]) -> list[str]:
+    from controller.kubeapi import NODES, KubeApi
+
+    existing = {n["metadata"]["name"] for n in KubeApi(api).list(NODES)["items"]}
+    return [n for n in names if n not in existing]
+
+
+def register_missing_nodes(api: Any, names: list[str]) -> list[str]:
+    """Creates simulated Node objects for the names that have none; returns the names created."""
+    from cli.localcluster import simulated_node
+    from controller.kubeapi import NODES, ApiError, KubeApi
+
+    kube = KubeApi(api)
+    created = []
+    for name in missing_nodes(api, names):
+        try:
+            node = kube.create(NODES, simulated_node(name, {SIMULATED_LABEL: "true"}))
+        except ApiError as exc:
+            if exc.conflict:
+                continue
+            raise
+        if node.get("spec", {}).get("taints"):
+            kube.request("PATCH", f"{NODES}/{name}", body={"spec": {"taints": None}},
+                         content_type="application/merge-patch+json")
+        created.append(name)
+    return created
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from controller.connect import ConnectError, api_client_from
+    from controller.kubeapi import ApiError, ApiUnavailable
+    from controller.resourceslices import InvalidPoolError, Owner, PoolSyncError, ResourceSliceController
+    from controller.serverversion import api_features
+    from dra.devices import DeviceModelError
+    from dra.fleet import FleetError, load_fleet
+    from dra.policy import PolicyError
+
+    if args.compat_nvidia and args.driver_name and args.driver_name != NVIDIA_DRIVER_NAME:
+        print(f"{PROG}: --compat-nvidia publishes as {NVIDIA_DRIVER_NAME}; it cannot be combined with "
+              f"--driver-name {args.driver_name}", file=sys.stderr)
+        return 2
+    driver = NVIDIA_DRIVER_NAME if args.compat_nvidia else (args.driver_name or DEFAULT_DRIVER_NAME)
+    try:
+        fleet = load_fleet(args.fleet)
+        api = api_client_from(args.kubeconfig)
+        features = api_features(api, timeout=args.timeout)
+        pools = desired_fleet_pools(fleet, args.fleet, driver, features)
+        if args.create_nodes:
+            created = register_missing_nodes(api, fleet.node_names)
+            if created:
+                log.info("registered simulated nodes: %s", ", ".join(created))
+        else:
+            missing = missing_nodes(api, fleet.node_names)
+            if missing:
+                print(f"{PROG}: no Node objects for {', '.join(missing)}: node-local slices need their Node "
+                      "(register them, or pass --create-nodes for simulated ones)", file=sys.stderr)
+                return 2
+        ctl = ResourceSliceController(api, driver, Owner.cluster(), sync_delay=args.sync_delay)
+        ctl.update(pools)
+    except (ValueError, OSError, ConnectError, FleetError, PolicyError, DeviceModelError, InvalidPoolError) as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    except (ApiError, ApiUnavailable) as exc:
+        print(f"{PROG}: API server: {exc}", file=sys.stderr)
+        return 1
+    slice_count = sum(len(p.slices) for p in pools.values())
+
+    if args.once:
+        try:
+            ctl.run_once(timeout=args.timeout)
+        except PoolSyncError as exc:
+            print(f"{PROG}: {exc}", file=sys.stderr)
+            return 1
+        writes = ctl.writes_by_operation
+        print(f"driver {driver}: {len(pools)} pool(s), {slice_count} ResourceSlice(s) in line; "
+              f"writes: {', '.join(f'{k} {v}' for k, v in sorted(writes.items())) or 'none'}")
+        return 0
+    return _serve(args, ctl, fleet, driver, features)
+
+
+def _serve(args: argparse.Namespace, ctl: Any, fleet: Any, driver: str, features: Any) -> int:
+    from controller.httpserver import serve_health_and_metrics
+    from dra.fleet import load_fleet
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    server = None
+    if args.metrics_port:
+        server = serve_health_and_metrics(
+            args.metrics_port, lambda: (not ctl.errors, "; ".join(f"{k}: {v}" for k, v in ctl.errors.items()) or "ok"),
+            args.metrics_address)
+    ctl.start()
+    if ctl.wait_for_sync(args.timeout):
+        log.info("driver %s: %d pool(s) published; writes %s", driver, len(fleet.nodes), ctl.writes_by_operation or "none")
+    else:
+        log.warning("driver %s: not all pools published yet: %s", driver, ctl.errors)
+    mtime = _mtime(args.fleet)
+    try:
+        while not stop.wait(2.0):
+            now = _mtime(args.fleet)
+            if now == mtime:
+                continue
+            mtime = now
+            try:
+                fleet = load_fleet(args.fleet)
+                ctl.update(desired_fleet_pools(fleet, args.fleet, driver, features))
+                log.info("fleet file changed: re-publishing %d pool(s)", len(fleet.nodes))
+            except ValueError as exc:   # FleetError, PolicyError, InvalidPoolError are ValueErrors
+                log.error("fleet file changed but cannot be used, keeping the previous state: %s", exc)
+    finally:
+        ctl.stop()
+        if server is not None:
+            server.shutdown()
+    return 0
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0

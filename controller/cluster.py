@@ -1,0 +1,194 @@
+"""The cluster controller: keeps this driver's DeviceClasses in place and removes ResourceSlices whose
+Node is gone (node-local pools of deleted nodes would otherwise linger when no owner reference was set,
+or until the garbage collector gets to them).
+
+Each pass is a full comparison against the API server (no cache), repeated every `interval` seconds and
+retried with exponential back-off while the API server is unavailable.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from collections import Counter as _Tally
+from typing import Any
+
+from controller.backoff import Backoff
+from controller.kubeapi import DEVICE_CLASSES, NODES, SLICES, ApiError, ApiUnavailable, KubeApi
+from controller.metrics import CLUSTER_RECONCILES, DEVICECLASS_WRITES, STALE_SLICE_DELETES
+from controller.slicecompare import prune_empty
+
+log = logging.getLogger(__name__)
+
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+MANAGED_BY = "gpu-dra-controller"
+DRIVER_LABEL = "resource.dra-driver.io/driver"
+
+
+class ClusterController:
+    """One reconcile pass = DeviceClasses exactly as desired + no slices of the driver on vanished nodes."""
+
+    def __init__(self, api_client: Any, driver_name: str, device_classes: list[dict[str, Any]],
+                 interval: float = 30.0, backoff: Backoff | None = None) -> None:
+        self.kube = KubeApi(api_client)
+        self.driver = driver_name
+        self.interval = interval
+        self._backoff = backoff or Backoff(initial=0.5, maximum=interval)
+        self._classes = [self._labelled(c) for c in device_classes]
+        self._lock = threading.Lock()
+        self._writes: _Tally[str] = _Tally()
+        self.last_success: float | None = None
+        self.last_error: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- public API -------------------------------------------------------------------------------
+
+    @property
+    def writes(self) -> int:
+        with self._lock:
+            return sum(self._writes.values())
+
+    @property
+    def writes_by_operation(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._writes)
+
+    def healthy(self) -> tuple[bool, str]:
+        """Healthy while the last successful pass is recent (three intervals)."""
+        if self.last_success is None:
+            return False, f"no successful pass yet ({self.last_error or 'starting'})"
+        age = time.monotonic() - self.last_success
+        if age > 3 * self.interval + 10:
+            return False, f"last successful pass {age:.0f}s ago: {self.last_error}"
+        return True, "ok"
+
+    def reconcile_once(self) -> None:
+        """One pass; raises ApiUnavailable/ApiError when the API server does not cooperate."""
+        self.ensure_device_classes()
+        self.remove_stale_slices()
+
+    def start(self) -> "ClusterController":
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name=f"cluster-{self.driver}", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def __enter__(self) -> "ClusterController":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def run_until_success(self, timeout: float) -> None:
+        """Passes with back-off until one succeeds (for --once); raises the last error at the deadline."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._pass():
+                return
+            delay = self._backoff.failure("pass")
+            if time.monotonic() + delay > deadline:
+                raise RuntimeError(f"cluster controller pass did not succeed in {timeout:.0f}s: {self.last_error}")
+            time.sleep(delay)
+
+    # ---- passes -----------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if self._pass():
+                self._backoff.success("pass")
+                delay = self.interval
+            else:
+                delay = self._backoff.failure("pass")
+            self._stop.wait(delay)
+
+    def _pass(self) -> bool:
+        try:
+            self.reconcile_once()
+        except (ApiUnavailable, ApiError) as exc:
+            self.last_error = str(exc)
+            CLUSTER_RECONCILES.labels(self.driver, "error").inc()
+            log.warning("cluster controller pass failed: %s", exc)
+            return False
+        self.last_success, self.last_error = time.monotonic(), None
+        CLUSTER_RECONCILES.labels(self.driver, "ok").inc()
+        return True
+
+    def _labelled(self, device_class: dict[str, Any]) -> dict[str, Any]:
+        obj = copy.deepcopy(device_class)
+        labels = obj.setdefault("metadata", {}).setdefault("labels", {})
+        labels[MANAGED_BY_LABEL] = MANAGED_BY
+        labels[DRIVER_LABEL] = self.driver
+        return obj
+
+    def ensure_device_classes(self) -> None:
+        """Creates missing classes, rewrites changed ones, deletes ones we made that are no longer wanted."""
+        wanted = {c["metadata"]["name"]: c for c in self._classes}
+        for name, desired in wanted.items():
+            try:
+                existing = self.kube.get(f"{DEVICE_CLASSES}/{name}")
+            except ApiError as exc:
+                if not exc.not_found:
+                    raise
+                self._count_class("create", self.kube.create(DEVICE_CLASSES, desired))
+                log.info("created DeviceClass %s", name)
+                continue
+            labels = existing.get("metadata", {}).get("labels") or {}
+            want_labels = desired["metadata"].get("labels") or {}
+            if (prune_empty(existing.get("spec", {})) == prune_empty(desired.get("spec", {}))
+                    and all(labels.get(k) == v for k, v in want_labels.items())):
+                continue
+            meta = {k: v for k, v in existing["metadata"].items() if k != "managedFields"}
+            meta["labels"] = {**labels, **want_labels}
+            self._count_class("update", self.kube.replace(DEVICE_CLASSES, {**desired, "metadata": meta}))
+            log.info("updated DeviceClass %s to the desired spec", name)
+        ours = self.kube.list(DEVICE_CLASSES, label_selector=f"{MANAGED_BY_LABEL}={MANAGED_BY},{DRIVER_LABEL}={self.driver}")
+        for obj in ours["items"]:
+            meta = obj["metadata"]
+            if meta["name"] in wanted:
+                continue
+            try:
+                self.kube.delete(DEVICE_CLASSES, meta["name"], uid=meta.get("uid"), resource_version=meta.get("resourceVersion"))
+            except ApiError as exc:
+                if not (exc.not_found or exc.conflict):
+                    raise
+                continue
+            self._count_class("delete", obj)
+            log.info("deleted DeviceClass %s (no longer part of this driver's classes)", meta["name"])
+
+    def _count_class(self, operation: str, _obj: dict[str, Any]) -> None:
+        with self._lock:
+            self._writes[f"deviceclass-{operation}"] += 1
+        DEVICECLASS_WRITES.labels(self.driver, operation).inc()
+
+    def remove_stale_slices(self) -> list[str]:
+        """Deletes this driver's slices whose spec.nodeName is not a Node; returns their names."""
+        # Slices first, then nodes: a Node created in between is in the node list, never missed.
+        slices = self.kube.list(SLICES, field_selector=f"spec.driver={self.driver}")["items"]
+        nodes = {n["metadata"]["name"] for n in self.kube.list(NODES)["items"]}
+        deleted = []
+        for obj in slices:
+            node = obj.get("spec", {}).get("nodeName")
+            if not node or node in nodes:
+                continue
+            meta = obj["metadata"]
+            try:
+                self.kube.delete(SLICES, meta["name"], uid=meta.get("uid"), resource_version=meta.get("resourceVersion"))
+            except ApiError as exc:
+                if exc.not_found or exc.conflict:
+                    continue   # gone already, or changed: the next pass looks again
+                raise
+            deleted.append(meta["name"])
+            with self._lock:
+                self._writes["slice-delete"] += 1
+            STALE_SLICE_DELETES.labels(self.driver).inc()
+            log.info("deleted ResourceSlice %s: its node %s no longer exists", meta["name"], node)
+        return deleted

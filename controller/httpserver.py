@@ -1,0 +1,40 @@
+"""/healthz and /metrics (Prometheus text format) over plain HTTP, in a background thread."""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+HealthCheck = Callable[[], tuple[bool, str]]
+
+
+def serve_health_and_metrics(port: int, health: HealthCheck, address: str = "0.0.0.0") -> ThreadingHTTPServer:
+    """Starts serving; port 0 picks a free one (see server.server_address). Stop with server.shutdown()."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server naming
+            path = self.path.split("?", 1)[0]
+            if path in ("/healthz", "/livez", "/readyz"):
+                ok, reason = health()
+                self._reply(200 if ok else 503, "text/plain; charset=utf-8", (reason + "\n").encode())
+            elif path == "/metrics":
+                self._reply(200, CONTENT_TYPE_LATEST, generate_latest(REGISTRY))
+            else:
+                self._reply(404, "text/plain; charset=utf-8", b"not found\n")
+
+        def _reply(self, code: int, content_type: str, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - keep probes out of the log
+            return
+
+    server = ThreadingHTTPServer((address, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="health-metrics", daemon=True).start()
+    return server

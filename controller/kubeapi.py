@@ -1,0 +1,153 @@
+"""Plain-JSON access to the Kubernetes API through a `kubernetes.client.ApiClient`.
+
+The typed models of the Python client drop fields they do not know when reading and validate bodies
+before writing, so everything here sends and receives wire-format dicts. The ApiClient only supplies
+the connection: host, TLS and credentials from the kubeconfig.
+"""
+from __future__ import annotations
+
+import json
+import re
+import urllib.parse
+from collections.abc import Iterator
+from typing import Any
+
+import urllib3
+
+RESOURCE_V1 = "/apis/resource.k8s.io/v1"
+SLICES = f"{RESOURCE_V1}/resourceslices"
+DEVICE_CLASSES = f"{RESOURCE_V1}/deviceclasses"
+NODES = "/api/v1/nodes"
+
+
+class ApiError(Exception):
+    """The API server answered with an error status (reason and message from its Status object)."""
+
+    def __init__(self, method: str, path: str, status: int, body: str) -> None:
+        self.method, self.path, self.status = method, path, status
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            doc = {}
+        self.reason: str = doc.get("reason", "") if isinstance(doc, dict) else ""
+        self.message: str = doc.get("message", body[:300]) if isinstance(doc, dict) else body[:300]
+        super().__init__(f"{method} {path}: HTTP {status} {self.reason}: {self.message}")
+
+    @property
+    def not_found(self) -> bool:
+        return self.status == 404
+
+    @property
+    def conflict(self) -> bool:
+        # 409 covers both AlreadyExists and a failed resourceVersion/uid precondition.
+        return self.status == 409
+
+
+class ApiUnavailable(Exception):
+    """No answer from the API server (connection refused, reset, timed out, TLS failure)."""
+
+
+class KubeApi:
+    """A few JSON verbs on top of an ApiClient's connection pool and credentials."""
+
+    def __init__(self, api_client: Any, timeout: float = 30.0) -> None:
+        self.api_client = api_client
+        self.timeout = timeout
+
+    @property
+    def host(self) -> str:
+        return str(self.api_client.configuration.host)
+
+    def request(self, method: str, path: str, query: dict[str, Any] | None = None, body: Any = None,
+                content_type: str = "application/json", timeout: float | None = None,
+                stream: bool = False) -> Any:
+        """One request; returns the decoded JSON document (or the raw urllib3 response when stream=True)."""
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type
+        method, url, header_params, _, _ = self.api_client.param_serialize(
+            method=method, resource_path=path, header_params=headers, auth_settings=["BearerToken"])
+        if query:
+            url += "?" + urllib.parse.urlencode({k: _query_value(v) for k, v in query.items() if v is not None})
+        data = json.dumps(body) if body is not None else None
+        try:
+            resp = self.api_client.rest_client.pool_manager.request(
+                method, url, body=data, headers=header_params, preload_content=not stream,
+                timeout=urllib3.Timeout(connect=min(10.0, timeout or self.timeout),
+                                        read=timeout if timeout is not None else self.timeout),
+                retries=False)
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise ApiUnavailable(f"{method} {self.host}{path}: {type(exc).__name__}: {exc}") from exc
+        if stream:
+            if not 200 <= resp.status < 300:
+                text = resp.read().decode(errors="replace")
+                resp.release_conn()
+                raise ApiError(method, path, resp.status, text)
+            return resp
+        text = resp.data.decode(errors="replace")
+        if not 200 <= resp.status < 300:
+            raise ApiError(method, path, resp.status, text)
+        return json.loads(text) if text else {}
+
+    def get(self, path: str, **query: Any) -> dict[str, Any]:
+        return self.request("GET", path, query=query)
+
+    def create(self, collection: str, obj: dict[str, Any]) -> dict[str, Any]:
+        return self.request("POST", collection, body=obj)
+
+    def replace(self, collection: str, obj: dict[str, Any]) -> dict[str, Any]:
+        return self.request("PUT", f"{collection}/{obj['metadata']['name']}", body=obj)
+
+    def delete(self, collection: str, name: str, uid: str | None = None,
+               resource_version: str | None = None) -> dict[str, Any]:
+        """Deletes with optional uid/resourceVersion preconditions (a 409 means someone changed it)."""
+        body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions"}
+        preconditions = {k: v for k, v in (("uid", uid), ("resourceVersion", resource_version)) if v}
+        if preconditions:
+            body["preconditions"] = preconditions
+        return self.request("DELETE", f"{collection}/{name}", body=body)
+
+    def list(self, collection: str, field_selector: str | None = None,
+             label_selector: str | None = None) -> dict[str, Any]:
+        """A complete list (follows `continue` tokens); returns {"items": [...], "resourceVersion": ...}."""
+        items: list[dict[str, Any]] = []
+        cont: str | None = None
+        while True:
+            doc = self.request("GET", collection, query={
+                "fieldSelector": field_selector, "labelSelector": label_selector, "limit": 500, "continue": cont})
+            items.extend(doc.get("items") or [])
+            cont = doc.get("metadata", {}).get("continue")
+            if not cont:
+                return {"items": items, "resourceVersion": doc.get("metadata", {}).get("resourceVersion", "")}
+
+    def server_version(self) -> tuple[int, int]:
+        """(major, minor) of the API server; minor strings like "37+" are read as 37."""
+        doc = self.get("/version")
+        try:
+            return int(_digits(doc["major"])), int(_digits(doc["minor"]))
+        except (KeyError, ValueError) as exc:
+            raise ApiError("GET", "/version", 200, json.dumps({"message": f"unreadable version {doc}"})) from exc
+
+
+def iter_json_lines(resp: Any) -> Iterator[dict[str, Any]]:
+    """The JSON documents of a streamed watch response, one per line."""
+    buf = b""
+    for chunk in resp.stream(64 * 1024, decode_content=True):
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            if line.strip():
+                yield json.loads(line)
+
+
+def _digits(text: str) -> str:
+    m = re.match(r"\d+", str(text))
+    if not m:
+        raise ValueError(text)
+    return m.group(0)
+
+
+def _query_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)

@@ -1,0 +1,104 @@
+"""`gpu-dra publish` for a simulated fleet against the real API server."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from controller.kubeapi import NODES, SLICES, KubeApi
+from e2e_helpers import slices_of, wait_until
+
+pytestmark = pytest.mark.e2e
+
+
+def _fleet(path: Path, prefix: str, h100_count: int = 2, with_l4_node: bool = True) -> None:
+    nodes: list[dict[str, Any]] = [{"name": f"{prefix}-hgx", "gpus": [{"model": "H100-80GB", "count": h100_count}],
+                                    "policy": {"rules": [{"match": {"index": 0}, "mig": "dynamic"}]}}]
+    if with_l4_node:
+        nodes.append({"name": f"{prefix}-l4", "gpus": [{"model": "L4", "count": 1}]})
+    path.write_text(yaml.safe_dump({"nodes": nodes}))
+
+
+def _publish(cluster: Any, fleet: Path, driver: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cli.main", "publish", "--fleet", str(fleet), "--kubeconfig",
+                           str(cluster.kubeconfig), "--driver-name", driver, *extra],
+                          capture_output=True, text=True, timeout=120)
+
+
+def _devices_by_node(api_client: Any, driver: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for s in slices_of(api_client, driver):
+        out.setdefault(s["spec"]["nodeName"], []).extend(d["name"] for d in s["spec"].get("devices", []))
+    return out
+
+
+def test_publish_once_creates_nodes_and_slices_and_a_rerun_writes_nothing(cluster: Any, api_client: Any,
+                                                                           driver_name: str, tmp_path: Path) -> None:
+    prefix = driver_name.split(".")[0]
+    fleet = tmp_path / "fleet.yaml"
+    _fleet(fleet, prefix)
+    first = _publish(cluster, fleet, driver_name, "--once", "--create-nodes")
+    assert first.returncode == 0, first.stderr
+    assert "writes: create " in first.stdout
+    nodes = {n["metadata"]["name"] for n in KubeApi(api_client).list(NODES)["items"]}
+    assert {f"{prefix}-hgx", f"{prefix}-l4"} <= nodes
+    devices = _devices_by_node(api_client, driver_name)
+    assert set(devices) == {f"{prefix}-hgx", f"{prefix}-l4"}
+    assert devices[f"{prefix}-l4"] == ["gpu-0"]
+    assert "gpu-1" in devices[f"{prefix}-hgx"]
+    assert any(d.startswith("gpu-0-mig-7g80gb-") for d in devices[f"{prefix}-hgx"])
+
+    again = _publish(cluster, fleet, driver_name, "--once")
+    assert again.returncode == 0, again.stderr
+    assert "writes: none" in again.stdout
+
+    # One node leaves the fleet, the other loses a GPU: its slices go, the rest follows.
+    _fleet(fleet, prefix, h100_count=1, with_l4_node=False)
+    third = _publish(cluster, fleet, driver_name, "--once")
+    assert third.returncode == 0, third.stderr
+    devices = _devices_by_node(api_client, driver_name)
+    assert set(devices) == {f"{prefix}-hgx"} and "gpu-1" not in devices[f"{prefix}-hgx"]
+
+
+def test_publish_reports_bad_fleet_files_and_unregistered_nodes(cluster: Any, driver_name: str,
+                                                                 tmp_path: Path) -> None:
+    fleet = tmp_path / "bad.yaml"
+    fleet.write_text(yaml.safe_dump({"nodes": [{"name": "n", "gpus": [{"model": "NoSuchGPU", "count": 1}]}]}))
+    proc = _publish(cluster, fleet, driver_name, "--once")
+    assert proc.returncode == 2
+    assert "NoSuchGPU" in proc.stderr
+    prefix = driver_name.split(".")[0]
+    _fleet(fleet, prefix)
+    proc = _publish(cluster, fleet, driver_name, "--once")
+    assert proc.returncode == 2
+    assert f"no Node objects for {prefix}-hgx, {prefix}-l4" in proc.stderr and "--create-nodes" in proc.stderr
+
+
+def test_publish_keeps_running_repairs_and_follows_the_fleet_file(cluster: Any, api_client: Any,
+                                                                  driver_name: str, tmp_path: Path) -> None:
+    prefix = driver_name.split(".")[0]
+    fleet = tmp_path / "fleet.yaml"
+    _fleet(fleet, prefix, with_l4_node=True)
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "publish", "--fleet", str(fleet), "--kubeconfig",
+                             str(cluster.kubeconfig), "--driver-name", driver_name, "--create-nodes",
+                             "--sync-delay", "0.3"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: set(_devices_by_node(api_client, driver_name)) == {f"{prefix}-hgx", f"{prefix}-l4"},
+                   60, "both nodes' slices")
+        l4_slice = next(s for s in slices_of(api_client, driver_name) if s["spec"]["nodeName"] == f"{prefix}-l4")
+        KubeApi(api_client).delete(SLICES, l4_slice["metadata"]["name"])
+        wait_until(lambda: f"{prefix}-l4" in _devices_by_node(api_client, driver_name), 15,
+                   "the deleted slice to come back")
+        _fleet(fleet, prefix, with_l4_node=False)
+        wait_until(lambda: set(_devices_by_node(api_client, driver_name)) == {f"{prefix}-hgx"}, 15,
+                   "the removed node's slices to go")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=15)
+    assert proc.returncode == 0, out
+    assert "fleet file changed" in out

@@ -1,0 +1,184 @@
+"""Pure parts of the ResourceSlice controller: names, pool validation, spec comparison, back-off, version rule."""
+from __future__ import annotations
+
+import logging
+import re
+from fractions import Fraction
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import controller.serverversion as serverversion
+from controller.backoff import Backoff
+from controller.resourceslices import (DesiredPool, InvalidPoolError, Owner, ResourceSliceController, slice_name,
+                                       validate_pool)
+from controller.slicecompare import normalize_spec, quantity_value
+
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def devices(*names: str, **extra: object) -> dict:
+    return {"devices": [{"name": n, **extra} for n in names]}
+
+
+# ---- names ------------------------------------------------------------------------------------------
+
+def test_slice_names_are_readable_and_stable() -> None:
+    assert slice_name("gpu.dra-driver.io", "node-a", 0) == "node-a-gpu.dra-driver.io-0"
+    assert slice_name("gpu.dra-driver.io", "node-a", 11) == "node-a-gpu.dra-driver.io-11"
+
+
+def test_pool_names_that_need_changes_get_a_hash_and_stay_distinct() -> None:
+    a = slice_name("gpu.example.com", "rack/a", 0)
+    b = slice_name("gpu.example.com", "rack-a", 0)
+    assert a != b and DNS_SUBDOMAIN.match(a)
+    assert b == "rack-a-gpu.example.com-0"
+
+
+@settings(max_examples=60, deadline=None)
+@given(pool=st.text(alphabet="abcXYZ019.-/_", min_size=1, max_size=300), index=st.integers(0, 500))
+def test_slice_names_are_always_dns_subdomains(pool: str, index: int) -> None:
+    name = slice_name("gpu.dra-driver.io", pool, index)
+    assert len(name) <= 253 and DNS_SUBDOMAIN.match(name), name
+    assert name.endswith(f"-{index}")
+
+
+# ---- pool validation ----------------------------------------------------------------------------------
+
+NODE = Owner.node("node-a")
+
+
+def pool(*parts: dict, **kw: object) -> DesiredPool:
+    kw.setdefault("node_name", "node-a")
+    return DesiredPool(slices=list(parts), **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (pool(devices("gpu-0"), devices("gpu-0")), "device 'gpu-0' appears twice"),
+    (pool({"sharedCounters": [{"name": "cs", "counters": {}}]}, {"sharedCounters": [{"name": "cs", "counters": {}}]}),
+     "counter set 'cs' is defined twice"),
+    (pool(devices("gpu-0", consumesCounters=[{"counterSet": "nope", "counters": {}}])), "'nope', which the pool does not define"),
+    (pool({"sharedCounters": [{"name": "cs", "counters": {"memory": {"value": "1Gi"}}}]},
+          devices("mig", consumesCounters=[{"counterSet": "cs", "counters": {"sm": {"value": "1"}}}])),
+     r"counters \['sm'\] are not in counter set 'cs'"),
+    (pool({"devices": [{"name": "a"}], "sharedCounters": [{"name": "cs"}]}), "either devices or sharedCounters"),
+    (pool(devices(*[f"d{i}" for i in range(129)])), "129 devices, at most 128"),
+    (pool({"sharedCounters": [{"name": "cs", "counters": {}}]},
+          devices(*[f"d{i}" for i in range(65)], consumesCounters=[{"counterSet": "cs", "counters": {}}])),
+     "65 devices, at most 64 allowed when devices use taints"),
+    (pool({"nodeName": "node-a", "devices": []}), "belong to the pool, not to a slice part"),
+    (pool(devices("a"), node_name=None), "exactly one of node_name"),
+    (pool(devices("a"), all_nodes=True), "exactly one of node_name"),
+    (pool(devices("a"), node_name="node-b"), "publishes for node 'node-a' only"),
+    (pool(), "needs at least one slice"),
+    (pool("not a dict"), "slice 0: must be a dict"),  # type: ignore[arg-type]
+])
+def test_invalid_pools_are_rejected_with_the_reason(bad: DesiredPool, message: str) -> None:
+    with pytest.raises(InvalidPoolError, match=message):
+        validate_pool("node-a", bad, NODE)
+
+
+def test_valid_pools_pass() -> None:
+    validate_pool("node-a", pool({"sharedCounters": [{"name": "cs", "counters": {"memory": {"value": "1Gi"}}}]},
+                                 devices("mig", consumesCounters=[{"counterSet": "cs", "counters": {"memory": {"value": "1Gi"}}}]),
+                                 {"devices": []}), NODE)
+    validate_pool("shared-pool", DesiredPool(slices=[devices("a")], all_nodes=True), Owner.cluster())
+    with pytest.raises(InvalidPoolError, match="name must be DNS subdomains"):
+        validate_pool("Bad_Pool", DesiredPool(slices=[devices("a")], all_nodes=True), Owner.cluster())
+
+
+def test_update_is_all_or_nothing() -> None:
+    ctl = ResourceSliceController(object(), "gpu.dra-driver.io", NODE)
+    ctl.update({"node-a": pool(devices("a"))})
+    with pytest.raises(InvalidPoolError):
+        ctl.update({"node-a": pool(devices("a")), "node-b": pool(devices("b"), node_name="node-b")})
+    assert set(ctl._desired or {}) == {"node-a"}
+
+
+def test_driver_name_is_checked() -> None:
+    with pytest.raises(ValueError, match="DNS subdomain"):
+        ResourceSliceController(object(), "GPU_Driver", NODE)
+
+
+def test_full_specs_from_the_slice_builder_become_a_pool() -> None:
+    specs = [{"driver": "d.example.com", "pool": {"name": "node-a", "resourceSliceCount": 2}, "nodeName": "node-a",
+              "sharedCounters": [{"name": "cs", "counters": {}}]},
+             {"driver": "d.example.com", "pool": {"name": "node-a", "resourceSliceCount": 2}, "nodeName": "node-a",
+              "devices": [{"name": "gpu-0"}]}]
+    p = DesiredPool.from_slice_specs(specs)
+    assert p.node_name == "node-a"
+    assert p.slices == [{"sharedCounters": [{"name": "cs", "counters": {}}]}, {"devices": [{"name": "gpu-0"}]}]
+    assert DesiredPool.from_slice_specs([], "node-b").slices == [{"devices": []}]
+    with pytest.raises(InvalidPoolError, match="exactly one node"):
+        DesiredPool.from_slice_specs([{**specs[0], "nodeName": "node-b"}, specs[1]])
+
+
+# ---- comparison ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, value", [
+    ("80Gi", 80 * 2**30), ("81920Mi", 80 * 2**30), ("1.5Gi", 3 * 2**29), ("500m", Fraction(1, 2)),
+    ("1e3", 1000), ("2k", 2000), ("132", 132), (7, 7), ("0", 0), ("+1", 1)])
+def test_quantities_are_read_exactly(text: object, value: object) -> None:
+    assert quantity_value(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "Gi", "1.2.3", "abc", "1KiB", True])
+def test_bad_quantities_are_rejected(text: object) -> None:
+    with pytest.raises(ValueError):
+        quantity_value(text)
+
+
+def spec(**device: object) -> dict:
+    return {"driver": "d", "pool": {"name": "p", "generation": 1, "resourceSliceCount": 1}, "nodeName": "n",
+            "devices": [{"name": "gpu-0", **device}]}
+
+
+def test_server_normalisation_is_not_a_change() -> None:
+    sent = spec(capacity={"memory": {"value": "81920Mi"}}, attributes={"on": {"bool": False}}, taints=[
+        {"key": "k", "effect": "NoSchedule"}], bindingConditions=[], allowMultipleAllocations=False)
+    stored = spec(capacity={"memory": {"value": "80Gi"}}, attributes={"on": {"bool": False}}, taints=[
+        {"key": "k", "effect": "NoSchedule", "timeAdded": "2026-01-01T00:00:00Z"}])
+    assert normalize_spec(sent) == normalize_spec(stored)
+
+
+@pytest.mark.parametrize("changed", [
+    spec(capacity={"memory": {"value": "40Gi"}}, attributes={"on": {"bool": False}}),
+    spec(capacity={"memory": {"value": "80Gi"}}),                          # a false attribute is data
+    spec(capacity={"memory": {"value": "80Gi"}}, attributes={"on": {"bool": True}}),
+    spec(capacity={"memory": {"value": "80Gi"}}, attributes={"on": {"bool": False}}, taints=[{"key": "k", "effect": "None"}]),
+])
+def test_real_changes_are_seen(changed: dict) -> None:
+    base = spec(capacity={"memory": {"value": "80Gi"}}, attributes={"on": {"bool": False}})
+    assert normalize_spec(base) != normalize_spec(changed)
+
+
+def test_counter_quantities_are_compared_by_value() -> None:
+    a = {"sharedCounters": [{"name": "cs", "counters": {"memory": {"value": "1024Mi"}}}]}
+    b = {"sharedCounters": [{"name": "cs", "counters": {"memory": {"value": "1Gi"}}}]}
+    c = {"sharedCounters": [{"name": "cs", "counters": {"memory": {"value": "2Gi"}}}]}
+    assert normalize_spec(a) == normalize_spec(b) != normalize_spec(c)
+
+
+# ---- back-off and server version ------------------------------------------------------------------------
+
+def test_backoff_doubles_up_to_the_cap_and_resets() -> None:
+    b = Backoff(initial=0.5, maximum=3.0)
+    assert [b.failure("p") for _ in range(5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+    assert b.failure("q") == 0.5 and b.failures("p") == 5
+    b.success("p")
+    assert b.failure("p") == 0.5
+
+
+@pytest.mark.parametrize("minor, warned, partitionable", [(35, True, False), (36, False, True), (37, False, True)])
+def test_old_api_servers_get_one_clear_line(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+                                            minor: int, warned: bool, partitionable: bool) -> None:
+    monkeypatch.setattr(serverversion, "fetch_server_minor", lambda api, timeout=0: minor)
+    with caplog.at_level(logging.INFO, logger="controller.serverversion"):
+        features = serverversion.api_features(object())
+    lines = [r.getMessage() for r in caplog.records]
+    assert features.partitionable is partitionable
+    if warned:
+        assert len(lines) == 1 and f"Kubernetes 1.{minor}" in lines[0] and "only whole GPUs and static MIG" in lines[0]
+    else:
+        assert lines == []
