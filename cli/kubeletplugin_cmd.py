@@ -1,0 +1,101 @@
+"""`gpu-dra kubelet-plugin`: the node plugin (registration with the kubelet, ResourceSlices of this node,
+prepare/unprepare, device health, metrics).
+
+Every flag can also come from the environment variable named in its help, so a DaemonSet can set them with
+the downward API (NODE_NAME from spec.nodeName, POD_UID from metadata.uid).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
+
+# flag -> (environment variable, default, help)
+_STRING_FLAGS: dict[str, tuple[str, str | None, str]] = {
+    "--node-name": ("NODE_NAME", None, "this node's name: the pool name and the slices' nodeName (required)"),
+    "--driver-name": ("DRIVER_NAME", DEFAULT_DRIVER_NAME, f"DRA driver name (default {DEFAULT_DRIVER_NAME}; "
+                                                          f"{NVIDIA_DRIVER_NAME} with --compat-nvidia)"),
+    "--kubeconfig": ("KUBECONFIG", None, "kubeconfig file (default: in-cluster service account)"),
+    "--registry-dir": ("KUBELET_REGISTRAR_DIRECTORY_PATH", "/var/lib/kubelet/plugins_registry",
+                       "the kubelet's plugin registry directory"),
+    "--plugin-dir": ("PLUGIN_DIR", None,
+                     "directory for the DRA socket (default /var/lib/kubelet/plugins/<driver>)"),
+    "--cdi-root": ("CDI_ROOT", "/var/run/cdi", "directory the container runtime reads CDI specs from"),
+    "--driver-root": ("NVIDIA_DRIVER_ROOT", "/", "where this process sees the NVIDIA driver's files"),
+    "--host-driver-root": ("NVIDIA_HOST_DRIVER_ROOT", None,
+                           "the driver root as the host sees it, for CDI host paths (default: --driver-root)"),
+    "--dev-root": ("DEV_ROOT", "/", "where this process sees /dev"),
+    "--proc-root": ("PROC_ROOT", "/proc", "where this process sees /proc"),
+    "--state-dir": ("STATE_DIR", None, "checkpoint and MPS directories (default: the plugin directory)"),
+    "--pod-uid": ("POD_UID", None, "rolling-update mode: name the sockets after this pod UID"),
+    "--node-policy": ("NODE_POLICY", None, "node policy YAML file: what to publish per GPU"),
+    "--fleet": ("FLEET", None, "simulated node: take this node's GPUs from the fleet file"),
+    "--boot-id-path": ("BOOT_ID_PATH", "/proc/sys/kernel/random/boot_id", "kernel boot ID file (reboot detection)"),
+}
+
+
+def _env_bool(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _env_number(name: str, default: float, kind: type) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return kind(raw)
+    except ValueError:
+        raise SystemExit(f"gpu-dra kubelet-plugin: environment {name}={raw!r} is not a number") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for flag, (env, default, help_text) in _STRING_FLAGS.items():
+        parser.add_argument(flag, default=os.environ.get(env) or default, help=f"{help_text} [env {env}]")
+    parser.add_argument("--compat-nvidia", action="store_true", default=_env_bool("COMPAT_NVIDIA"),
+                        help="accept NVIDIA's opaque configs and use NVIDIA's driver name [env COMPAT_NVIDIA]")
+    parser.add_argument("--metrics-port", type=int, default=int(_env_number("METRICS_PORT", 0, int)),
+                        help="serve Prometheus /metrics on this port (0: off) [env METRICS_PORT]")
+    parser.add_argument("--health-interval", type=float, default=_env_number("HEALTH_INTERVAL", 10.0, float),
+                        help="seconds between full device-health messages to the kubelet [env HEALTH_INTERVAL]")
+    parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "info"),
+                        choices=["debug", "info", "warning", "error"], help="log level [env LOG_LEVEL]")
+    parser.add_argument("--log-format", default=os.environ.get("LOG_FORMAT", "json"), choices=["json", "text"],
+                        help="log format [env LOG_FORMAT]")
+
+
+def options_from_args(args: argparse.Namespace) -> "PluginOptions":  # noqa: F821 - imported lazily
+    from kubeletplugin.plugin import PluginOptions
+
+    driver = args.driver_name
+    if args.compat_nvidia and driver == DEFAULT_DRIVER_NAME:
+        driver = NVIDIA_DRIVER_NAME
+    if args.health_interval <= 0:
+        raise ValueError(f"--health-interval {args.health_interval}: must be positive")
+    return PluginOptions(
+        node_name=args.node_name or "", driver_name=driver, kubeconfig=args.kubeconfig,
+        registry_dir=args.registry_dir, plugin_dir=args.plugin_dir, cdi_root=args.cdi_root,
+        driver_root=args.driver_root, host_driver_root=args.host_driver_root, dev_root=args.dev_root,
+        proc_root=args.proc_root, state_dir=args.state_dir, pod_uid=args.pod_uid, node_policy=args.node_policy,
+        fleet=args.fleet, compat_nvidia=args.compat_nvidia, metrics_port=args.metrics_port,
+        health_interval=args.health_interval, boot_id_path=args.boot_id_path,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from controller.connect import ConnectError
+    from kubeletplugin.logs import configure_logging
+    from kubeletplugin.plugin import KubeletPlugin, PluginConfigError
+    from kubeletplugin.sockets import SocketPathError
+
+    configure_logging(args.log_level, json_output=args.log_format == "json")
+    try:
+        options = options_from_args(args)
+        if not options.node_name:
+            raise PluginConfigError("--node-name (or NODE_NAME) is required")
+        plugin = KubeletPlugin(options)
+        return plugin.run()
+    except (PluginConfigError, SocketPathError, ConnectError, ValueError) as exc:
+        print(f"gpu-dra kubelet-plugin: {exc}", file=sys.stderr)
+        return 2

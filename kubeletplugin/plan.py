@@ -1,0 +1,175 @@
+"""From an allocated ResourceClaim to a prepare plan: which devices, what each must get.
+
+Pure: no hardware, no files. Every problem raises ``PlanError`` with a message naming the request, the
+device and, for configuration problems, the config entry and field, because this text reaches the user
+as the pod's FailedPrepareDynamicResources event.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from api.config import (
+    ConfigError,
+    DeviceConfig,
+    GpuConfig,
+    MigDeviceConfig,
+    check_config_for_device_type,
+    decode_opaque_config,
+    merge_allocation_configs,
+)
+from dra.devices import KIND_GPU, KIND_MIG, KIND_SHARED, KIND_SLOT, Device
+from dra.quantity import MIB, parse_quantity
+from kubeletplugin.claims import AllocatedDevice, ClaimError, allocation_for
+
+TIMESLICE_DEFAULT = "Default"
+
+
+class PlanError(ClaimError):
+    """The claim's allocation or configuration cannot be prepared on this node."""
+
+
+@dataclass(frozen=True)
+class MpsPlan:
+    """One MPS control daemon's limits (``None``: no limit)."""
+
+    thread_percentage: int | None
+    pinned_memory_limit_bytes: int | None
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """What preparing one allocated device involves."""
+
+    result: AllocatedDevice
+    device: Device
+    config_key: tuple[str, int] | None     # (source, position) of the effective config; devices with the same
+    # key share one config object (one MPS daemon per GPU for them)
+    timeslice: str | None                  # interval to apply to the GPU (time-slicing), None: leave it alone
+    mps: MpsPlan | None                    # MPS daemon to run for this device, None: no MPS
+
+    @property
+    def name(self) -> str:
+        return self.device.name
+
+
+def _config_where(key: tuple[str, int] | None) -> str:
+    if key is None:
+        return "config"
+    return f"status.allocation.devices.config[{key[1]}] ({key[0]})"
+
+
+def _per_device_limit(mps: Any, device: Device, index: int) -> int | None:
+    """perDevicePinnedMemoryLimit keyed by the device's position in the claim, its UUID or its name."""
+    per = getattr(mps, "per_device_pinned_memory_limit", None) or {}
+    for key in (str(index), device.mig_uuid or "", device.gpu_uuid if device.kind != KIND_MIG else "", device.name):
+        if key and key in per:
+            return int(per[key])
+    return None
+
+
+def _interval(sharing: Any) -> str:
+    ts = getattr(sharing, "time_slicing", None)
+    return ts.interval if ts is not None else TIMESLICE_DEFAULT
+
+
+def _device_plan(result: AllocatedDevice, device: Device, index: int, config: DeviceConfig | None,
+                 key: tuple[str, int] | None) -> DevicePlan:
+    where = f"request {result.base_request!r}, device {device.name}"
+    sharing = getattr(config, "sharing", None) if config is not None else None
+    strategy = sharing.strategy if sharing is not None else None
+    mps_cfg = getattr(sharing, "mps", None) if sharing is not None else None
+    timeslice: str | None = None
+    mps: MpsPlan | None = None
+
+    def mps_plan(default_threads: int | None, default_limit: int | None) -> MpsPlan:
+        threads = getattr(mps_cfg, "active_thread_percentage", None) if mps_cfg is not None else None
+        limit = _per_device_limit(mps_cfg, device, index) if mps_cfg is not None else None
+        if limit is None and mps_cfg is not None:
+            limit = getattr(mps_cfg, "pinned_memory_limit", None)
+        return MpsPlan(thread_percentage=threads if threads is not None else default_threads,
+                       pinned_memory_limit_bytes=int(limit) if limit is not None else default_limit)
+
+    if device.kind == KIND_GPU:
+        if strategy == "TimeSlicing":
+            timeslice = _interval(sharing)
+        elif strategy == "MPS":
+            mps = mps_plan(None, None)
+    elif device.kind == KIND_SLOT:
+        # A slot's sharing mechanism is fixed by the node policy (attribute `sharing`); a config may tune
+        # it but not switch it, since the other slots of the GPU rely on it.
+        if device.sharing == "mps":
+            if strategy == "TimeSlicing":
+                raise PlanError(f"{where}: {_config_where(key)}: sharing.strategy: TimeSlicing does not apply to "
+                                "an MPS slot (the slot's sharing attribute is mps)")
+            mps = mps_plan(device.mps_thread_percentage,
+                           device.mps_memory_limit_mib * MIB if device.mps_memory_limit_mib else None)
+        else:
+            if strategy == "MPS":
+                raise PlanError(f"{where}: {_config_where(key)}: sharing.strategy: MPS does not apply to a "
+                                "time-slicing slot (the slot's sharing attribute is time-slicing)")
+            # Without a TimeSlicing config the GPU keeps its interval (others' claims may have set it).
+            timeslice = _interval(sharing) if strategy == "TimeSlicing" else None
+    elif device.kind == KIND_SHARED:
+        memory = result.consumed_capacity.get("memory")
+        share_bytes = parse_quantity(memory) if memory else None
+        if device.sharing == "mps":
+            if strategy == "TimeSlicing":
+                raise PlanError(f"{where}: {_config_where(key)}: sharing.strategy: TimeSlicing does not apply to "
+                                "an MPS memory share")
+            # The share's memory is its budget: MPS enforces it as the pinned memory limit.
+            planned = mps_plan(None, share_bytes)
+            limit = planned.pinned_memory_limit_bytes
+            if share_bytes is not None and limit is not None and limit > share_bytes:
+                raise PlanError(f"{where}: {_config_where(key)}: sharing.mps pinned memory limit {limit // MIB}Mi "
+                                f"exceeds the {memory} of memory allocated to this share")
+            mps = planned
+        else:
+            if strategy == "MPS":
+                raise PlanError(f"{where}: {_config_where(key)}: sharing.strategy: MPS does not apply to a "
+                                "time-slicing memory share")
+            timeslice = _interval(sharing) if strategy == "TimeSlicing" else None
+    elif device.kind == KIND_MIG:
+        if strategy == "MPS":
+            mps = mps_plan(None, None)
+    return DevicePlan(result=result, device=device, config_key=key, timeslice=timeslice, mps=mps)
+
+
+def plan_claim(claim: dict[str, Any], *, driver_name: str, pool_name: str, devices: Mapping[str, Device],
+               compat_nvidia: bool = False) -> list[DevicePlan]:
+    """The prepare plan of this driver's devices in ``claim`` (allocation order).
+
+    ``devices`` are the devices this node publishes, by name."""
+    alloc = allocation_for(claim, driver_name, pool_name)
+    raw_configs = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("config") or []
+    plans: list[DevicePlan] = []
+    seen: set[tuple[str, str | None]] = set()
+    for index, result in enumerate(alloc.devices):
+        device = devices.get(result.device)
+        if device is None:
+            raise PlanError(f"request {result.base_request!r}: device {result.device} is not published by this node "
+                            f"(pool {pool_name}); was the node's GPU configuration changed?")
+        ident = (result.device, result.share_id)
+        if ident in seen:
+            raise PlanError(f"request {result.base_request!r}: device {result.device} is allocated twice in the claim")
+        seen.add(ident)
+        if result.admin_access:
+            # Admin access grants monitoring access to a device in use by others: no configuration applies.
+            plans.append(DevicePlan(result=result, device=device, config_key=None, timeslice=None, mps=None))
+            continue
+        entry = merge_allocation_configs(raw_configs, result.request, driver_name=driver_name,
+                                         device_type=device.kind)
+        config: DeviceConfig | None = None
+        key: tuple[str, int] | None = None
+        if entry is not None:
+            key = (entry.source, entry.position)
+            try:
+                config = decode_opaque_config(entry.parameters, compat_nvidia=compat_nvidia)
+                check_config_for_device_type(config, device.kind)
+            except ConfigError as exc:
+                raise PlanError(f"request {result.base_request!r}, device {result.device}: "
+                                f"{exc.with_prefix(f'status.allocation.devices.config[{entry.position}].opaque.parameters')}"
+                                ) from None
+            assert isinstance(config, (GpuConfig, MigDeviceConfig))
+        plans.append(_device_plan(result, device, index, config, key))
+    return plans

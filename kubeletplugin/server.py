@@ -1,0 +1,176 @@
+"""The DRA node service on the plugin's socket: ``k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`` and
+``…v1beta1.DRAPlugin`` (one handler; the versions differ only in v1's ``Device.share_id``), plus the
+``DRAResourceHealth`` stream in ``v1`` and ``v1alpha1``.
+
+Per-claim failures travel in the response's ``error`` field; a gRPC error is reserved for a call that
+could not be handled at all (the kubelet then retries the whole pod).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import grpc
+import structlog
+
+from api.generated.dra.v1 import api_pb2 as v1_pb
+from api.generated.dra.v1 import api_pb2_grpc as v1_grpc
+from api.generated.dra.v1beta1 import api_pb2 as v1beta1_pb
+from api.generated.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
+from api.generated.dra_health.v1 import api_pb2 as health_v1_pb
+from api.generated.dra_health.v1 import api_pb2_grpc as health_v1_grpc
+from api.generated.dra_health.v1alpha1 import api_pb2 as health_v1alpha1_pb
+from api.generated.dra_health.v1alpha1 import api_pb2_grpc as health_v1alpha1_grpc
+from kubeletplugin.claims import ClaimRef
+from kubeletplugin.health import MAX_MESSAGE, HealthBoard
+from kubeletplugin.metrics import PluginMetrics
+from kubeletplugin.results import NodeDriver
+from kubeletplugin.unixserver import UnixGrpcServer
+
+
+class DRAService:
+    """Converts between the DRA messages of one API version and the driver's version-free calls."""
+
+    def __init__(self, driver: NodeDriver, metrics: PluginMetrics | None = None, log: Any = None):
+        self.driver = driver
+        self.metrics = metrics
+        self.log = log or structlog.get_logger("dra-service")
+
+    @staticmethod
+    def _claims(request: Any) -> list[ClaimRef]:
+        return [ClaimRef(namespace=c.namespace, uid=c.uid, name=c.name) for c in request.claims]
+
+    def _check(self, claims: list[ClaimRef], context: grpc.ServicerContext) -> None:
+        for c in claims:
+            if not c.uid or not c.namespace or not c.name:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"claim {c.namespace!r}/{c.name!r} uid {c.uid!r}: namespace, uid and name are required")
+
+    def prepare(self, pb: ModuleType, version: str, request: Any, context: grpc.ServicerContext) -> Any:
+        claims = self._claims(request)
+        if self.metrics:
+            self.metrics.requests.labels(method="NodePrepareResources", version=version).inc()
+        self._check(claims, context)
+        results = self.driver.prepare(claims) if claims else {}
+        response = pb.NodePrepareResourcesResponse()
+        with_share_id = version == "v1"
+        for claim in claims:
+            result = results.get(claim.uid)
+            entry = response.claims[claim.uid]
+            if result is None:
+                entry.error = "internal error: driver returned no result for this claim"
+                continue
+            if result.error:
+                entry.error = result.error
+                continue
+            for d in result.devices:
+                dev = entry.devices.add(request_names=list(d.request_names), pool_name=d.pool_name,
+                                        device_name=d.device_name, cdi_device_ids=list(d.cdi_device_ids))
+                if with_share_id and d.share_id:
+                    dev.share_id = d.share_id
+        return response
+
+    def unprepare(self, pb: ModuleType, version: str, request: Any, context: grpc.ServicerContext) -> Any:
+        claims = self._claims(request)
+        if self.metrics:
+            self.metrics.requests.labels(method="NodeUnprepareResources", version=version).inc()
+        self._check(claims, context)
+        results = self.driver.unprepare(claims) if claims else {}
+        response = pb.NodeUnprepareResourcesResponse()
+        for claim in claims:
+            result = results.get(claim.uid)
+            entry = response.claims[claim.uid]
+            if result is None:
+                entry.error = "internal error: driver returned no result for this claim"
+            elif result.error:
+                entry.error = result.error
+        return response
+
+
+class DRAPluginV1(v1_grpc.DRAPluginServicer):
+    def __init__(self, service: DRAService):
+        self._s = service
+
+    def NodePrepareResources(self, request, context):  # type: ignore[override]
+        return self._s.prepare(v1_pb, "v1", request, context)
+
+    def NodeUnprepareResources(self, request, context):  # type: ignore[override]
+        return self._s.unprepare(v1_pb, "v1", request, context)
+
+
+class DRAPluginV1beta1(v1beta1_grpc.DRAPluginServicer):
+    def __init__(self, service: DRAService):
+        self._s = service
+
+    def NodePrepareResources(self, request, context):  # type: ignore[override]
+        return self._s.prepare(v1beta1_pb, "v1beta1", request, context)
+
+    def NodeUnprepareResources(self, request, context):  # type: ignore[override]
+        return self._s.unprepare(v1beta1_pb, "v1beta1", request, context)
+
+
+_HEALTH_ENUM = {"Healthy": "HEALTHY", "Unhealthy": "UNHEALTHY", "Unknown": "UNKNOWN"}
+
+
+def _health_stream(board: HealthBoard, pb: ModuleType, context: grpc.ServicerContext):
+    for devices in board.watch(context.is_active):
+        msg = pb.NodeWatchResourcesResponse()
+        for d in devices:
+            msg.devices.add(device=pb.DeviceIdentifier(pool_name=d.pool, device_name=d.device),
+                            health=pb.HealthStatus.Value(_HEALTH_ENUM[d.status]),
+                            last_updated_time=int(d.updated or time.time()),
+                            health_check_timeout_seconds=board.timeout_seconds,
+                            message=d.message[:MAX_MESSAGE])
+        yield msg
+
+
+class ResourceHealthV1(health_v1_grpc.DRAResourceHealthServicer):
+    def __init__(self, board: HealthBoard):
+        self._board = board
+
+    def NodeWatchResources(self, request, context):  # type: ignore[override]
+        yield from _health_stream(self._board, health_v1_pb, context)
+
+
+class ResourceHealthV1alpha1(health_v1alpha1_grpc.DRAResourceHealthServicer):
+    def __init__(self, board: HealthBoard):
+        self._board = board
+
+    def NodeWatchResources(self, request, context):  # type: ignore[override]
+        yield from _health_stream(self._board, health_v1alpha1_pb, context)
+
+
+class DRAServer:
+    """Serves the DRA services (and health, when a board is given) on the plugin's socket."""
+
+    def __init__(self, socket_path: Path, driver: NodeDriver, health: HealthBoard | None = None,
+                 metrics: PluginMetrics | None = None, log: Any = None, max_workers: int = 16,
+                 serve_v1: bool = True, serve_v1beta1: bool = True):
+        self.service = DRAService(driver, metrics, log)
+        self.health = health
+
+        def register(server: grpc.Server) -> None:
+            if serve_v1:
+                v1_grpc.add_DRAPluginServicer_to_server(DRAPluginV1(self.service), server)
+            if serve_v1beta1:
+                v1beta1_grpc.add_DRAPluginServicer_to_server(DRAPluginV1beta1(self.service), server)
+            if health is not None:
+                health_v1_grpc.add_DRAResourceHealthServicer_to_server(ResourceHealthV1(health), server)
+                health_v1alpha1_grpc.add_DRAResourceHealthServicer_to_server(ResourceHealthV1alpha1(health), server)
+
+        # Health streams hold a worker each for their lifetime; keep room for prepare/unprepare calls.
+        self._server = UnixGrpcServer(socket_path, register, max_workers=max_workers, name="dra")
+
+    @property
+    def socket_path(self) -> Path:
+        return self._server.path
+
+    def start(self) -> None:
+        self._server.start()
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        if self.health is not None:
+            self.health.close()
+        self._server.stop(grace)

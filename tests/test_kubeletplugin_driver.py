@@ -1,0 +1,498 @@
+"""Prepare/unprepare on a simulated node: FakeNvml GPUs, simulated sharing tools, a fake driver root, claims
+from a dict. Every effect is checked where it lands: NVML's MIG state, the sharing tools' records, the CDI
+file, the checkpoint."""
+from __future__ import annotations
+
+import threading
+import uuid as uuidlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dra import hardware as mig
+from dra.cdi import CdiSpecWriter, load_spec
+from dra.checkpoint import PREPARE_STARTED, CheckpointStore, ClaimRecord, MigUndo, UndoInfo
+from dra.checkpoint import PreparedDevice as CheckpointDevice
+from dra.devices import build_devices
+from dra.fleet import nvml_for_node, parse_fleet
+from dra.hardware_sharing import MpsSupervisor, TimeSlicing
+from dra.hardware_tools import SimulatedSharingControl
+from dra.inventory import discover
+from dra.policy import parse_node_policy
+from fixtures.fake_driver_root import build_fake_driver_root
+from kubeletplugin.claims import ClaimRef, DictClaimSource
+from kubeletplugin.driver import Driver
+from kubeletplugin.metrics import PluginMetrics
+
+DRIVER = "gpu.dra-driver.io"
+NODE = "node-a"
+CDI_KIND = "k8s.gpu.dra-driver.io/claim"
+
+
+class Node:
+    """One simulated node: hardware that outlives plugin restarts, and a driver over a state directory."""
+
+    def __init__(self, base: Path, policy: dict[str, Any], gpus: list[dict[str, Any]] | None = None,
+                 time_slice_unsupported: bool = False):
+        fleet = parse_fleet({"nodes": [{"name": NODE, "gpus": gpus or [{"model": "H100-80GB", "count": 2}]}]})
+        self.nvml = nvml_for_node(fleet.node(NODE))
+        self.nvml.nvmlInit()
+        self.inventory = discover(self.nvml)
+        self.policy = parse_node_policy(policy, "test policy")
+        self.model = build_devices(self.inventory, self.policy, driver=DRIVER)
+        self.uuids = [g.uuid for g in self.inventory.gpus]
+        self.tree = build_fake_driver_root(base / "host", gpu_minors=tuple(g.minor for g in self.inventory.gpus))
+        for g in self.inventory.gpus:
+            for gi in range(15):  # GPU-instance ids follow the placement: 0..14 on 8-slice GPUs
+                self.tree.add_mig(g.minor, gi, 0)
+        self.control = SimulatedSharingControl(
+            nvml=self.nvml, time_slice_unsupported=self.uuids if time_slice_unsupported else ())
+        self.state = base / "state"
+        self.cdi_dir = base / "cdi"
+        self.boot_id = base / "boot_id"
+        self.boot_id.write_text("boot-1\n")
+        self.claims = DictClaimSource()
+        self.metrics = PluginMetrics()
+        self.driver = self.new_driver()
+
+    def new_driver(self) -> Driver:
+        """A fresh plugin process on the same state: new objects, same files and hardware."""
+        d = Driver(
+            driver_name=DRIVER, pool_name=NODE, devices=self.model.by_name, claims=self.claims,
+            checkpoint=CheckpointStore(self.state / "checkpoint.json", boot_id_path=self.boot_id),
+            cdi=CdiSpecWriter(self.cdi_dir, self.tree.driver_root()), nvml=self.nvml,
+            mps=MpsSupervisor(self.control, self.state), time_slicing=TimeSlicing(self.control),
+            metrics=self.metrics)
+        d.start()
+        return d
+
+    def restart(self) -> Driver:
+        self.driver.close()
+        self.driver = self.new_driver()
+        return self.driver
+
+    def add_claim(self, name: str, results: list[dict[str, Any]], config: list[dict[str, Any]] | None = None,
+                  uid: str | None = None, namespace: str = "default") -> ClaimRef:
+        uid = uid or str(uuidlib.uuid4())
+        full = []
+        for r in results:
+            r = dict(r)
+            r.setdefault("driver", DRIVER)
+            r.setdefault("pool", NODE)
+            full.append(r)
+        self.claims.put({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": namespace, "uid": uid},
+            "spec": {"devices": {"requests": []}},
+            "status": {"allocation": {"devices": {"results": full, "config": config or []}},
+                       "reservedFor": [{"resource": "pods", "name": f"{name}-pod", "uid": "pod-" + uid[:8]}]},
+        })
+        return ClaimRef(namespace=namespace, uid=uid, name=name)
+
+    def spec_of(self, ref: ClaimRef) -> dict[str, Any]:
+        return load_spec(self.driver.cdi.spec_path(ref.uid))
+
+    def mig_devices(self, gpu: int = 0) -> list[mig.MigLive]:
+        return mig.list_mig_devices(self.nvml, self.uuids[gpu])
+
+
+def opaque(parameters: dict[str, Any], requests: list[str] | None = None, source: str = "FromClaim",
+           driver: str = DRIVER) -> dict[str, Any]:
+    entry: dict[str, Any] = {"source": source, "opaque": {"driver": driver, "parameters": parameters}}
+    if requests:
+        entry["requests"] = requests
+    return entry
+
+
+def gpu_config(**sharing: Any) -> dict[str, Any]:
+    return {"apiVersion": "gpu.dra-driver.io/v1alpha1", "kind": "GpuConfig", "sharing": sharing}
+
+
+def ok(driver: Driver, ref: ClaimRef):
+    result = driver.prepare([ref])[ref.uid]
+    assert result.error == "", result.error
+    return result
+
+
+@pytest.fixture
+def whole(tmp_path):
+    return Node(tmp_path, {"default": {"wholeGpu": True}})
+
+
+# --------------------------------------------------------------------------------------------------- whole GPUs
+
+def test_whole_gpu_prepare_writes_cdi_and_is_idempotent(whole):
+    ref = whole.add_claim("c1", [{"request": "gpu/h100", "device": "gpu-1"}])
+    reads = whole.claims.reads
+    result = ok(whole.driver, ref)
+    assert whole.claims.reads == reads + 1
+    [dev] = result.devices
+    assert (dev.request_names, dev.pool_name, dev.device_name) == (("gpu",), NODE, "gpu-1")
+    assert dev.cdi_device_ids == (f"{CDI_KIND}={ref.uid}-gpu-1",)
+    spec = whole.spec_of(ref)
+    assert spec["kind"] == CDI_KIND
+    [cdi_dev] = spec["devices"]
+    assert cdi_dev["name"] == f"{ref.uid}-gpu-1"
+    assert [n["path"] for n in cdi_dev["containerEdits"]["deviceNodes"]] == ["/dev/nvidia1"]
+    assert f"NVIDIA_VISIBLE_DEVICES={whole.uuids[1]}" in cdi_dev["containerEdits"]["env"]
+    record = whole.driver.checkpoint.get(ref.uid)
+    assert record.completed and record.name == "c1" and [d.device for d in record.devices] == ["gpu-1"]
+
+    # Again: same answer from the checkpoint, no API read, no rewrite.
+    mtime = whole.driver.cdi.spec_path(ref.uid).stat().st_mtime_ns
+    again = ok(whole.driver, ref)
+    assert again.devices == result.devices
+    assert whole.claims.reads == reads + 1
+    assert whole.driver.cdi.spec_path(ref.uid).stat().st_mtime_ns == mtime
+
+    assert whole.driver.unprepare([ref])[ref.uid].error == ""
+    assert not whole.driver.cdi.spec_path(ref.uid).exists()
+    assert whole.driver.checkpoint.get(ref.uid) is None
+    # Unprepare is idempotent.
+    assert whole.driver.unprepare([ref])[ref.uid].error == ""
+
+
+def test_unprepare_of_unknown_claim_succeeds(whole):
+    ref = ClaimRef("default", "never-prepared", "ghost")
+    assert whole.driver.unprepare([ref]) == {ref.uid: whole.driver.unprepare([ref])[ref.uid]}
+    assert whole.driver.unprepare([ref])[ref.uid].error == ""
+
+
+def test_claim_problems_fail_only_that_claim(whole):
+    good = whole.add_claim("good", [{"request": "gpu", "device": "gpu-0"}])
+    replaced = whole.add_claim("replaced", [{"request": "gpu", "device": "gpu-1"}])
+    stale = ClaimRef(replaced.namespace, "old-uid", replaced.name)
+    whole.claims.put({"metadata": {"name": "unalloc", "namespace": "default", "uid": "u-unalloc"}, "status": {}})
+    unalloc = ClaimRef("default", "u-unalloc", "unalloc")
+    missing = ClaimRef("default", "u-missing", "missing")
+    unknown_dev = whole.add_claim("unknown", [{"request": "gpu", "device": "gpu-7"}])
+    out = whole.driver.prepare([good, stale, unalloc, missing, unknown_dev])
+    assert out[good.uid].error == ""
+    assert "has UID" in out[stale.uid].error and "re-created" in out[stale.uid].error
+    assert "not allocated" in out[unalloc.uid].error
+    assert "not found" in out[missing.uid].error
+    assert "gpu-7 is not published" in out[unknown_dev.uid].error
+    for bad in (stale, unalloc, missing, unknown_dev):
+        assert whole.driver.checkpoint.get(bad.uid) is None
+        assert not whole.driver.cdi.spec_path(bad.uid).exists()
+
+
+def test_results_of_other_drivers_and_pools_are_ignored(whole):
+    ref = whole.add_claim("mixed", [
+        {"request": "gpu", "device": "gpu-0"},
+        {"request": "nic", "device": "eth0", "driver": "net.example.com"},
+        {"request": "gpu", "device": "gpu-1", "pool": "other-node"},
+    ])
+    [dev] = ok(whole.driver, ref).devices
+    assert dev.device_name == "gpu-0"
+
+
+def test_device_is_not_handed_out_twice(whole):
+    first = whole.add_claim("first", [{"request": "gpu", "device": "gpu-0"}])
+    second = whole.add_claim("second", [{"request": "gpu", "device": "gpu-0"}])
+    ok(whole.driver, first)
+    err = whole.driver.prepare([second])[second.uid].error
+    assert "already prepared for claim default/first" in err
+    # Admin access watches a device in use: allowed.
+    admin = whole.add_claim("admin", [{"request": "gpu", "device": "gpu-0", "adminAccess": True}])
+    assert ok(whole.driver, admin).devices[0].device_name == "gpu-0"
+    whole.driver.unprepare([first])
+    assert whole.driver.prepare([second])[second.uid].error == ""
+
+
+def test_bad_config_fails_one_claim_only(whole):
+    good = whole.add_claim("good", [{"request": "gpu", "device": "gpu-0"}],
+                           [opaque(gpu_config(strategy="TimeSlicing", timeSlicing={"interval": "Long"}))])
+    bad = whole.add_claim("bad", [{"request": "gpu", "device": "gpu-1"}],
+                          [opaque(gpu_config(strategy="TimeSlicing", timeSlicing={"interval": "Forever"}))])
+    typo = whole.add_claim("typo", [{"request": "gpu", "device": "gpu-1"}],
+                           [opaque({**gpu_config(strategy="MPS"), "shareing": {}})])
+    out = whole.driver.prepare([good, bad, typo])
+    assert out[good.uid].error == ""
+    assert "config[0].opaque.parameters.sharing.timeSlicing.interval" in out[bad.uid].error
+    assert "Forever" in out[bad.uid].error
+    assert "shareing: unknown field" in out[typo.uid].error
+    assert whole.control.time_slices == {whole.uuids[0]: "Long"}
+    assert whole.driver.checkpoint.get(bad.uid) is None
+
+
+def test_claim_config_wins_over_class_config_and_specific_over_general(whole):
+    ref = whole.add_claim("prec", [{"request": "a", "device": "gpu-0"}, {"request": "b", "device": "gpu-1"}], [
+        opaque(gpu_config(strategy="TimeSlicing", timeSlicing={"interval": "Short"}), source="FromClass"),
+        opaque(gpu_config(strategy="TimeSlicing", timeSlicing={"interval": "Medium"})),
+        opaque(gpu_config(strategy="TimeSlicing", timeSlicing={"interval": "Long"}), requests=["b"]),
+    ])
+    ok(whole.driver, ref)
+    assert whole.control.time_slices == {whole.uuids[0]: "Medium", whole.uuids[1]: "Long"}
+    whole.driver.unprepare([ref])
+    assert whole.control.time_slices == {whole.uuids[0]: "Default", whole.uuids[1]: "Default"}
+
+
+def test_whole_gpu_mps_switches_compute_mode_and_back(whole):
+    ref = whole.add_claim("mps", [{"request": "gpu", "device": "gpu-0"}],
+                          [opaque(gpu_config(strategy="MPS", mps={"activeThreadPercentage": 30,
+                                                                  "pinnedMemoryLimit": "10Gi"}))])
+    ok(whole.driver, ref)
+    assert whole.control.compute_mode(whole.uuids[0]) == "EXCLUSIVE_PROCESS"
+    [daemon] = [d for d in whole.control.daemons.values() if d.alive]
+    assert daemon.active_thread_percentage == 30
+    assert daemon.pinned_memory_limits == {whole.uuids[0]: "10240M"}
+    whole.driver.unprepare([ref])
+    assert not daemon.alive
+    assert whole.control.compute_mode(whole.uuids[0]) == "DEFAULT"
+
+
+def test_claims_prepare_in_parallel(tmp_path):
+    node = Node(tmp_path, {"default": {"wholeGpu": True}}, gpus=[{"model": "L4", "count": 8}])
+    refs = [node.add_claim(f"c{i}", [{"request": "gpu", "device": f"gpu-{i}"}]) for i in range(8)]
+    seen = set()
+    lock = threading.Lock()
+    barrier = threading.Barrier(4, timeout=5)
+    original = node.claims.get_claim
+
+    def slow_get(ns, name, uid):
+        with lock:
+            seen.add(threading.get_ident())
+        if name in ("c0", "c1", "c2", "c3"):
+            barrier.wait()  # only passes if four claims are being prepared at the same time
+        return original(ns, name, uid)
+
+    node.claims.get_claim = slow_get
+    out = node.driver.prepare(refs)
+    assert all(r.error == "" for r in out.values()), out
+    assert len(seen) >= 4
+    assert node.metrics.prepared_claims._value.get() == 8
+
+
+# --------------------------------------------------------------------------------------------------- dynamic MIG
+
+@pytest.fixture
+def dynamic(tmp_path):
+    return Node(tmp_path, {"default": {"mig": "dynamic", "slots": {"count": 2, "strategy": "mps"}}})
+
+
+def test_dynamic_mig_created_at_placement_and_destroyed(dynamic):
+    assert dynamic.mig_devices() == []
+    ref = dynamic.add_claim("mig", [{"request": "mig", "device": "gpu-0-mig-1g10gb-19-6"},
+                                    {"request": "mig", "device": "gpu-0-mig-2g20gb-14-2"}])
+    devices = ok(dynamic.driver, ref).devices
+    live = dynamic.mig_devices()
+    assert sorted((m.profile_id, m.start) for m in live) == [(14, 2), (19, 6)]
+    record = dynamic.driver.checkpoint.get(ref.uid)
+    assert {(m.device, m.mig_uuid) for m in record.undo.mig_devices} == {
+        ("gpu-0-mig-1g10gb-19-6", next(m.uuid for m in live if m.start == 6)),
+        ("gpu-0-mig-2g20gb-14-2", next(m.uuid for m in live if m.start == 2))}
+    assert {d.uuid for d in record.devices} == {m.uuid for m in live}
+    spec = dynamic.spec_of(ref)
+    by_name = {d["name"]: d for d in spec["devices"]}
+    one = by_name[f"{ref.uid}-gpu-0-mig-1g10gb-19-6"]["containerEdits"]
+    paths = [n["path"] for n in one["deviceNodes"]]
+    assert paths[0] == "/dev/nvidia0" and all(p.startswith("/dev/nvidia-caps/") for p in paths[1:]) and len(paths) == 3
+    assert devices[0].cdi_device_ids == (f"{CDI_KIND}={ref.uid}-gpu-0-mig-1g10gb-19-6",)
+
+    assert dynamic.driver.unprepare([ref])[ref.uid].error == ""
+    assert dynamic.mig_devices() == []
+    handle = dynamic.nvml.nvmlDeviceGetHandleByUUID(dynamic.uuids[0])
+    assert not mig.mig_enabled(dynamic.nvml, handle)  # Hopper: switched back off with no MIG device left
+
+
+def test_mig_with_mps_config_runs_daemon_on_mig_uuid(dynamic):
+    ref = dynamic.add_claim("migmps", [{"request": "m", "device": "gpu-1-mig-3g40gb-9-4"}], [opaque({
+        "apiVersion": "gpu.dra-driver.io/v1alpha1", "kind": "MigDeviceConfig",
+        "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": 40}}})])
+    ok(dynamic.driver, ref)
+    [live] = dynamic.mig_devices(1)
+    [daemon] = [d for d in dynamic.control.daemons.values() if d.alive]
+    assert daemon.spec.visible_devices == (live.uuid,)
+    assert daemon.active_thread_percentage == 40
+    dynamic.driver.unprepare([ref])
+    assert not daemon.alive and dynamic.mig_devices(1) == []
+
+
+def test_failure_midway_undoes_what_was_done(tmp_path):
+    node = Node(tmp_path, {"default": {"mig": "dynamic", "slots": {"count": 2, "strategy": "time-slicing"}}},
+                time_slice_unsupported=True)
+    ref = node.add_claim("partial", [{"request": "m", "device": "gpu-0-mig-1g10gb-19-0"},
+                                     {"request": "s", "device": "gpu-1-slot-0"}],
+                         [opaque(gpu_config(strategy="TimeSlicing"), requests=["s"])])
+    err = node.driver.prepare([ref])[ref.uid].error
+    assert "not supported" in err
+    assert node.mig_devices(0) == []          # the MIG device created first was destroyed again
+    assert node.driver.checkpoint.get(ref.uid) is None
+    assert not node.driver.cdi.spec_path(ref.uid).exists()
+    assert node.metrics.prepare_errors.labels(reason="prepare_devices")._value.get() == 1
+
+
+def test_restart_between_prepare_and_unprepare(dynamic):
+    ref = dynamic.add_claim("survivor", [{"request": "mig", "device": "gpu-1-mig-1g20gb-15-4"},
+                                         {"request": "slot", "device": "gpu-0-slot-1"}])
+    before = ok(dynamic.driver, ref).devices
+    [live] = dynamic.mig_devices(1)
+    daemons = {k for k, d in dynamic.control.daemons.items() if d.alive}
+    driver = dynamic.restart()
+    assert dynamic.mig_devices(1) == [live]         # owned by a completed claim: kept at start-up
+    assert ok(driver, ref).devices == before        # same answer from the new process
+    dynamic.claims.delete(ref.namespace, ref.name)  # the claim may be gone by the time of unprepare
+    assert driver.unprepare([ref])[ref.uid].error == ""
+    assert dynamic.mig_devices(1) == []
+    assert not any(dynamic.control.daemons[k].alive for k in daemons)
+    assert not driver.cdi.spec_path(ref.uid).exists()
+
+
+def test_half_done_prepare_is_rolled_back_at_start(dynamic):
+    # A crash after creating a MIG device and recording it, before PrepareCompleted.
+    live = mig.create_mig_device(dynamic.nvml, dynamic.uuids[0], 19, 3)
+    dynamic.driver.checkpoint.put(ClaimRecord(
+        uid="crashed", namespace="default", name="crashed", state=PREPARE_STARTED,
+        devices=(CheckpointDevice(device="gpu-0-mig-1g10gb-19-3", pool=NODE, requests=("m",)),),
+        undo=UndoInfo(mig_devices=(MigUndo(device="gpu-0-mig-1g10gb-19-3", parent_uuid=dynamic.uuids[0],
+                                           gi_id=live.gi_id, ci_id=live.ci_id, mig_uuid=live.uuid,
+                                           profile_id=19, start=3),))))
+    # And one created but never recorded (crash between creation and checkpoint write).
+    orphan = mig.create_mig_device(dynamic.nvml, dynamic.uuids[1], 14, 0)
+    report = dynamic.restart().checkpoint.claims()
+    assert report == {}
+    assert dynamic.mig_devices(0) == [] and dynamic.mig_devices(1) == []
+    assert orphan.uuid != live.uuid
+
+
+def test_half_done_prepare_is_rolled_back_before_retry(dynamic):
+    ref = dynamic.add_claim("retry", [{"request": "m", "device": "gpu-0-mig-1g10gb-19-5"}])
+    stale = mig.create_mig_device(dynamic.nvml, dynamic.uuids[0], 19, 5)
+    dynamic.driver.checkpoint.put(ClaimRecord(
+        uid=ref.uid, namespace=ref.namespace, name=ref.name, state=PREPARE_STARTED,
+        undo=UndoInfo(mig_devices=(MigUndo(device="gpu-0-mig-1g10gb-19-5", parent_uuid=dynamic.uuids[0],
+                                           gi_id=stale.gi_id, ci_id=stale.ci_id, mig_uuid=stale.uuid,
+                                           profile_id=19, start=5),))))
+    ok(dynamic.driver, ref)
+    [live] = dynamic.mig_devices(0)
+    assert live.start == 5 and live.uuid != stale.uuid   # the stale one was destroyed, a new one created
+
+
+def test_static_mig_is_never_destroyed_at_start(tmp_path):
+    node = Node(tmp_path, {"default": {"mig": "static"}},
+                gpus=[{"model": "H100-80GB", "count": 1,
+                       "mig": {"enabled": True, "instances": [{"profile": "3g.40gb", "start": 0}]}}])
+    before = node.mig_devices()
+    assert len(before) == 1
+    node.restart()
+    assert node.mig_devices() == before
+    name = next(d.name for d in node.model.devices if d.kind == "mig")
+    ref = node.add_claim("static", [{"request": "m", "device": name}])
+    spec_dev = None
+    ok(node.driver, ref)
+    spec_dev = node.spec_of(ref)["devices"][0]
+    assert f"NVIDIA_VISIBLE_DEVICES={before[0].uuid}" in spec_dev["containerEdits"]["env"]
+    node.driver.unprepare([ref])
+    assert node.mig_devices() == before          # static partitions survive unprepare
+
+
+# --------------------------------------------------------------------------------------------------- slots and shares
+
+def test_time_slicing_slots_share_interval_until_last_claim_leaves(tmp_path):
+    node = Node(tmp_path, {"default": {"slots": {"count": 4, "strategy": "time-slicing"}}})
+    cfg = [opaque(gpu_config(strategy="TimeSlicing", timeSlicing={"interval": "Long"}))]
+    a = node.add_claim("a", [{"request": "s", "device": "gpu-0-slot-0"}], cfg)
+    b = node.add_claim("b", [{"request": "s", "device": "gpu-0-slot-1"}], cfg)
+    c = node.add_claim("c", [{"request": "s", "device": "gpu-0-slot-2"}],
+                       [opaque(gpu_config(strategy="TimeSlicing", timeSlicing={"interval": "Short"}))])
+    plain = node.add_claim("plain", [{"request": "s", "device": "gpu-0-slot-3"}])
+    ok(node.driver, a)
+    ok(node.driver, b)
+    assert "interval Long" in node.driver.prepare([c])[c.uid].error
+    ok(node.driver, plain)                               # no config: leaves the interval alone
+    assert node.control.time_slices[node.uuids[0]] == "Long"
+    node.driver.unprepare([a])
+    assert node.control.time_slices[node.uuids[0]] == "Long"
+    node.driver.unprepare([b])
+    assert node.control.time_slices[node.uuids[0]] == "Default"
+    mps = node.add_claim("wrong", [{"request": "s", "device": "gpu-0-slot-0"}],
+                         [opaque(gpu_config(strategy="MPS"))])
+    assert "MPS does not apply to a time-slicing slot" in node.driver.prepare([mps])[mps.uid].error
+
+
+def test_mps_slot_daemon_limits_and_cdi(dynamic):
+    ref = dynamic.add_claim("slot", [{"request": "s", "device": "gpu-1-slot-0"}])
+    [dev] = ok(dynamic.driver, ref).devices
+    [daemon] = [d for d in dynamic.control.daemons.values() if d.alive]
+    slot = dynamic.model.by_name()["gpu-1-slot-0"]
+    assert daemon.active_thread_percentage == 50
+    assert daemon.pinned_memory_limits == {dynamic.uuids[1]: f"{slot.mps_memory_limit_mib}M"}
+    assert dynamic.control.compute_mode(dynamic.uuids[1]) == "DEFAULT"   # slots share the GPU
+    edits = dynamic.spec_of(ref)["devices"][0]["containerEdits"]
+    assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in edits["env"]
+    assert {m["hostPath"] for m in edits["mounts"]} >= {daemon.spec.pipe_dir, daemon.spec.log_dir}
+    assert Path(daemon.spec.pipe_dir).is_dir()
+    # A second claim on the other slot of the same GPU gets its own daemon.
+    other = dynamic.add_claim("slot2", [{"request": "s", "device": "gpu-1-slot-1"}],
+                              [opaque(gpu_config(strategy="MPS", mps={"activeThreadPercentage": 20}))])
+    ok(dynamic.driver, other)
+    assert sorted(d.active_thread_percentage for d in dynamic.control.daemons.values() if d.alive) == [20, 50]
+    dynamic.driver.unprepare([ref, other])
+    assert not any(d.alive for d in dynamic.control.daemons.values())
+    assert not Path(daemon.spec.pipe_dir).exists()
+
+
+def test_memory_share_limit_is_consumed_capacity_and_share_id_returned(tmp_path):
+    node = Node(tmp_path, {"default": {"memoryShares": {"minimum": "1Gi", "step": "1Gi", "strategy": "mps"}}})
+    a = node.add_claim("a", [{"request": "mem", "device": "gpu-0-shared", "shareID": "s-1",
+                              "consumedCapacity": {"memory": "8Gi"}}])
+    b = node.add_claim("b", [{"request": "mem", "device": "gpu-0-shared", "shareID": "s-2",
+                              "consumedCapacity": {"memory": "4Gi"}}])
+    [da] = ok(node.driver, a).devices
+    [db] = ok(node.driver, b).devices           # shared device: no double-allocation refusal
+    assert (da.share_id, db.share_id) == ("s-1", "s-2")
+    assert da.cdi_device_ids == (f"{CDI_KIND}={a.uid}-gpu-0-shared-s-1",)
+    limits = sorted(d.pinned_memory_limits[node.uuids[0]] for d in node.control.daemons.values() if d.alive)
+    assert limits == ["4096M", "8192M"]
+    too_big = node.add_claim("big", [{"request": "mem", "device": "gpu-0-shared", "shareID": "s-3",
+                                      "consumedCapacity": {"memory": "2Gi"}}],
+                             [opaque(gpu_config(strategy="MPS", mps={"pinnedMemoryLimit": "3Gi"}))])
+    assert "exceeds the 2Gi" in node.driver.prepare([too_big])[too_big.uid].error
+
+
+def test_dead_mps_daemon_is_restarted_with_its_limits(dynamic):
+    ref = dynamic.add_claim("mps", [{"request": "s", "device": "gpu-0-slot-0"}])
+    ok(dynamic.driver, ref)
+    [(pipe, daemon)] = [(k, d) for k, d in dynamic.control.daemons.items() if d.alive]
+    dynamic.control.kill_mps_daemon(pipe)
+    assert dynamic.driver.supervise_mps() == [Path(pipe).parent.name]
+    again = dynamic.control.daemons[pipe]
+    assert again.alive and again is not daemon
+    assert again.active_thread_percentage == 50 and again.pinned_memory_limits == daemon.pinned_memory_limits
+
+
+def test_whole_gpu_on_dynamic_mig_gpu_needs_mig_mode_off(dynamic):
+    handle = dynamic.nvml.nvmlDeviceGetHandleByUUID(dynamic.uuids[0])
+    mig.ensure_mig_enabled(dynamic.nvml, dynamic.uuids[0])       # left on, no MIG device: switched off
+    whole = dynamic.add_claim("whole", [{"request": "g", "device": "gpu-0"}])
+    ok(dynamic.driver, whole)
+    assert not mig.mig_enabled(dynamic.nvml, handle)
+    dynamic.driver.unprepare([whole])
+    stray = mig.create_mig_device(dynamic.nvml, dynamic.uuids[0], 19, 0)   # someone else's MIG device
+    err = dynamic.driver.prepare([whole])[whole.uid].error
+    assert "in MIG mode with MIG devices present" in err
+    assert stray.uuid in {m.uuid for m in dynamic.mig_devices(0)}          # not touched
+
+
+def test_nvidia_configs_only_in_compat_mode():
+    from kubeletplugin.plan import PlanError, plan_claim
+
+    gpu = build_devices(discover(_l4_nvml()), parse_node_policy({}, "p"), driver="gpu.nvidia.com").by_name()
+    claim = {"metadata": {"name": "c", "namespace": "ns", "uid": "u"}, "status": {"allocation": {"devices": {
+        "results": [{"request": "gpu", "driver": "gpu.nvidia.com", "pool": NODE, "device": "gpu-0"}],
+        "config": [opaque({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+                           "sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 25}}},
+                          driver="gpu.nvidia.com")]}}}}
+    [plan] = plan_claim(claim, driver_name="gpu.nvidia.com", pool_name=NODE, devices=gpu, compat_nvidia=True)
+    assert plan.mps is not None and plan.mps.thread_percentage == 25
+    with pytest.raises(PlanError, match="compatibility mode"):
+        plan_claim(claim, driver_name="gpu.nvidia.com", pool_name=NODE, devices=gpu, compat_nvidia=False)
+
+
+def _l4_nvml():
+    fleet = parse_fleet({"nodes": [{"name": NODE, "gpus": [{"model": "L4", "count": 1}]}]})
+    nvml = nvml_for_node(fleet.node(NODE))
+    nvml.nvmlInit()
+    return nvml

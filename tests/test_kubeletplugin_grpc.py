@@ -1,0 +1,236 @@
+"""Registration, DRA v1/v1beta1 and health servers over real unix sockets, driven through the generated
+stubs the way the kubelet calls them."""
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from api.generated.dra.v1 import api_pb2 as v1_pb
+from api.generated.dra.v1 import api_pb2_grpc as v1_grpc
+from api.generated.dra.v1beta1 import api_pb2 as v1beta1_pb
+from api.generated.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
+from api.generated.dra_health.v1 import api_pb2 as h1_pb
+from api.generated.dra_health.v1 import api_pb2_grpc as h1_grpc
+from api.generated.dra_health.v1alpha1 import api_pb2 as h1a1_pb
+from api.generated.dra_health.v1alpha1 import api_pb2_grpc as h1a1_grpc
+from api.generated.pluginregistration.v1 import api_pb2 as reg_pb
+from api.generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from kubeletplugin.claims import ClaimRef
+from kubeletplugin.health import DeviceHealth, HealthBoard, health_from_taints
+from kubeletplugin.registration import RegistrationServer, supported_services
+from kubeletplugin.results import PreparedDevice, PrepareResult, UnprepareResult
+from kubeletplugin.server import DRAServer
+from kubeletplugin.sockets import MAX_UNIX_PATH, SocketPathError, socket_paths
+
+DRIVER = "gpu.dra-driver.io"
+
+
+@pytest.fixture
+def short_tmp():
+    # pytest's tmp_path can exceed the 107-byte AF_UNIX limit; sockets need a short directory.
+    import tempfile
+    import shutil
+    d = Path(tempfile.mkdtemp(prefix="kp-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def channel(path: Path) -> grpc.Channel:
+    return grpc.insecure_channel(f"unix://{path}")
+
+
+class RecordingDriver:
+    """Answers prepare with one device per claim; a claim named 'bad' fails."""
+
+    def __init__(self):
+        self.prepared: list[list[ClaimRef]] = []
+        self.unprepared: list[list[ClaimRef]] = []
+
+    def prepare(self, claims):
+        self.prepared.append(list(claims))
+        out = {}
+        for c in claims:
+            if c.name == "bad":
+                out[c.uid] = PrepareResult(error="opaque config: unknown field 'x'")
+            else:
+                out[c.uid] = PrepareResult(devices=(PreparedDevice(
+                    request_names=("gpu",), pool_name="node-a", device_name="gpu-0-shared",
+                    cdi_device_ids=(f"k8s.{DRIVER}/claim={c.uid}-gpu-0-shared",), share_id="share-1"),))
+        return out
+
+    def unprepare(self, claims):
+        self.unprepared.append(list(claims))
+        return {c.uid: UnprepareResult(error="busy" if c.name == "bad" else "") for c in claims}
+
+
+def test_socket_names_default_and_rolling_update(short_tmp):
+    p = socket_paths(DRIVER, short_tmp / "reg", short_tmp / "plugins" / DRIVER)
+    assert p.registration == short_tmp / "reg" / f"{DRIVER}-reg.sock"
+    assert p.dra == short_tmp / "plugins" / DRIVER / "dra.sock"
+    uid = "0f6c8a6e-3d0b-4d0c-9d7e-7d8f1f2b3c4d"
+    r = socket_paths(DRIVER, short_tmp / "reg", short_tmp / "p", pod_uid=uid)
+    assert r.registration.name == f"{DRIVER}-{uid}-reg.sock"
+    assert r.dra.name == f"dra-{uid}.sock"
+
+
+def test_rolling_update_names_shortened_to_fit_af_unix():
+    uid = "0f6c8a6e-3d0b-4d0c-9d7e-7d8f1f2b3c4d"
+    long_dir = "/var/lib/kubelet/" + "x" * 40
+    p = socket_paths(DRIVER, long_dir, long_dir, pod_uid=uid)
+    assert len(str(p.registration)) <= MAX_UNIX_PATH and len(str(p.dra)) <= MAX_UNIX_PATH
+    assert uid not in p.registration.name          # hashed form
+    other = socket_paths(DRIVER, long_dir, long_dir, pod_uid=uid.replace("0f", "1f"))
+    assert other.registration != p.registration and other.dra != p.dra
+    with pytest.raises(SocketPathError, match="longer than"):
+        socket_paths(DRIVER, "/" + "y" * 120, "/tmp", pod_uid=uid)
+
+
+def test_registration_getinfo_and_notify(short_tmp):
+    paths = socket_paths(DRIVER, short_tmp / "reg", short_tmp / "plugin")
+    # A stale socket from an earlier run is replaced.
+    paths.registration.parent.mkdir(parents=True)
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(paths.registration))
+    stale.close()
+    statuses = []
+    server = RegistrationServer(DRIVER, paths.registration, paths.dra, supported_services(),
+                                on_status=lambda ok, err: statuses.append((ok, err)))
+    server.start()
+    try:
+        assert stat.S_IMODE(os.stat(paths.registration).st_mode) == 0o600
+        with channel(paths.registration) as ch:
+            stub = reg_grpc.RegistrationStub(ch)
+            info = stub.GetInfo(reg_pb.InfoRequest(), timeout=1)
+            assert info.type == "DRAPlugin"
+            assert info.name == DRIVER
+            assert info.endpoint == str(paths.dra)
+            assert list(info.supported_versions)[:2] == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+            assert "v1alpha1.DRAResourceHealth" in info.supported_versions
+            assert "v1.DRAResourceHealth" in info.supported_versions
+
+            stub.NotifyRegistrationStatus(reg_pb.RegistrationStatus(plugin_registered=False, error="no"), timeout=5)
+            assert not server.state.registered and server.state.last_error == "no"
+            # Still serving after a rejection: the kubelet retries from GetInfo.
+            assert stub.GetInfo(reg_pb.InfoRequest(), timeout=1).name == DRIVER
+            stub.NotifyRegistrationStatus(reg_pb.RegistrationStatus(plugin_registered=True), timeout=5)
+            assert server.state.registered
+            assert statuses == [(False, "no"), (True, "")]
+    finally:
+        server.stop()
+    assert not paths.registration.exists()
+
+
+def test_stale_path_that_is_not_a_socket_is_refused(short_tmp):
+    path = short_tmp / "reg.sock"
+    path.write_text("not a socket")
+    server = RegistrationServer(DRIVER, path, short_tmp / "dra.sock", supported_services())
+    with pytest.raises(SocketPathError, match="not a unix socket"):
+        server.start()
+    assert path.read_text() == "not a socket"
+
+
+def test_dra_v1_and_v1beta1_share_one_handler(short_tmp):
+    driver = RecordingDriver()
+    server = DRAServer(short_tmp / "dra.sock", driver)
+    server.start()
+    try:
+        assert stat.S_IMODE(os.stat(short_tmp / "dra.sock").st_mode) == 0o600
+        with channel(short_tmp / "dra.sock") as ch:
+            req1 = v1_pb.NodePrepareResourcesRequest(claims=[
+                v1_pb.Claim(namespace="ns", uid="u1", name="good"),
+                v1_pb.Claim(namespace="ns", uid="u2", name="bad")])
+            r1 = v1_grpc.DRAPluginStub(ch).NodePrepareResources(req1, timeout=5)
+            assert set(r1.claims) == {"u1", "u2"}
+            assert r1.claims["u2"].error.startswith("opaque config")
+            dev = r1.claims["u1"].devices[0]
+            assert (list(dev.request_names), dev.pool_name, dev.device_name) == (["gpu"], "node-a", "gpu-0-shared")
+            assert list(dev.cdi_device_ids) == [f"k8s.{DRIVER}/claim=u1-gpu-0-shared"]
+            assert dev.HasField("share_id") and dev.share_id == "share-1"
+
+            req2 = v1beta1_pb.NodePrepareResourcesRequest(claims=[v1beta1_pb.Claim(namespace="ns", uid="u3", name="x")])
+            r2 = v1beta1_grpc.DRAPluginStub(ch).NodePrepareResources(req2, timeout=5)
+            assert r2.claims["u3"].devices[0].device_name == "gpu-0-shared"
+            assert not r2.claims["u3"].error
+
+            un = v1beta1_grpc.DRAPluginStub(ch).NodeUnprepareResources(v1beta1_pb.NodeUnprepareResourcesRequest(
+                claims=[v1beta1_pb.Claim(namespace="ns", uid="u1", name="good"),
+                        v1beta1_pb.Claim(namespace="ns", uid="u2", name="bad")]), timeout=5)
+            assert set(un.claims) == {"u1", "u2"}
+            assert un.claims["u1"].error == "" and un.claims["u2"].error == "busy"
+
+            # An empty request (used by liveness probes) is answered without calling the driver.
+            empty = v1_grpc.DRAPluginStub(ch).NodePrepareResources(v1_pb.NodePrepareResourcesRequest(), timeout=5)
+            assert len(empty.claims) == 0
+
+            with pytest.raises(grpc.RpcError) as err:
+                v1_grpc.DRAPluginStub(ch).NodePrepareResources(v1_pb.NodePrepareResourcesRequest(
+                    claims=[v1_pb.Claim(namespace="ns", uid="", name="x")]), timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert [c.uid for c in driver.prepared[0]] == ["u1", "u2"]
+        assert [c.uid for c in driver.prepared[1]] == ["u3"]
+        assert len(driver.prepared) == 2
+    finally:
+        server.stop()
+    assert not (short_tmp / "dra.sock").exists()
+
+
+def test_health_from_taints():
+    assert health_from_taints([]) == ("Healthy", "")
+    assert health_from_taints([{"key": "gpu.dra-driver.io/xid", "value": "13", "effect": "None"}]) == ("Healthy", "")
+    status, msg = health_from_taints([{"key": "gpu.dra-driver.io/xid", "value": "79", "effect": "NoSchedule"}])
+    assert status == "Unhealthy" and "xid=79" in msg
+
+
+@pytest.mark.parametrize("pb,grpc_mod", [(h1_pb, h1_grpc), (h1a1_pb, h1a1_grpc)], ids=["v1", "v1alpha1"])
+def test_health_stream_full_snapshots_on_change_and_periodically(short_tmp, pb, grpc_mod):
+    board = HealthBoard(resend_interval=0.3, timeout_seconds=45)
+    board.set_from_taints("node-a", ["gpu-0", "gpu-1"], {})
+    server = DRAServer(short_tmp / "dra.sock", RecordingDriver(), health=board)
+    server.start()
+    try:
+        with channel(short_tmp / "dra.sock") as ch:
+            stream = grpc_mod.DRAResourceHealthStub(ch).NodeWatchResources(pb.NodeWatchResourcesRequest(), timeout=10)
+            first = next(stream)
+            assert [(d.device.pool_name, d.device.device_name, d.health) for d in first.devices] == [
+                ("node-a", "gpu-0", pb.HEALTHY), ("node-a", "gpu-1", pb.HEALTHY)]
+            assert first.devices[0].health_check_timeout_seconds == 45
+            t0 = time.monotonic()
+            again = next(stream)  # nothing changed: re-sent after the interval
+            assert time.monotonic() - t0 >= 0.2
+            assert len(again.devices) == 2
+            threading.Timer(0.05, lambda: board.set_from_taints(
+                "node-a", ["gpu-0", "gpu-1"],
+                {"gpu-1": [{"key": "gpu.dra-driver.io/gpu-lost", "effect": "NoSchedule"}]})).start()
+            changed = next(stream)
+            while all(d.health == pb.HEALTHY for d in changed.devices):
+                changed = next(stream)
+            by_name = {d.device.device_name: d for d in changed.devices}
+            assert by_name["gpu-1"].health == pb.UNHEALTHY and "gpu-lost" in by_name["gpu-1"].message
+            assert by_name["gpu-0"].health == pb.HEALTHY
+            stream.cancel()
+    finally:
+        server.stop()
+
+
+def test_health_board_watch_ends_on_close():
+    board = HealthBoard(resend_interval=5)
+    board.replace([DeviceHealth("p", "gpu-0", "Healthy")])
+    seen = []
+
+    def consume():
+        for snap in board.watch():
+            seen.append(snap)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    time.sleep(0.1)
+    board.close()
+    t.join(timeout=3)
+    assert not t.is_alive() and len(seen) == 1

@@ -1,0 +1,170 @@
+"""The plugin process on a simulated fleet node, without an API server: sockets, registration, prepare through
+the DRA socket, the health stream following NVML events, clean shutdown that leaves claims prepared, and the
+command line."""
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+import uuid as uuidlib
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+
+from api.generated.dra.v1 import api_pb2 as v1_pb
+from api.generated.dra.v1 import api_pb2_grpc as v1_grpc
+from api.generated.dra_health.v1alpha1 import api_pb2 as h_pb
+from api.generated.dra_health.v1alpha1 import api_pb2_grpc as h_grpc
+from api.generated.pluginregistration.v1 import api_pb2 as reg_pb
+from api.generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from cli.main import build_parser
+from cli.kubeletplugin_cmd import options_from_args
+from dra.cdi import load_spec
+from dra.slices import ApiFeatures
+from kubeletplugin.claims import DictClaimSource
+from kubeletplugin.plugin import KubeletPlugin, PluginConfigError, PluginOptions, load_node_policy
+
+DRIVER = "gpu.dra-driver.io"
+NODE = "node-a"
+
+
+@pytest.fixture
+def base():
+    d = Path(tempfile.mkdtemp(prefix="kpp-", dir="/tmp"))  # short: unix socket paths are limited
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def write_fleet(base: Path) -> Path:
+    path = base / "fleet.yaml"
+    path.write_text(yaml.safe_dump({"nodes": [{
+        "name": NODE, "gpus": [{"model": "H100-80GB", "count": 2}],
+        "policy": {"default": {"mig": "dynamic", "slots": {"count": 2, "strategy": "time-slicing"}}}}]}))
+    return path
+
+
+def make_plugin(base: Path, claims: DictClaimSource, pod_uid: str | None = None) -> KubeletPlugin:
+    opts = PluginOptions(
+        node_name=NODE, registry_dir=str(base / "reg"), plugin_dir=str(base / "plug"), cdi_root=str(base / "cdi"),
+        driver_root=str(base / "noroot"), proc_root=str(base / "noproc"), dev_root=str(base / "nodev"),
+        fleet=str(write_fleet(base)), boot_id_path=str(base / "boot_id"), health_interval=0.5,
+        health_wait_ms=100, pod_uid=pod_uid)
+    (base / "boot_id").write_text("b1\n")
+    return KubeletPlugin(opts, claim_source=claims, publish=False, features=ApiFeatures.all())
+
+
+def claim(name: str, device: str, uid: str | None = None) -> dict:
+    return {"metadata": {"name": name, "namespace": "ns", "uid": uid or str(uuidlib.uuid4())},
+            "status": {"allocation": {"devices": {"results": [
+                {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": device}]}}}}
+
+
+def test_plugin_serves_kubelet_and_leaves_claims_prepared_on_shutdown(base):
+    claims = DictClaimSource()
+    c = claim("mig", "gpu-1-mig-1g10gb-19-6")
+    claims.put(c)
+    uid = c["metadata"]["uid"]
+    plugin = make_plugin(base, claims)
+    plugin.start()
+    reg_sock = base / "reg" / f"{DRIVER}-reg.sock"
+    dra_sock = base / "plug" / "dra.sock"
+    try:
+        assert reg_sock.exists() and dra_sock.exists()
+        with grpc.insecure_channel(f"unix://{reg_sock}") as ch:
+            info = reg_grpc.RegistrationStub(ch).GetInfo(reg_pb.InfoRequest(), timeout=1)
+            assert (info.type, info.name, info.endpoint) == ("DRAPlugin", DRIVER, str(dra_sock))
+            reg_grpc.RegistrationStub(ch).NotifyRegistrationStatus(
+                reg_pb.RegistrationStatus(plugin_registered=True), timeout=5)
+        assert plugin.registration.state.registered
+        assert plugin.metrics.registered._value.get() == 1
+
+        with grpc.insecure_channel(f"unix://{dra_sock}") as ch:
+            resp = v1_grpc.DRAPluginStub(ch).NodePrepareResources(v1_pb.NodePrepareResourcesRequest(
+                claims=[v1_pb.Claim(namespace="ns", uid=uid, name="mig")]), timeout=10)
+            assert resp.claims[uid].error == ""
+            [dev] = resp.claims[uid].devices
+            assert dev.device_name == "gpu-1-mig-1g10gb-19-6"
+            spec = load_spec(base / "cdi" / f"k8s.{DRIVER}-claim_{uid}.yaml")
+            nodes = [n["path"] for n in spec["devices"][0]["containerEdits"]["deviceNodes"]]
+            assert nodes[0] == "/dev/nvidia1" and len(nodes) == 3   # synthetic nodes on a simulated node
+            assert plugin.metrics.devices.labels(state="prepared")._value.get() == 1
+            assert plugin.metrics.prepared_claims._value.get() == 1
+
+            # Health: a fatal XID on GPU 0 makes its devices unhealthy in the stream.
+            stream = h_grpc.DRAResourceHealthStub(ch).NodeWatchResources(h_pb.NodeWatchResourcesRequest(), timeout=20)
+            first = next(stream)
+            names = {d.device.device_name for d in first.devices}
+            assert {"gpu-0", "gpu-1", "gpu-0-slot-1"} <= names
+            assert all(d.health == h_pb.HEALTHY for d in first.devices)
+            plugin.nvml.inject_xid(plugin.inventory.gpus[0].uuid, 79)
+            deadline = time.monotonic() + 10
+            for msg in stream:
+                health = {d.device.device_name: d.health for d in msg.devices}
+                if health["gpu-0"] == h_pb.UNHEALTHY:
+                    break
+                assert time.monotonic() < deadline, "XID never reached the health stream"
+            assert health["gpu-0-slot-0"] == h_pb.UNHEALTHY and health["gpu-1"] == h_pb.HEALTHY
+            stream.cancel()
+        assert plugin.metrics.devices.labels(state="prepared")._value.get() == 1
+        assert plugin.metrics.devices.labels(state="unhealthy")._value.get() > 0
+    finally:
+        plugin.stop()
+    assert not reg_sock.exists() and not dra_sock.exists()
+    # Shutdown does not unprepare: the CDI spec, the MIG device and the checkpoint entry remain.
+    assert (base / "cdi" / f"k8s.{DRIVER}-claim_{uid}.yaml").exists()
+    assert plugin.driver.checkpoint.get(uid).completed
+    assert len(plugin.driver.checkpoint.get(uid).undo.mig_devices) == 1
+
+
+def test_rolling_update_socket_names_and_file_lock(base):
+    claims = DictClaimSource()
+    pod = "5d1e7c3a-0000-4000-8000-00000000beef"
+    plugin = make_plugin(base, claims, pod_uid=pod)
+    plugin.start()
+    try:
+        assert (base / "reg" / f"{DRIVER}-{pod}-reg.sock").exists()
+        assert (base / "plug" / f"dra-{pod}.sock").exists()
+        c = claim("whole", "gpu-0")
+        claims.put(c)
+        from kubeletplugin.claims import ClaimRef
+        ref = ClaimRef("ns", c["metadata"]["uid"], "whole")
+        assert plugin.driver.prepare([ref])[ref.uid].error == ""
+        assert (base / "plug" / "serialize.lock").exists()
+    finally:
+        plugin.stop()
+
+
+def test_node_policy_file_errors_name_the_file(base):
+    bad = base / "policy.yaml"
+    bad.write_text("default:\n  mig: sometimes\n")
+    with pytest.raises(PluginConfigError, match="policy.yaml.*mig"):
+        load_node_policy(str(bad))
+    with pytest.raises(PluginConfigError, match="missing.yaml"):
+        load_node_policy(str(base / "missing.yaml"))
+    good = base / "good.yaml"
+    good.write_text("default:\n  slots: {count: 3}\n")
+    assert load_node_policy(str(good)).default.slots.count == 3
+
+
+def test_command_line_flags_and_environment(monkeypatch):
+    monkeypatch.setenv("NODE_NAME", "node-x")
+    monkeypatch.setenv("POD_UID", "pod-1")
+    monkeypatch.setenv("HEALTH_INTERVAL", "7")
+    args = build_parser().parse_args(["kubelet-plugin", "--compat-nvidia", "--cdi-root", "/tmp/cdi",
+                                      "--fleet", "f.yaml"])
+    opts = options_from_args(args)
+    assert opts.node_name == "node-x" and opts.pod_uid == "pod-1" and opts.health_interval == 7.0
+    assert opts.driver_name == "gpu.nvidia.com" and opts.compat_nvidia
+    assert opts.cdi_root == "/tmp/cdi" and opts.fleet == "f.yaml"
+    assert opts.plugin_directory == Path("/var/lib/kubelet/plugins/gpu.nvidia.com")
+    assert opts.registry_dir == "/var/lib/kubelet/plugins_registry"
+
+
+def test_command_requires_node_name(monkeypatch, capsys):
+    monkeypatch.delenv("NODE_NAME", raising=False)
+    from cli.main import main
+
+    assert main(["kubelet-plugin", "--fleet", "x.yaml"]) == 2
+    assert "--node-name" in capsys.readouterr().err
