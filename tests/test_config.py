@@ -14,7 +14,6 @@ from api.config import (
     MigDeviceConfig,
     check_config_for_device_type,
     decode_opaque_config,
-    decode_sharing_defaults,
     encode_opaque_config,
     merge_allocation_configs,
     merge_configs,
@@ -282,15 +281,6 @@ def test_config_kind_must_fit_the_device_type() -> None:
         check_config_for_device_type(gpu, "mig")
     with pytest.raises(ConfigError, match="MigDeviceConfig cannot configure a 'gpu' device"):
         check_config_for_device_type(mig, "gpu")
-
-
-def test_sharing_defaults() -> None:
-    defaults = decode_sharing_defaults({"timeSlicing": {"interval": "Short"}, "mps": {"pinnedMemoryLimit": "2Gi"}})
-    assert defaults.time_slicing.interval == "Short" and defaults.mps.pinned_memory_limit == 2 * GI
-    assert decode_sharing_defaults(None).mps is None
-    with pytest.raises(ConfigError) as info:
-        decode_sharing_defaults({"mps": {"activeThreadPercentage": 0}})
-    assert info.value.problems[0][0] == "sharing.mps.activeThreadPercentage"
 
 
 # --- precedence --------------------------------------------------------------------------------------

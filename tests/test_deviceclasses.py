@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 import yaml
 
-from api.config import decode_sharing_defaults
 from api.deviceclasses import (
     CHART_DRIVER_PLACEHOLDER,
     FAMILIES,
@@ -251,11 +250,6 @@ def test_values_have_the_documented_keys() -> None:
     assert values["controller"]["replicas"] == 1
 
 
-def test_sharing_defaults_in_values_are_valid_config() -> None:
-    defaults = decode_sharing_defaults(_values()["sharing"])
-    assert defaults.time_slicing is not None and defaults.time_slicing.interval == "Default"
-
-
 def _templates() -> dict[str, str]:
     return {p.name: p.read_text() for p in (CHART / "templates").iterdir() if p.is_file()}
 
@@ -348,3 +342,22 @@ def test_controller_deployment_passes_flags_the_controller_accepts() -> None:
 def test_node_policy_in_values_is_a_valid_policy() -> None:
     policy = parse_node_policy(_values()["nodePolicy"], "values.yaml nodePolicy")
     assert policy is not None
+
+
+def test_kubelet_plugin_env_in_chart_is_read_by_the_command() -> None:
+    """The DaemonSet configures `gpu-dra kubelet-plugin` only through environment variables, so every
+    variable it sets must be one the command reads (or one kept for the runtime, NVIDIA_VISIBLE_DEVICES)."""
+    import argparse
+    import re as _re
+
+    from cli import kubeletplugin_cmd
+
+    template = (CHART / "templates" / "kubelet-plugin.yaml").read_text()
+    env_block = template.split("env:", 1)[1].split("volumeMounts:", 1)[0]
+    set_by_chart = set(_re.findall(r"^\s*- name: ([A-Z_]+)\s*$", env_block, flags=_re.M))
+    parser = argparse.ArgumentParser()
+    kubeletplugin_cmd.add_arguments(parser)
+    helps = " ".join(action.help or "" for action in parser._actions)
+    read_by_command = set(_re.findall(r"\[env ([A-Z_]+)\]", helps))
+    assert set_by_chart, "no env found in the kubelet-plugin template"
+    assert set_by_chart - read_by_command == {"NVIDIA_VISIBLE_DEVICES"}

@@ -9,7 +9,6 @@ from api.config.decode import (
     CONFIG_KIND_FOR_DEVICE_TYPE,
     check_config_for_device_type,
     decode_opaque_config,
-    decode_sharing_defaults,
     encode_opaque_config,
 )
 from api.config.errors import ConfigError
@@ -23,13 +22,12 @@ from api.config.v1alpha1 import (
     MigDeviceConfig,
     MigSharing,
     MpsConfig,
-    SharingDefaults,
     TimeSlicingConfig,
 )
 
 __all__ = [
     "CONFIG_KIND_FOR_DEVICE_TYPE", "TIMESLICE_VALUES", "ConfigEntry", "ConfigError", "DeviceConfig", "GpuConfig",
-    "GpuSharing", "MemoryLimit", "MigDeviceConfig", "MigSharing", "MpsConfig", "Quantity", "SharingDefaults",
-    "TimeSlicingConfig", "check_config_for_device_type", "decode_opaque_config", "decode_sharing_defaults",
+    "GpuSharing", "MemoryLimit", "MigDeviceConfig", "MigSharing", "MpsConfig", "Quantity",
+    "TimeSlicingConfig", "check_config_for_device_type", "decode_opaque_config",
     "encode_opaque_config", "merge_allocation_configs", "merge_configs", "quantity_bytes",
 ]

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ValidationError
 
 from api.config.errors import ConfigError, describe, problems_from_validation_error
 from api.config.nvidia import NvidiaGpuConfig, NvidiaMigDeviceConfig
-from api.config.v1alpha1 import DeviceConfig, GpuConfig, MigDeviceConfig, SharingDefaults
+from api.config.v1alpha1 import DeviceConfig, GpuConfig, MigDeviceConfig
 from api.names import CONFIG_API_VERSION, NVIDIA_CONFIG_API_VERSION
 
 # apiVersion -> kind -> type. NVIDIA's version is only consulted in compatibility mode.
@@ -82,12 +82,3 @@ def check_config_for_device_type(config: DeviceConfig, device_type: str) -> None
         raise ConfigError([("kind", f"{config.kind} cannot configure a {device_type!r} device; use {wanted}")],
                           api_version=config.api_version, kind=config.kind)
 
-
-def decode_sharing_defaults(data: Any) -> SharingDefaults:
-    """Node-wide sharing defaults (the chart's `sharing` value); ConfigError names the field."""
-    if data is None:
-        return SharingDefaults()
-    try:
-        return SharingDefaults.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(problems_from_validation_error(exc, SharingDefaults)).with_prefix("sharing") from None

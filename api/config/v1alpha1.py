@@ -92,9 +92,3 @@ class MigDeviceConfig(StrictModel):
 
 DeviceConfig = GpuConfig | MigDeviceConfig
 
-
-class SharingDefaults(StrictModel):
-    """Node-wide defaults for settings a claim leaves out (chart value `sharing`), same shapes as above."""
-
-    time_slicing: TimeSlicingConfig | None = None
-    mps: MpsConfig | None = None
