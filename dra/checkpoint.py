@@ -62,6 +62,7 @@ class PreparedDevice(_Record):
     cdi_device_ids: tuple[str, ...] = ()
     share_id: str | None = None
     uuid: str | None = None                  # GPU-/MIG- UUID actually used (for a dynamic MIG device: the new one)
+    admin_access: bool = False               # watched, not held: never blocks the claim that uses the device
 
 
 class MigUndo(_Record):

@@ -175,9 +175,6 @@ class Driver:
         self._claim_locks: dict[str, threading.Lock] = {}
         self._gpu_locks: dict[str, threading.Lock] = defaultdict(threading.Lock)
         self._booking = threading.Lock()
-        # Devices of admin-access claims, by claim: they are answered but must never count as "held" (an
-        # admin-access claim watches a device another claim uses). Kept in memory only.
-        self._admin_devices: dict[str, set[str]] = {}
 
     # ----- start-up ------------------------------------------------------------------------------------------
     def start(self) -> StartupReport:
@@ -409,9 +406,8 @@ class Driver:
             for uid, r in self.checkpoint.claims().items():
                 if uid == ref.uid:
                     continue
-                admin = self._admin_devices.get(uid, set())
                 for d in r.devices:
-                    if d.pool == self.pool_name and d.device not in admin:
+                    if d.pool == self.pool_name and not d.admin_access:
                         held.setdefault(d.device, f"{r.namespace}/{r.name} ({uid})")
             for p in plans:
                 if p.result.admin_access or p.device.allow_multiple_allocations:
@@ -544,14 +540,12 @@ class Driver:
         prepared = [PreparedDevice(request_names=(p.result.base_request,), pool_name=p.result.pool,
                                    device_name=p.device.name, cdi_device_ids=tuple(ids[i]),
                                    share_id=p.result.share_id) for i, p in enumerate(plans)]
+        # Admin-access devices are recorded as watched, not held: they must not block the claim they watch.
         stored = tuple(CheckpointDevice(device=x.device_name, pool=x.pool_name, requests=x.request_names,
                                         cdi_device_ids=x.cdi_device_ids, share_id=x.share_id,
-                                        uuid=cdi_devices[i].uuid) for i, x in enumerate(prepared))
+                                        uuid=cdi_devices[i].uuid, admin_access=plans[i].result.admin_access)
+                       for i, x in enumerate(prepared))
         self.checkpoint.update(uid, lambda r: r.model_copy(update={"state": PREPARE_COMPLETED, "devices": stored}))
-        admin = {p.device.name for p in plans if p.result.admin_access}
-        if admin:
-            # Answered and recorded, but never "held": an admin-access claim must not block the claim it watches.
-            self._admin_devices[uid] = admin
         return prepared
 
     def _existing_dynamic_mig(self, d: Device) -> tuple[str, int, int]:
@@ -590,7 +584,6 @@ class Driver:
             self._undo(record)
         self.cdi.delete_claim_spec(record.uid)
         self.checkpoint.remove(record.uid)
-        self._admin_devices.pop(record.uid, None)
 
     def _record_gpus(self, record: ClaimRecord) -> list[str]:
         by_name = self._devices()

@@ -201,6 +201,14 @@ def test_device_is_not_handed_out_twice(whole):
     assert whole.driver.prepare([second])[second.uid].error == ""
 
 
+def test_admin_access_stays_watched_across_a_restart(whole):
+    """An admin-access claim prepared before a plugin restart must still not block the claim that uses the device."""
+    admin = whole.add_claim("admin", [{"request": "gpu", "device": "gpu-0", "adminAccess": True}])
+    ok(whole.driver, admin)
+    user = whole.add_claim("user", [{"request": "gpu", "device": "gpu-0"}])
+    assert whole.restart().prepare([user])[user.uid].error == ""
+
+
 def test_bad_config_fails_one_claim_only(whole):
     good = whole.add_claim("good", [{"request": "gpu", "device": "gpu-0"}],
                            [opaque(gpu_config(strategy="TimeSlicing", timeSlicing={"interval": "Long"}))])
