@@ -255,9 +255,8 @@ def catalog_model_name(gpu: GpuInfo) -> str | None:
 def pcie_root(gpu: GpuInfo) -> str | None:
     """``pci<domain>:<bus>`` of the PCIe root. Uses the value discovery found when it has one; otherwise the
     domain and bus of the GPU itself (correct where each GPU sits directly below its own root complex)."""
-    known = getattr(gpu, "pcie_root", None)
-    if known:
-        return known
+    if gpu.pcie_root:
+        return gpu.pcie_root
     m = re.match(r"^([0-9a-fA-F]{4,8}):([0-9a-fA-F]{2}):", gpu.pci_bus_id)
     if not m:
         return None

@@ -69,6 +69,7 @@ class GpuInfo:
     ofa_engines: int = 0
     mig_profiles: tuple[MigProfile, ...] = ()
     mig_instances: tuple[MigInstance, ...] = ()
+    pcie_root: str | None = None          # "pci0000:17" from sysfs; None when unknown (e.g. simulated GPUs)
     healthy: bool = True
     health_reason: str = ""              # why unhealthy, e.g. "GPU is lost" or the NVML error
 

@@ -14,13 +14,15 @@ so those come from the built-in catalog by product name, or else from the full-G
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import pynvml
 
 from dra.catalog import model_for_product_name, profile_name_from_memory
 from dra.gpu import GpuInfo, MigInstance, MigProfile, NodeInventory
+from dra.pcie import pcie_root_of
 
 ARCHITECTURES = {  # NVML spelling, as go-nvlib's GetArchitectureAsString
     pynvml.NVML_DEVICE_ARCH_KEPLER: "Kepler",
@@ -101,16 +103,22 @@ def describe_nvml_error(exc: BaseException) -> str:
     return f"{text} (NVML error {code})"
 
 
-def discover(nvml: Any) -> NodeInventory:
-    """Everything NVML reports about this node's GPUs. ``nvml`` must be initialised."""
+def discover(nvml: Any, sysfs_root: str | Path = "/sys") -> NodeInventory:
+    """Everything NVML reports about this node's GPUs, plus the PCIe root from sysfs. ``nvml`` must be
+    initialised."""
     driver = nvml.nvmlSystemGetDriverVersion()
     cuda = nvml.nvmlSystemGetCudaDriverVersion()
     count = nvml.nvmlDeviceGetCount()
     return NodeInventory(
         driver_version=driver.decode() if isinstance(driver, bytes) else str(driver),
         cuda_driver_version=format_cuda_version(int(cuda)),
-        gpus=tuple(discover_gpu(nvml, i) for i in range(count)),
+        gpus=tuple(_with_pcie_root(discover_gpu(nvml, i), sysfs_root) for i in range(count)),
     )
+
+
+def _with_pcie_root(gpu: GpuInfo, sysfs_root: str | Path) -> GpuInfo:
+    root = pcie_root_of(gpu.pci_bus_id, sysfs_root) if gpu.pci_bus_id else None
+    return replace(gpu, pcie_root=root) if root else gpu
 
 
 @dataclass

@@ -233,3 +233,21 @@ def test_cli_with_real_pynvml_path(capsys, monkeypatch):
     monkeypatch.setattr(inventory_module, "discover", lambda nvml: discover(fake))
     rc, out, _ = run_cli(capsys)
     assert rc == 0 and "node local: 2 GPU(s)" in out
+
+
+def test_pcie_root_comes_from_sysfs(tmp_path: Path) -> None:
+    """The root complex is read from the device's canonical sysfs path; unknown devices get none."""
+    from dra.fleet import nvml_for_node, parse_fleet
+    from dra.inventory import discover
+
+    nvml = nvml_for_node(parse_fleet({"nodes": [{"name": "n", "gpus": [{"model": "L4", "count": 2}]}]}).node("n"))
+    nvml.nvmlInit()
+    first = discover(nvml, sysfs_root=tmp_path).gpus
+    assert [g.pcie_root for g in first] == [None, None]
+    bdf = first[0].pci_bus_id
+    device_dir = tmp_path / "devices" / "pci0000:17" / "0000:17:00.0" / bdf
+    device_dir.mkdir(parents=True)
+    (tmp_path / "bus" / "pci" / "devices").mkdir(parents=True)
+    (tmp_path / "bus" / "pci" / "devices" / bdf).symlink_to(device_dir)
+    gpus = discover(nvml, sysfs_root=tmp_path).gpus
+    assert [g.pcie_root for g in gpus] == ["pci0000:17", None]
