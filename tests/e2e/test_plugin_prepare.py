@@ -1,0 +1,300 @@
+"""The kubelet plugin end to end on the real control plane: the plugin publishes a simulated node's GPUs,
+KCM creates claims from templates, the scheduler allocates and binds, and the kubelet stand-in prepares the
+pod's claims on the plugin exactly as the kubelet would before starting containers. The CDI files are then
+read the way a container runtime reads them. Deleting the pod and unpreparing must leave nothing behind.
+
+Pods never run (there is no kubelet): scheduling + allocation + prepare is the path under test.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from controller.kubeapi import KubeApi
+from standin import PodPrepareError, PreparedPod, resolve_cdi
+from standin.node import SimulatedNode
+from standin.workloads import (
+    apply_device_classes,
+    create,
+    create_namespace,
+    delete_pod,
+    for_driver,
+    load_example,
+    pin_to_node,
+    slice_devices,
+    wait_for_scheduled_pod,
+)
+
+pytestmark = pytest.mark.e2e
+
+H100 = {"model": "H100-80GB", "count": 2}
+
+
+@pytest.fixture
+def kube(api_client) -> KubeApi:
+    return KubeApi(api_client)
+
+
+@pytest.fixture
+def namespace(kube, driver_name):
+    name = driver_name.split(".")[0] + "-plugin"
+    create_namespace(kube, name)
+    apply_device_classes(kube, driver_name)
+    yield name
+    kube.request("DELETE", f"/api/v1/namespaces/{name}")
+
+
+@pytest.fixture
+def make_node(cluster, api_client, driver_name):
+    """Start a simulated node (own name, own driver) running ``gpu-dra kubelet-plugin`` and a kubelet stand-in."""
+    nodes: list[SimulatedNode] = []
+
+    def make(gpus: list[dict[str, Any]], policy: dict[str, Any] | None = None, **kw: Any) -> SimulatedNode:
+        name = driver_name.split(".")[0] + "-node"
+        node_spec: dict[str, Any] = {"name": name, "gpus": gpus}
+        if policy is not None:
+            node_spec["policy"] = policy
+        node = SimulatedNode(cluster, api_client, name=name, driver=driver_name, fleet={"nodes": [node_spec]}, **kw)
+        nodes.append(node)
+        return node.start()
+
+    yield make
+    for node in nodes:
+        node.stop()
+
+
+def run_example(kube: KubeApi, node: SimulatedNode, namespace: str, folder: str,
+                edit=None) -> list[dict[str, Any]]:
+    """Create an example's objects for the node's driver (pods pinned to the node); return the scheduled pods."""
+    pods = []
+    for obj in load_example(folder):
+        obj = for_driver(obj, node.driver)
+        if edit is not None:
+            obj = edit(obj)
+        if obj["kind"] == "Pod":
+            obj = pin_to_node(obj, node.name)
+            pods.append(obj["metadata"]["name"])
+        create(kube, namespace, obj)
+    return [wait_for_scheduled_pod(kube, namespace, p) for p in pods]
+
+
+def allocated(kube: KubeApi, namespace: str, claim_name: str) -> list[dict[str, Any]]:
+    claim = kube.get(f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{claim_name}")
+    return claim["status"]["allocation"]["devices"]["results"]
+
+
+def published(node: SimulatedNode) -> dict[str, dict[str, Any]]:
+    """Published devices by name, with attributes flattened to plain values."""
+    out = {}
+    for d in slice_devices(node.wait_for_slices()):
+        out[d["name"]] = {k: next(iter(v.values())) for k, v in (d.get("attributes") or {}).items()}
+    return out
+
+
+def container_edits(node: SimulatedNode, prepared: PreparedPod, container: str = "cuda"):
+    ids = prepared.container_cdi_ids[container]
+    assert ids, f"container {container} got no CDI devices"
+    for cdi_id in ids:
+        assert cdi_id.startswith(f"k8s.{node.driver}/claim="), cdi_id
+    return resolve_cdi([node.dirs.cdi], ids)
+
+
+def finish(kube: KubeApi, node: SimulatedNode, namespace: str, pod: dict[str, Any]) -> None:
+    """Delete the pod, unprepare like the kubelet, and check that nothing is left on the node."""
+    delete_pod(kube, namespace, pod["metadata"]["name"])
+    node.kubelet.unprepare_pod(pod)
+    assert_nothing_left(node)
+
+
+def assert_nothing_left(node: SimulatedNode) -> None:
+    assert node.cdi_spec_files() == [], "CDI specs left behind"
+    assert node.checkpoint_claims() == {}, "claims left in the plugin's checkpoint"
+    metrics = node.metrics()
+    assert metrics["gpu_dra_prepared_claims"] == 0
+    assert metrics['gpu_dra_devices{state="prepared"}'] == 0
+    assert node.kubelet.claim_cache == {}
+
+
+def test_whole_gpu(kube, namespace, make_node):
+    node = make_node([H100])
+    devices = published(node)
+    pod, = run_example(kube, node, namespace, "gpu-by-family")
+    prepared = node.kubelet.prepare_pod(pod)
+
+    result, = allocated(kube, namespace, prepared.claims["gpu"].name)
+    dev, = prepared.devices["gpu"]
+    assert (dev.pool_name, dev.device_name, dev.request_names) == (node.name, result["device"], ("gpu",))
+    minor = int(result["device"].removeprefix("gpu-"))
+    edits = container_edits(node, prepared)
+    assert f"/dev/nvidia{minor}" in edits.device_paths() and "/dev/nvidiactl" in edits.device_paths()
+    assert edits.env_map()["NVIDIA_VISIBLE_DEVICES"] == devices[result["device"]]["uuid"]
+    # the driver's libraries come from the (fake) driver root, as seen on the host
+    libcuda = [m for m in edits.mounts if m["containerPath"].endswith("/libcuda.so.580.95.05")]
+    assert libcuda and libcuda[0]["hostPath"].startswith(str(node.host.root))
+    assert node.metrics()["gpu_dra_prepared_claims"] == 1
+
+    finish(kube, node, namespace, pod)
+
+
+def test_whole_gpu_through_v1beta1(kube, namespace, make_node):
+    """A kubelet that speaks only the v1beta1 DRA service gets the same answer."""
+    node = make_node([H100], dra_services=("v1beta1.DRAPlugin",))
+    assert node.kubelet.watcher.plugin(node.driver).dra_service == "v1beta1.DRAPlugin"
+    pod, = run_example(kube, node, namespace, "cel-memory")
+    prepared = node.kubelet.prepare_pod(pod)
+    assert "/dev/nvidiactl" in container_edits(node, prepared).device_paths()
+    assert node.metrics()['gpu_dra_grpc_requests_total{method="NodePrepareResources",version="v1beta1"}'] == 1
+    finish(kube, node, namespace, pod)
+
+
+def test_static_mig(kube, namespace, make_node):
+    gpus = [{"model": "H100-80GB", "count": 1,
+             "mig": {"enabled": True, "instances": [{"profile": "1g.10gb", "start": 0}, {"profile": "3g.40gb", "start": 4}]}}]
+    node = make_node(gpus, {"default": {"wholeGpu": False, "mig": "static"}})
+    devices = published(node)
+    assert sorted(devices) == ["gpu-0-mig-1g10gb-19-0", "gpu-0-mig-3g40gb-9-4"]
+    pod, = run_example(kube, node, namespace, "mig-partition")
+    prepared = node.kubelet.prepare_pod(pod)
+
+    dev, = prepared.devices["mig"]
+    assert dev.device_name == "gpu-0-mig-1g10gb-19-0"
+    edits = container_edits(node, prepared)
+    assert edits.env_map()["NVIDIA_VISIBLE_DEVICES"] == devices[dev.device_name]["uuid"]
+    paths = edits.device_paths()
+    assert "/dev/nvidia0" in paths
+    assert len([p for p in paths if p.startswith("/dev/nvidia-caps/")]) == 2  # GPU-instance and compute-instance caps
+
+    finish(kube, node, namespace, pod)
+    # a static partition is the node's, not the claim's: it is still there and still published
+    assert "gpu-0-mig-1g10gb-19-0" in published(node)
+
+
+def test_dynamic_mig(kube, namespace, make_node):
+    node = make_node([{"model": "H100-80GB", "count": 1}], {"default": {"mig": "dynamic"}})
+    assert any("-mig-1g10gb-" in name for name in published(node))
+    pod, = run_example(kube, node, namespace, "mig-partition")
+    prepared = node.kubelet.prepare_pod(pod)
+
+    dev, = prepared.devices["mig"]
+    assert dev.device_name.startswith("gpu-0-mig-1g10gb-19-")
+    edits = container_edits(node, prepared)
+    assert edits.env_map()["NVIDIA_VISIBLE_DEVICES"].startswith("MIG-")
+    assert len([p for p in edits.device_paths() if p.startswith("/dev/nvidia-caps/")]) == 2
+    record, = node.checkpoint_claims().values()
+    assert len(record["undo"]["migDevices"]) == 1, record  # the plugin created the partition for this claim
+
+    finish(kube, node, namespace, pod)
+    # The partition is gone from the GPU: the GPU can be prepared whole again, which the plugin refuses
+    # while any MIG device exists on it.
+    whole, = run_example(kube, node, namespace, "gpu-by-family")
+    assert node.kubelet.prepare_pod(whole).devices["gpu"][0].device_name == "gpu-0"
+    finish(kube, node, namespace, whole)
+
+
+def test_time_slicing_slot(kube, namespace, make_node):
+    node = make_node([H100], {"default": {"wholeGpu": False, "slots": {"count": 4, "strategy": "time-slicing"}}})
+    devices = published(node)
+    pod, = run_example(kube, node, namespace, "time-slicing-slot")
+    prepared = node.kubelet.prepare_pod(pod)
+
+    dev, = prepared.devices["slot"]
+    assert "-slot-" in dev.device_name
+    edits = container_edits(node, prepared)
+    gpu_uuid = devices[dev.device_name]["parentUUID"]  # a slot is a share of this GPU
+    assert edits.env_map()["NVIDIA_VISIBLE_DEVICES"] == gpu_uuid
+    assert not any(m["containerPath"] == "/tmp/nvidia-mps" for m in edits.mounts)
+    record, = node.checkpoint_claims().values()
+    assert [ts["interval"] for ts in record["undo"]["timeSlices"]] == ["Long"], record
+
+    finish(kube, node, namespace, pod)
+
+
+def test_mps_slot(kube, namespace, make_node):
+    node = make_node([H100], {"default": {"wholeGpu": False, "slots": {"count": 4, "strategy": "mps"}}})
+    pod, = run_example(kube, node, namespace, "mps-slot")
+    prepared = node.kubelet.prepare_pod(pod)
+
+    edits = container_edits(node, prepared)
+    env = edits.env_map()
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps"
+    mounts = {m["containerPath"]: m["hostPath"] for m in edits.mounts}
+    assert {"/tmp/nvidia-mps", "/var/log/nvidia-mps"} <= set(mounts)
+    record, = node.checkpoint_claims().values()
+    daemon, = record["undo"]["mpsDaemons"]
+    assert daemon["activeThreadPercentage"] == 25
+    assert mounts["/tmp/nvidia-mps"] == daemon["pipeDir"]
+
+    finish(kube, node, namespace, pod)
+
+
+def test_shared_claim_used_by_two_pods(kube, namespace, make_node):
+    node = make_node([H100], {"default": {"wholeGpu": False, "slots": {"count": 2, "strategy": "time-slicing"}}})
+    pod_a, pod_b = run_example(kube, node, namespace, "shared-claim")
+    prepared_a = node.kubelet.prepare_pod(pod_a)
+    prepared_b = node.kubelet.prepare_pod(pod_b)
+    assert prepared_a.container_cdi_ids == prepared_b.container_cdi_ids
+    calls = [c for c in node.kubelet.calls if c.method == "NodePrepareResources"]
+    assert len(calls) == 1, calls  # the kubelet prepares a claim once, whichever pod comes first
+
+    # A repeated prepare (e.g. after a kubelet restart) must give the same answer.
+    claim = prepared_a.claims["slot"]
+    again = node.kubelet.client(node.driver).prepare([claim])[claim.uid]
+    assert again.devices == prepared_a.devices["slot"]
+
+    delete_pod(kube, namespace, "shared-slot-a")
+    assert node.kubelet.unprepare_pod(pod_a) == []  # still used by pod b
+    assert len(node.cdi_spec_files()) == 1
+    finish(kube, node, namespace, pod_b)
+
+
+def bad_config_pod(driver: str, node: str) -> list[dict[str, Any]]:
+    """One pod, two claims of one driver: a whole GPU, and a slot with a time-slicing interval that does not exist."""
+    def template(name: str, device_class: str, config: dict[str, Any] | None) -> dict[str, Any]:
+        spec: dict[str, Any] = {"devices": {"requests": [{"name": "dev", "exactly": {"deviceClassName": device_class}}]}}
+        if config:
+            spec["devices"]["config"] = [{"requests": ["dev"], "opaque": {"driver": driver, "parameters": config}}]
+        return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": name},
+                "spec": {"spec": spec}}
+
+    bad = {"apiVersion": "gpu.dra-driver.io/v1alpha1", "kind": "GpuConfig",
+           "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Forever"}}}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "two-claims"},
+           "spec": {"restartPolicy": "Never", "nodeSelector": {"kubernetes.io/hostname": node},
+                    "containers": [{"name": "cuda", "image": "busybox",
+                                    "resources": {"claims": [{"name": "good"}, {"name": "bad"}]}}],
+                    "resourceClaims": [{"name": "good", "resourceClaimTemplateName": "good"},
+                                       {"name": "bad", "resourceClaimTemplateName": "bad"}]}}
+    return [template("good", driver, None), template("bad", f"slot.{driver}", bad), pod]
+
+
+def test_bad_config_fails_only_its_claim(kube, namespace, make_node):
+    node = make_node([H100], {"default": {"slots": {"count": 2, "strategy": "time-slicing"}},
+                              "rules": [{"match": {"index": 0}, "wholeGpu": True}]})
+    for obj in bad_config_pod(node.driver, node.name):
+        create(kube, namespace, obj)
+    pod = wait_for_scheduled_pod(kube, namespace, "two-claims")
+
+    with pytest.raises(PodPrepareError) as err:
+        node.kubelet.prepare_pod(pod)
+    bad_uid, = err.value.errors
+    assert err.value.claims[bad_uid].name.startswith("two-claims-bad-")
+    message = err.value.errors[bad_uid]
+    assert "sharing.timeSlicing.interval" in message and "Forever" in message, message
+    # the other claim of the same call is prepared, and only it
+    good = next(c for c in node.kubelet.claim_cache.values() if c.ref.uid != bad_uid)
+    assert good.is_prepared
+    specs = node.cdi_spec_files()
+    assert len(specs) == 1 and good.ref.uid in specs[0].name
+    assert list(node.checkpoint_claims()) == [good.ref.uid]
+
+    finish(kube, node, namespace, pod)
+
+
+def test_health_stream_reports_published_devices(make_node):
+    node = make_node([H100])
+    plugin = node.kubelet.watcher.plugin(node.driver)
+    assert plugin.health_service == "v1.DRAResourceHealth"
+    with plugin.client.watch_health(plugin.health_service) as watch:
+        update = watch.wait_for(lambda u: len(u.devices) == 2, timeout=15)
+    assert {k: v[0] for k, v in update.devices.items()} == {(node.name, "gpu-0"): "HEALTHY", (node.name, "gpu-1"): "HEALTHY"}

@@ -1,0 +1,114 @@
+"""A plugin restart between prepare and unprepare: the new process must take the prepared claims over from its
+checkpoint, answer a repeated prepare identically, and undo everything on unprepare."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from controller.kubeapi import KubeApi
+from standin import resolve_cdi
+from standin.node import SimulatedNode
+from standin.workloads import (
+    apply_device_classes,
+    create,
+    create_namespace,
+    delete_pod,
+    for_driver,
+    load_example,
+    pin_to_node,
+    wait_for_scheduled_pod,
+)
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def kube(api_client) -> KubeApi:
+    return KubeApi(api_client)
+
+
+@pytest.fixture
+def namespace(kube, driver_name):
+    name = driver_name.split(".")[0] + "-restart"
+    create_namespace(kube, name)
+    apply_device_classes(kube, driver_name)
+    yield name
+    kube.request("DELETE", f"/api/v1/namespaces/{name}")
+
+
+@pytest.fixture
+def node_with(cluster, api_client, driver_name):
+    started: list[SimulatedNode] = []
+
+    def make(gpus: list[dict[str, Any]], policy: dict[str, Any]) -> SimulatedNode:
+        name = driver_name.split(".")[0] + "-restart-node"
+        fleet = {"nodes": [{"name": name, "gpus": gpus, "policy": policy}]}
+        node = SimulatedNode(cluster, api_client, name=name, driver=driver_name, fleet=fleet)
+        started.append(node)
+        return node.start()
+
+    yield make
+    for node in started:
+        node.stop()
+
+
+def scheduled_example(kube: KubeApi, node: SimulatedNode, namespace: str, folder: str) -> dict[str, Any]:
+    pod_name = None
+    for obj in load_example(folder):
+        obj = for_driver(obj, node.driver)
+        if obj["kind"] == "Pod":
+            obj = pin_to_node(obj, node.name)
+            pod_name = obj["metadata"]["name"]
+        create(kube, namespace, obj)
+    assert pod_name is not None
+    return wait_for_scheduled_pod(kube, namespace, pod_name)
+
+
+def assert_nothing_left(node: SimulatedNode) -> None:
+    assert node.cdi_spec_files() == []
+    assert node.checkpoint_claims() == {}
+    metrics = node.metrics()
+    assert metrics["gpu_dra_prepared_claims"] == 0
+    assert metrics['gpu_dra_devices{state="prepared"}'] == 0
+
+
+@pytest.mark.parametrize("crash", [False, True], ids=["sigterm", "sigkill"])
+def test_dynamic_mig_survives_a_plugin_restart(kube, namespace, node_with, crash):
+    node = node_with([{"model": "H100-80GB", "count": 1}], {"default": {"mig": "dynamic"}})
+    pod = scheduled_example(kube, node, namespace, "mig-partition")
+    before = node.kubelet.prepare_pod(pod)
+    ids = before.container_cdi_ids["cuda"]
+    visible = resolve_cdi([node.dirs.cdi], ids).env_map()["NVIDIA_VISIBLE_DEVICES"]
+    claim = before.claims["mig"]
+
+    node.restart_plugin(crash=crash)
+    if not crash:
+        assert ("deregistered", node.driver) in [(e, d) for e, d, _ in node.kubelet.watcher.history]
+    # the claim stays prepared across the restart: same CDI file, and a repeated prepare (a kubelet that
+    # restarted too) gets the same devices from the new process
+    assert resolve_cdi([node.dirs.cdi], ids).env_map()["NVIDIA_VISIBLE_DEVICES"] == visible
+    again = node.kubelet.client(node.driver).prepare([claim])[claim.uid]
+    assert again.devices == before.devices["mig"]
+    assert node.metrics()["gpu_dra_prepared_claims"] == 1
+
+    delete_pod(kube, namespace, pod["metadata"]["name"])
+    assert [r.uid for r in node.kubelet.unprepare_pod(pod)] == [claim.uid]
+    assert_nothing_left(node)
+
+
+def test_mps_slot_after_a_crash(kube, namespace, node_with):
+    node = node_with([{"model": "H100-80GB", "count": 1}],
+                     {"default": {"wholeGpu": False, "slots": {"count": 2, "strategy": "mps"}}})
+    pod = scheduled_example(kube, node, namespace, "mps-slot")
+    before = node.kubelet.prepare_pod(pod)
+    record, = node.checkpoint_claims().values()
+    assert record["undo"]["mpsDaemons"]
+
+    node.restart_plugin(crash=True)
+    assert node.kubelet.prepared_pod(pod).container_cdi_ids == before.container_cdi_ids
+    assert set(node.checkpoint_claims()) == {before.claims["slot"].uid}
+
+    delete_pod(kube, namespace, pod["metadata"]["name"])
+    node.kubelet.unprepare_pod(pod)
+    assert_nothing_left(node)
