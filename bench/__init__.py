@@ -1,0 +1,22 @@
+"""Speed and memory targets of gpu-dra-driver: ``python -m bench`` (see bench/README.md).
+
+Each benchmark is a module with ``NAME``, ``DESCRIPTION`` and ``run(params) -> list[Figure]``; the targets
+live in ``bench/targets.yaml``.
+"""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# name -> module, in the order they run
+BENCHMARKS: dict[str, str] = {
+    "slices": "bench.slices",
+    "validate": "bench.validation",
+    "mig": "bench.migcycle",
+    "prepare": "bench.prepare",
+    "reconcile": "bench.reconcile",
+}
+
+
+def load(name: str) -> ModuleType:
+    return importlib.import_module(BENCHMARKS[name])

@@ -1,0 +1,110 @@
+"""``python -m bench``: run the benchmarks, print a table of figures against their targets, exit 1 when a
+target is missed (or a benchmark fails), 0 otherwise."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench import BENCHMARKS, load
+from bench.core import TARGETS_FILE, CheckResult, Figure, TargetsError, check, load_targets, render_details, \
+    render_table
+from bench.params import FULL, QUICK, Params
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="fewer repetitions (about a minute on 2 cores)")
+    p.add_argument("--only", action="append", metavar="NAME", default=[],
+                   help=f"run only this benchmark (repeatable, or comma-separated): {', '.join(BENCHMARKS)}")
+    p.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    p.add_argument("--targets", default=str(TARGETS_FILE), metavar="FILE", help="targets file (default: %(default)s)")
+    p.add_argument("--fleet", metavar="FILE", help="benchmark this fleet file instead of the generated 100-node fleet")
+    p.add_argument("--json", metavar="FILE", help="also write the figures and verdicts to FILE as JSON")
+    return p
+
+
+def selected(only: Sequence[str]) -> list[str]:
+    names = [n.strip() for item in only for n in item.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        raise SystemExit(f"python -m bench: unknown benchmark(s) {', '.join(unknown)}; "
+                         f"choose from {', '.join(BENCHMARKS)}")
+    return [n for n in BENCHMARKS if not names or n in names]
+
+
+def run_benchmarks(names: Sequence[str], params: Params, log=sys.stderr) -> tuple[list[Figure], dict[str, str]]:
+    """Figures of every named benchmark, and the error of each one that failed."""
+    figures: list[Figure] = []
+    errors: dict[str, str] = {}
+    for name in names:
+        start = time.perf_counter()
+        try:
+            module = load(name)
+            print(f"running {name}: {module.DESCRIPTION} ...", file=log, flush=True)
+            figures.extend(module.run(params))
+        except Exception as exc:  # noqa: BLE001 - one failing benchmark must not hide the others' figures
+            errors[name] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc(file=log)
+        print(f"  {name} took {time.perf_counter() - start:.1f} s", file=log, flush=True)
+    return figures, errors
+
+
+def _json(result: CheckResult, errors: dict[str, str], quick: bool) -> str:
+    rows = [{"key": v.figure.key, "label": v.figure.label, "value": v.figure.value, "unit": v.figure.unit,
+             "detail": v.figure.detail,
+             "target": None if v.target is None else {v.target.direction: v.target.limit, "unit": v.target.unit},
+             "ratio": v.ratio, "ok": v.ok} for v in result.verdicts]
+    return json.dumps({"quick": quick, "figures": rows, "problems": list(result.problems), "errors": errors},
+                      indent=2, default=str)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.list:
+        for name in BENCHMARKS:
+            print(f"{name:10s} {load(name).DESCRIPTION}")
+        return 0
+    names = selected(args.only)
+    try:
+        targets = load_targets(args.targets)
+    except TargetsError as exc:
+        print(f"python -m bench: {exc}", file=sys.stderr)
+        return 2
+    params = (QUICK if args.quick else FULL).with_fleet(args.fleet)
+    started = time.perf_counter()
+    figures, errors = run_benchmarks(names, params)
+    ran = [n for n in names if n not in errors]
+    result = check(figures, targets, ran)
+
+    mode = "quick run (--quick): fewer repetitions" if args.quick else "full run"
+    print(f"\ngpu-dra-driver benchmarks, {mode}, {time.perf_counter() - started:.0f} s. "
+          "'of target' is the share of the budget used: at most 1.00× passes.\n")
+    print(render_table(result))
+    details = render_details(figures)
+    if details:
+        print("\nhow each figure was measured:")
+        print(details)
+    if args.json:
+        Path(args.json).write_text(_json(result, errors, args.quick))
+
+    failures = [f"benchmark {n} failed: {e}" for n, e in errors.items()]
+    failures += list(result.problems)
+    failures += [f"{v.figure.key}: {v.figure.value:g} {v.figure.unit}, target {v.target.describe()}"
+                 for v in result.missed if v.target is not None]
+    judged = sum(1 for v in result.verdicts if v.target is not None)
+    if failures:
+        print(f"\nFAILED ({len(failures)}):")
+        for line in failures:
+            print(f"  {line}")
+        return 1
+    print(f"\nall {judged} targets met.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""An in-memory stand-in for the API server's ResourceSlice and Node endpoints, with the verbs of
+``controller.kubeapi.KubeApi`` that a reconcile pass uses (list, get, create, replace, delete).
+
+It keeps what the server's optimistic concurrency needs (uid, resourceVersion, preconditions, 404/409 as
+``ApiError``) and field selectors on ``spec.driver``, ``spec.nodeName`` and ``spec.pool.name``. It stores
+what it is sent as it is: no defaulting and no quantity normalisation, which the controller's comparison
+already tolerates. Objects are kept as JSON text and decoded for every answer, so each call costs the
+client what decoding a server's answer would. No watch: the benchmark drives
+``ResourceSliceController.run_once``.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import uuid as uuidlib
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from controller.kubeapi import NODES, SLICES, ApiError
+
+_SELECTABLE = ("spec.driver", "spec.nodeName", "spec.pool.name")
+
+
+def _status(method: str, path: str, code: int, reason: str, message: str) -> ApiError:
+    return ApiError(method, path, code, json.dumps({"kind": "Status", "reason": reason, "message": message}))
+
+
+@dataclass
+class _Stored:
+    text: str
+    uid: str
+    resource_version: str
+    generation: int
+    fields: dict[str, str]      # selectable field -> value
+
+
+class InMemorySliceApi:
+    """ResourceSlices and Nodes in dicts. ``writes`` counts the create/update/delete calls that succeeded."""
+
+    def __init__(self, node_names: list[str] | tuple[str, ...] = ()) -> None:
+        self._lock = threading.Lock()
+        self._rv = itertools.count(1)
+        self._slices: dict[str, _Stored] = {}
+        self._nodes = {n: json.dumps({"apiVersion": "v1", "kind": "Node", "metadata": {
+            "name": n, "uid": str(uuidlib.uuid4()), "resourceVersion": str(next(self._rv))}}) for n in node_names}
+        self.writes: Counter[str] = Counter()
+        self.reads = 0
+
+    @property
+    def host(self) -> str:
+        return "in-memory"
+
+    @property
+    def slice_count(self) -> int:
+        with self._lock:
+            return len(self._slices)
+
+    @property
+    def total_writes(self) -> int:
+        with self._lock:
+            return sum(self.writes.values())
+
+    # ---- verbs of KubeApi ----------------------------------------------------------------------------
+
+    def list(self, collection: str, field_selector: str | None = None,
+             label_selector: str | None = None) -> dict[str, Any]:
+        if collection != SLICES or label_selector:
+            raise _status("GET", collection, 400, "BadRequest", "only ResourceSlices, by field selector")
+        terms = []
+        for term in filter(None, (field_selector or "").split(",")):
+            key, _, value = term.partition("=")
+            if key not in _SELECTABLE:
+                raise _status("GET", collection, 400, "BadRequest", f"field label not supported: {key}")
+            terms.append((key, value))
+        with self._lock:
+            self.reads += 1
+            texts = [s.text for s in self._slices.values() if all(s.fields.get(k) == v for k, v in terms)]
+            rv = str(next(self._rv))
+        return {"items": [json.loads(t) for t in texts], "resourceVersion": rv}
+
+    def get(self, path: str, **query: Any) -> dict[str, Any]:
+        name = path[len(NODES) + 1:] if path.startswith(f"{NODES}/") else None
+        with self._lock:
+            self.reads += 1
+            text = self._nodes.get(name) if name else None
+        if text is None:
+            raise _status("GET", path, 404, "NotFound", f"{path} not found")
+        return json.loads(text)
+
+    def create(self, collection: str, obj: dict[str, Any]) -> dict[str, Any]:
+        name = obj["metadata"]["name"]
+        with self._lock:
+            if name in self._slices:
+                raise _status("POST", collection, 409, "AlreadyExists", f"resourceslices {name!r} already exists")
+            return self._store(name, obj, str(uuidlib.uuid4()), 1, "create")
+
+    def replace(self, collection: str, obj: dict[str, Any]) -> dict[str, Any]:
+        name = obj["metadata"]["name"]
+        path = f"{collection}/{name}"
+        with self._lock:
+            current = self._slices.get(name)
+            if current is None:
+                raise _status("PUT", path, 404, "NotFound", f"resourceslices {name!r} not found")
+            if obj["metadata"].get("resourceVersion") != current.resource_version:
+                raise _status("PUT", path, 409, "Conflict", "the object has been modified")
+            return self._store(name, obj, current.uid, current.generation + 1, "update")
+
+    def delete(self, collection: str, name: str, uid: str | None = None,
+               resource_version: str | None = None) -> dict[str, Any]:
+        path = f"{collection}/{name}"
+        with self._lock:
+            current = self._slices.get(name)
+            if current is None:
+                raise _status("DELETE", path, 404, "NotFound", f"resourceslices {name!r} not found")
+            if (uid and uid != current.uid) or (resource_version and resource_version != current.resource_version):
+                raise _status("DELETE", path, 409, "Conflict", "precondition failed")
+            del self._slices[name]
+            self.writes["delete"] += 1
+        return {"kind": "Status", "status": "Success"}
+
+    def request(self, method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+        raise _status(method, path, 501, "NotImplemented", "the in-memory API serves no watches; use run_once()")
+
+    # ---- helpers -------------------------------------------------------------------------------------
+
+    def _store(self, name: str, obj: dict[str, Any], uid: str, generation: int, operation: str) -> dict[str, Any]:
+        doc = json.loads(json.dumps(obj))     # what the server received
+        rv = str(next(self._rv))
+        doc["metadata"].update(uid=uid, resourceVersion=rv, generation=generation)
+        spec = doc.get("spec") or {}
+        fields = {"spec.driver": str(spec.get("driver")), "spec.nodeName": str(spec.get("nodeName")),
+                  "spec.pool.name": str((spec.get("pool") or {}).get("name"))}
+        text = json.dumps(doc)
+        self._slices[name] = _Stored(text, uid, rv, generation, fields)
+        self.writes[operation] += 1
+        return json.loads(text)

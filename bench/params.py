@@ -1,0 +1,35 @@
+"""How hard each benchmark works: the full run, ``--quick`` and the tiny run of the smoke test."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Params:
+    repeats: int              # timed runs of one-node figures (median over these)
+    fleet_nodes: int          # nodes of the generated fleet
+    fleet_repeats: int        # timed passes over the whole fleet
+    fleet_memory_nodes: int | None   # nodes whose slices are held in the memory pass (None: all)
+    mig_cycles: int           # MIG create/destroy cycles per timed batch
+    mig_batches: int
+    claim_repeats: int        # prepare+unprepare rounds per claim kind
+    parallel_claims: int      # independent claims prepared at once
+    parallel_rounds: int      # serial + parallel rounds (median over these)
+    nvml_latency_s: float     # added to each MIG-changing NVML call in the parallel-claims figure
+    reconcile_nodes: int
+    reconcile_rounds: int     # first sync + resync + restart on a fresh in-memory API, each round
+    fleet_file: str | None = None   # benchmark this fleet file instead of the generated fleet
+
+    def with_fleet(self, path: str | None) -> "Params":
+        return replace(self, fleet_file=path)
+
+
+FULL = Params(repeats=15, fleet_nodes=100, fleet_repeats=5, fleet_memory_nodes=None,
+              mig_cycles=1000, mig_batches=7, claim_repeats=25, parallel_claims=32, parallel_rounds=3,
+              nvml_latency_s=0.010, reconcile_nodes=100, reconcile_rounds=3)
+QUICK = Params(repeats=5, fleet_nodes=100, fleet_repeats=2, fleet_memory_nodes=10,
+               mig_cycles=300, mig_batches=3, claim_repeats=5, parallel_claims=32, parallel_rounds=1,
+               nvml_latency_s=0.010, reconcile_nodes=100, reconcile_rounds=1)
+TINY = Params(repeats=1, fleet_nodes=3, fleet_repeats=1, fleet_memory_nodes=None,
+              mig_cycles=4, mig_batches=1, claim_repeats=1, parallel_claims=8, parallel_rounds=1,
+              nvml_latency_s=0.001, reconcile_nodes=3, reconcile_rounds=1)
