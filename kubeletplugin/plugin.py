@@ -72,7 +72,7 @@ class PluginOptions:
     health_interval: float = 10.0          # re-send period of the health stream
     boot_id_path: str = DEFAULT_BOOT_ID_PATH
     mps_supervise_interval: float = 5.0
-    health_wait_ms: int = 5000             # NVML event wait per monitor round (bounds shutdown time)
+    health_wait_ms: int = 1000             # NVML event wait per monitor round (bounds shutdown time)
     max_parallel: int = 8
 
     @property
