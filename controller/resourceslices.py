@@ -103,7 +103,7 @@ class DesiredPool:
                 nodes.add(spec["nodeName"])
             if spec.get("nodeSelector") is not None or spec.get("allNodes"):
                 raise InvalidPoolError(f"slice spec {i}: only node-local specs (nodeName) can be converted")
-            parts.append({k: copy.deepcopy(v) for k, v in spec.items() if k not in _POOL_FIELDS})
+            parts.append({k: v for k, v in spec.items() if k not in _POOL_FIELDS})  # update() copies
         if len(nodes) != 1:
             raise InvalidPoolError(f"slice specs must name exactly one node, found {sorted(nodes) or 'none'}")
         return cls(slices=parts or [{"devices": []}], node_name=nodes.pop())
@@ -494,7 +494,8 @@ class ResourceSliceController:
             spec["nodeSelector"] = copy.deepcopy(pool.node_selector)
         elif pool.all_nodes:
             spec["allNodes"] = True
-        spec.update(copy.deepcopy(pool.slices[index]))
+        # Shared with the desired state, which update() copied: request bodies are only read, never changed.
+        spec.update(pool.slices[index])
         return spec
 
     def _same(self, pool_name: str, index: int, desired: dict[str, Any], actual: dict[str, Any]) -> bool:

@@ -9,32 +9,9 @@ attribute is real data, not an omitted field).
 """
 from __future__ import annotations
 
-import re
-from fractions import Fraction
 from typing import Any
 
-_QTY_RE = re.compile(r"^([+-]?[0-9]*\.?[0-9]*)(?:(Ki|Mi|Gi|Ti|Pi|Ei|m|n|u|k|M|G|T|P|E)|[eE]([+-]?[0-9]+))?$")
-_BINARY = {"Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40, "Pi": 50, "Ei": 60}
-_DECIMAL = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
-
-
-def quantity_value(text: Any) -> Fraction:
-    """The exact value of a Kubernetes Quantity ("1.5Gi", "500m", "1e3", 7). Raises ValueError."""
-    if isinstance(text, bool):
-        raise ValueError(f"not a quantity: {text!r}")
-    if isinstance(text, int):
-        return Fraction(text)
-    s = str(text).strip()
-    m = _QTY_RE.match(s)
-    if not s or not m or m.group(1) in ("", "+", "-", "."):
-        raise ValueError(f"not a quantity: {text!r}")
-    number = Fraction(m.group(1))
-    suffix, exponent = m.group(2), m.group(3)
-    if suffix in _BINARY:
-        return number * (1 << _BINARY[suffix])
-    if exponent is not None:
-        return number * Fraction(10) ** int(exponent)
-    return number * Fraction(10) ** _DECIMAL[suffix or ""]
+from dra.quantity import quantity_value
 
 
 def _qty(v: Any) -> Any:

@@ -20,6 +20,7 @@ from typing import Any
 from dra.devices import KIND_MIG, KIND_SHARED, KIND_SLOT, CounterSet, Device, DeviceModel, build_devices
 from dra.gpu import NodeInventory
 from dra.policy import NodePolicy
+from dra.quantity import quantity_value
 
 MAX_DEVICES = 128
 MAX_DEVICES_ADVANCED = 64          # once any device uses taints, consumesCounters or list attributes
@@ -272,19 +273,6 @@ def _quantity(v: Any) -> bool:
     return isinstance(v, str) and bool(_QUANTITY.match(v))
 
 
-def _quantity_value(v: str) -> float:
-    m = _QUANTITY.match(v)
-    assert m
-    number = float(m.group(1))
-    suffix = m.group(3) or ""
-    scale = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60, "n": 1e-9, "u": 1e-6,
-             "m": 1e-3, "": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
-    if suffix[:1] in ("e", "E") and len(suffix) > 1:
-        return number * 10 ** int(suffix[1:])
-    sign = -1 if v.startswith("-") else 1
-    return sign * number * scale[suffix]
-
-
 def _check_attribute(where: str, name: str, attr: Any, errors: list[str]) -> int:
     """Validate one DeviceAttribute; return how many values it holds."""
     if not isinstance(attr, Mapping):
@@ -332,7 +320,7 @@ def _check_capacity(where: str, name: str, cap: Any, multi: bool, errors: list[s
         return
     if not multi:
         errors.append(f"{where}: capacity {name}: requestPolicy needs allowMultipleAllocations: true")
-    total = _quantity_value(cap["value"])
+    total = quantity_value(cap["value"])
     default = policy.get("default")
     if default is not None and not _quantity(default):
         errors.append(f"{where}: capacity {name}: requestPolicy.default {default!r} is not a quantity")
@@ -344,10 +332,10 @@ def _check_capacity(where: str, name: str, cap: Any, multi: bool, errors: list[s
         if not isinstance(vals, list) or not vals or len(vals) > MAX_VALID_VALUES or not all(_quantity(v) for v in vals):
             errors.append(f"{where}: capacity {name}: validValues must be 1..{MAX_VALID_VALUES} quantities")
             return
-        nums = [_quantity_value(v) for v in vals]
+        nums = [quantity_value(v) for v in vals]
         if nums != sorted(set(nums)):
             errors.append(f"{where}: capacity {name}: validValues must be strictly ascending")
-        if default is not None and _quantity_value(default) not in nums:
+        if default is not None and quantity_value(default) not in nums:
             errors.append(f"{where}: capacity {name}: validValues must contain the default")
         if nums[-1] > total:
             errors.append(f"{where}: capacity {name}: validValues exceed the capacity value")
@@ -360,19 +348,19 @@ def _check_capacity(where: str, name: str, cap: Any, multi: bool, errors: list[s
             if key in rng and not _quantity(rng[key]):
                 errors.append(f"{where}: capacity {name}: validRange.{key} {rng[key]!r} is not a quantity")
                 return
-        lo = _quantity_value(rng["min"])
-        hi = _quantity_value(rng["max"]) if "max" in rng else total
+        lo = quantity_value(rng["min"])
+        hi = quantity_value(rng["max"]) if "max" in rng else total
         if lo > hi or hi > total:
             errors.append(f"{where}: capacity {name}: validRange must satisfy min <= max <= value")
         if "step" in rng:
-            step = _quantity_value(rng["step"])
+            step = quantity_value(rng["step"])
             if step <= 0:
                 errors.append(f"{where}: capacity {name}: validRange.step must be positive")
             elif "max" in rng and (hi - lo) % step:
                 errors.append(f"{where}: capacity {name}: validRange max - min must be a multiple of step")
         if default is not None:
-            d = _quantity_value(default)
-            if d < lo or d > hi or ("step" in rng and (d - lo) % _quantity_value(rng["step"])):
+            d = quantity_value(default)
+            if d < lo or d > hi or ("step" in rng and (d - lo) % quantity_value(rng["step"])):
                 errors.append(f"{where}: capacity {name}: requestPolicy.default is not in validRange")
 
 
@@ -501,7 +489,7 @@ def validate_pool(specs: Sequence[Mapping[str, Any]]) -> list[str]:
         for cs in spec.get("sharedCounters") or []:
             if cs.get("name") in sets:
                 errors.append(f"slice {i}: counter set {cs.get('name')!r} appears twice in the pool")
-            sets[cs.get("name")] = {k: _quantity_value(v["value"]) for k, v in (cs.get("counters") or {}).items()
+            sets[cs.get("name")] = {k: quantity_value(v["value"]) for k, v in (cs.get("counters") or {}).items()
                                     if isinstance(v, Mapping) and _quantity(v.get("value"))}
     device_names: set[str] = set()
     keys = {(s.get("driver"), (s.get("pool") or {}).get("name"), s.get("nodeName")) for s in specs}
@@ -519,7 +507,7 @@ def validate_pool(specs: Sequence[Mapping[str, Any]]) -> list[str]:
             for entry in d.get("consumesCounters") or []:
                 have = sets.get(entry.get("counterSet"), {})
                 for cname, c in (entry.get("counters") or {}).items():
-                    if cname in have and _quantity(c.get("value")) and _quantity_value(c["value"]) > have[cname]:
+                    if cname in have and _quantity(c.get("value")) and quantity_value(c["value"]) > have[cname]:
                         errors.append(f"slice {i}: device {d.get('name')!r} consumes more {cname} than "
                                       f"{entry.get('counterSet')!r} holds")
     return errors

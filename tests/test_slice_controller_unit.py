@@ -13,7 +13,8 @@ import controller.serverversion as serverversion
 from controller.backoff import Backoff
 from controller.resourceslices import (DesiredPool, InvalidPoolError, Owner, ResourceSliceController, slice_name,
                                        validate_pool)
-from controller.slicecompare import normalize_spec, quantity_value
+from controller.slicecompare import normalize_spec
+from dra.quantity import quantity_value
 
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
