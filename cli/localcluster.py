@@ -198,6 +198,10 @@ class LocalCluster:
         return "\n".join(f"--- {c.name} (pid {c.proc.pid}, exit {c.proc.poll()}) ---\n{c.tail(lines)}"
                          for c in self._components.values())
 
+    def component_pids(self) -> dict[str, int]:
+        """Component name -> process id (each leads its own process group), e.g. for a stop script."""
+        return {c.name: c.proc.pid for c in self._components.values()}
+
     def check_running(self) -> None:
         """Raises ClusterError naming any component that has exited."""
         dead = [c for c in self._components.values() if c.proc.poll() is not None]

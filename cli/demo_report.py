@@ -1,0 +1,122 @@
+"""What the demo prints: the allocation table, a readable cut of `kubectl describe resourceslice`, and the
+write counts of the slice controller. Pure functions over wire-format dicts and text, so they are unit-tested
+without a cluster."""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cli.demo_examples import PodClaim
+
+NONE = "-"
+
+
+@dataclass(frozen=True)
+class AllocationRow:
+    """One allocated device of one pod's claim, with what the slice says about the device."""
+
+    example: str
+    pod: str
+    claim: str
+    request: str
+    node: str
+    device: str
+    device_type: str
+    detail: str          # MIG profile, or sharing strategy for slots and shares
+    memory: str          # the device's memory; for shares the consumed amount and the total
+    product: str
+
+
+def device_index(slices: Iterable[Mapping[str, Any]]) -> dict[tuple[str, str, str], dict[str, Any]]:
+    """(driver, pool, device name) -> the device as published."""
+    index: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for s in slices:
+        spec = s.get("spec") or {}
+        pool = (spec.get("pool") or {}).get("name", "")
+        for d in spec.get("devices") or []:
+            index[(spec.get("driver", ""), pool, d.get("name", ""))] = d
+    return index
+
+
+def _attr(device: Mapping[str, Any], name: str) -> str:
+    value = (device.get("attributes") or {}).get(name) or {}
+    for kind in ("string", "version", "int", "bool"):
+        if kind in value:
+            return str(value[kind])
+    return ""
+
+
+def _capacity(device: Mapping[str, Any], name: str) -> str:
+    return str(((device.get("capacity") or {}).get(name) or {}).get("value", ""))
+
+
+def allocation_rows(claims: Sequence[PodClaim], slices: Iterable[Mapping[str, Any]]) -> list[AllocationRow]:
+    """One row per allocation result of every allocated pod claim (unallocated ones are left out)."""
+    index = device_index(slices)
+    rows = []
+    for c in claims:
+        for r in c.results:
+            device = index.get((r.get("driver", ""), r.get("pool", ""), r.get("device", "")), {})
+            kind = _attr(device, "type") or "?"
+            detail = _attr(device, "profile") if kind == "mig" else _attr(device, "sharing")
+            memory = _capacity(device, "memory")
+            consumed = (r.get("consumedCapacity") or {}).get("memory")
+            if consumed:
+                memory = f"{consumed} of {memory}" if memory else str(consumed)
+            rows.append(AllocationRow(
+                example=c.example, pod=c.pod, claim=c.claim or NONE, request=r.get("request", NONE),
+                node=c.node or NONE, device=r.get("device", NONE), device_type=kind,
+                detail=detail if detail and detail != "none" else NONE, memory=memory or NONE,
+                product=_attr(device, "productName") or NONE))
+    return rows
+
+
+TABLE_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("EXAMPLE", "example"), ("POD", "pod"), ("CLAIM", "claim"), ("REQUEST", "request"), ("NODE", "node"),
+    ("DEVICE", "device"), ("TYPE", "device_type"), ("PROFILE/SHARING", "detail"), ("MEMORY", "memory"),
+    ("PRODUCT", "product"),
+)
+
+
+def format_table(rows: Sequence[AllocationRow], columns: Sequence[tuple[str, str]] = TABLE_COLUMNS) -> str:
+    """A plain left-aligned table, kubectl style (two spaces between columns)."""
+    cells = [[h for h, _ in columns]] + [[str(getattr(r, f)) for _, f in columns] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells)
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip(" "))
+
+
+def trim_describe(text: str, keep_devices: int = 2) -> str:
+    """`kubectl describe resourceslice` output with only the first `keep_devices` devices of `Spec.Devices`.
+
+    kubectl prints list items of maps without markers: every device starts again with the same first key
+    (e.g. `Attributes:`) at the list's indentation. Everything outside the device list is kept as is, and
+    the cut is marked with how many devices were left out and their names."""
+    lines = text.splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.strip() == "Devices:" and _indent(ln) == 2), None)
+    if start is None or start + 1 >= len(lines):
+        return text
+    item_indent = _indent(lines[start + 1])
+    end = next((i for i in range(start + 1, len(lines))
+                if lines[i].strip() and _indent(lines[i]) < item_indent), len(lines))
+    first_key = lines[start + 1].strip()
+    starts = [i for i in range(start + 1, end)
+              if _indent(lines[i]) == item_indent and lines[i].strip() == first_key]
+    if len(starts) <= keep_devices:
+        return text
+    cut = starts[keep_devices]
+    dropped = [ln.split(":", 1)[1].strip() for ln in lines[cut:end]
+               if _indent(ln) == item_indent and ln.strip().startswith("Name:")]
+    names = ", ".join(dropped[:4]) + (", ..." if len(dropped) > 4 else "")
+    marker = " " * item_indent + f"... {len(starts) - keep_devices} more devices ({names}) left out here ..."
+    return "\n".join(lines[:cut] + [marker] + lines[end:])
+
+
+def format_writes(label: str, by_operation: Mapping[str, int]) -> str:
+    total = sum(by_operation.values())
+    detail = ", ".join(f"{op} {n}" for op, n in sorted(by_operation.items()) if n)
+    return f"{label}: {total} API write(s)" + (f" ({detail})" if detail else "")

@@ -1,0 +1,227 @@
+"""Every example folder on the real control plane: the pod's ResourceClaimTemplate becomes a claim (the
+controller-manager), the scheduler allocates one of our devices from the demo fleet's slices, and the device
+is what the example asks for. Also the demo itself: its steps on the shared cluster, and `gpu-dra demo`."""
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from allocation_helpers import EXAMPLES, FLEETS, PublishedFleet, attr, namespace, renamed_fleet
+from cli.demo_cdi import node_plugin_available
+from cli.demo_cmd import DemoContext, prepare_one_claim, report, run_demo
+from cli.demo_examples import (PodClaim, apply_objects, delete_namespace, load_example, load_examples,
+                               wait_for_allocation)
+from controller.kubeapi import KubeApi
+from dra.quantity import quantity_value
+from dra.fleet import load_fleet
+
+pytestmark = pytest.mark.e2e
+
+DRIVER = "examples.e2e.dra-driver.io"
+GI = 1 << 30
+_namespaces = itertools.count(1)
+
+
+@pytest.fixture(scope="module")
+def demo_fleet(cluster: Any, api_client: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PublishedFleet]:
+    doc = renamed_fleet(yaml.safe_load((FLEETS / "demo.yaml").read_text()), "ex")
+    fleet = PublishedFleet(cluster, api_client, DRIVER, doc, tmp_path_factory.mktemp("examples")).publish()
+    yield fleet
+    fleet.remove()
+
+
+Allocated = list[tuple[PodClaim, dict[str, Any], dict[str, Any]]]
+
+
+def allocate(api_client: Any, fleet: PublishedFleet, example: str) -> Allocated:
+    """Applies one example in a fresh namespace; returns (pod claim, allocation result, device) per result."""
+    kube = KubeApi(api_client)
+    ex = load_example(EXAMPLES / example, DRIVER)
+    with namespace(api_client, f"ex-{next(_namespaces)}-{example}") as ns:
+        apply_objects(kube, ex.objects, ns)
+        state = wait_for_allocation(kube, [ex], ns, timeout=30)
+        assert state.complete, [(c.pod, c.claim, c.node, c.allocation) for c in state.pending]
+        devices = fleet.devices()
+        out = []
+        for c in state.claims:
+            assert c.node in fleet.node_names
+            for r in c.results:
+                assert r["driver"] == DRIVER and r["pool"] == c.node
+                out.append((c, r, devices[(DRIVER, r["pool"], r["device"])]))
+    assert out, f"example {example}: no allocation results"
+    return out
+
+
+def only(results: Allocated) -> tuple[dict[str, Any], dict[str, Any]]:
+    assert len(results) == 1, results
+    _, result, device = results[0]
+    return result, device
+
+
+def check_gpu_by_family(results: Allocated) -> None:
+    result, device = only(results)
+    assert attr(device, "type") == "gpu" and attr(device, "family") == "hopper"
+    assert result["device"] == device["name"] and device["name"].startswith("gpu-")
+
+
+def check_mig_partition(results: Allocated) -> None:
+    _, device = only(results)
+    assert attr(device, "type") == "mig" and attr(device, "profile") == "1g.10gb"
+    assert "-mig-1g10gb-" in device["name"]
+
+
+def check_time_slicing_slot(results: Allocated) -> None:
+    _, device = only(results)
+    assert attr(device, "type") == "slot" and attr(device, "sharing") == "time-slicing"
+
+
+def check_mps_slot(results: Allocated) -> None:
+    _, device = only(results)
+    assert attr(device, "type") == "slot" and attr(device, "sharing") == "mps"
+
+
+def check_first_available(results: Allocated) -> None:
+    result, device = only(results)
+    assert result["request"] == "gpu/h100"      # the first alternative was satisfiable
+    assert attr(device, "productName").startswith("NVIDIA H100")
+
+
+def check_memory_share(results: Allocated) -> None:
+    result, device = only(results)
+    assert attr(device, "type") == "shared" and device.get("allowMultipleAllocations") is True
+    assert quantity_value(result["consumedCapacity"]["memory"]) == 10 * GI
+    assert result.get("shareID")
+
+
+def check_cel_memory(results: Allocated) -> None:
+    _, device = only(results)
+    assert attr(device, "type") == "gpu"
+    assert quantity_value(device["capacity"]["memory"]["value"]) >= 40 * GI
+
+
+def check_shared_claim(results: Allocated) -> None:
+    pods = {c.pod for c, _, _ in results}
+    assert pods == {"shared-slot-a", "shared-slot-b"}
+    claims = {c.claim for c, _, _ in results}
+    nodes = {c.node for c, _, _ in results}
+    devices = {r["device"] for _, r, _ in results}
+    assert claims == {"shared-slot"} and len(nodes) == 1 and len(devices) == 1, (claims, nodes, devices)
+    assert attr(results[0][2], "type") == "slot"
+
+
+CHECKS: dict[str, Callable[[Allocated], None]] = {
+    "gpu-by-family": check_gpu_by_family,
+    "mig-partition": check_mig_partition,
+    "time-slicing-slot": check_time_slicing_slot,
+    "mps-slot": check_mps_slot,
+    "first-available": check_first_available,
+    "memory-share": check_memory_share,
+    "cel-memory": check_cel_memory,
+    "shared-claim": check_shared_claim,
+}
+
+
+def test_every_example_folder_has_a_check() -> None:
+    assert {e.name for e in load_examples(EXAMPLES, DRIVER)} == set(CHECKS)
+
+
+@pytest.mark.parametrize("example", sorted(CHECKS))
+def test_example_is_allocated_as_intended(api_client: Any, demo_fleet: PublishedFleet, example: str) -> None:
+    CHECKS[example](allocate(api_client, demo_fleet, example))
+
+
+def test_first_available_falls_back_when_no_h100_is_free(cluster: Any, api_client: Any, tmp_path: Path) -> None:
+    """Only L4s in the fleet: the first alternative cannot be satisfied, the second (≥ 20Gi) can."""
+    driver = "fallback.e2e.dra-driver.io"
+    doc = {"nodes": [{"name": "fb-l4", "gpus": [{"model": "L4", "count": 1}]}]}
+    fleet = PublishedFleet(cluster, api_client, driver, doc, tmp_path).publish()
+    try:
+        kube = KubeApi(api_client)
+        ex = load_example(EXAMPLES / "first-available", driver)
+        with namespace(api_client, "ex-fallback") as ns:
+            apply_objects(kube, ex.objects, ns)
+            state = wait_for_allocation(kube, [ex], ns, timeout=30)
+            assert state.complete, state.pending
+            (result,) = state.claims[0].results
+            assert result["request"] == "gpu/big" and result["device"] == "gpu-0"
+    finally:
+        fleet.remove()
+
+
+# ------------------------------------------------------------------------------------------------ the demo
+
+def _write_fleet(path: Path, prefix: str) -> Path:
+    path.write_text(yaml.safe_dump(renamed_fleet(yaml.safe_load((FLEETS / "demo.yaml").read_text()), prefix)))
+    return path
+
+
+def test_demo_steps_allocate_prepare_and_report_unallocatable_claims(cluster: Any, api_client: Any,
+                                                                      tmp_path: Path) -> None:
+    """run_demo on the shared cluster: a MIG example and one asking for more memory than any GPU has."""
+    driver = "demo.e2e.dra-driver.io"
+    examples_dir = tmp_path / "examples"
+    (examples_dir / "mig").mkdir(parents=True)
+    (examples_dir / "mig" / "claim.yaml").write_text((EXAMPLES / "mig-partition" / "claim.yaml").read_text())
+    (examples_dir / "too-big").mkdir()
+    (examples_dir / "too-big" / "claim.yaml").write_text(
+        (EXAMPLES / "cel-memory" / "claim.yaml").read_text().replace("quantity('40Gi')", "quantity('4000Gi')"))
+    fleet_path = _write_fleet(tmp_path / "fleet.yaml", "dm")
+    fleet = load_fleet(fleet_path)
+    lines: list[str] = []
+    ctx = DemoContext(cluster, api_client, fleet_path, driver, "demo-e2e", lines.append)
+    try:
+        result = run_demo(ctx, fleet, load_examples(examples_dir, driver), timeout=4,
+                          prepared_claim_hook=prepare_one_claim)
+        assert sum(result.first_writes.values()) == len(ctx.slices) > 0
+        assert result.first_writes == {"create": len(ctx.slices)}
+        assert result.restart_writes == {}
+        assert f"mig.{driver}" in result.device_classes
+        (pending,) = result.pending
+        assert pending.startswith("too-big: claim gpu-40gi-gpu-") and "(not allocated)" in pending
+        assert "pod gpu-40gi" in pending and "cannot allocate all claims" in pending
+        assert [c.example for c in result.claims if c.done] == ["mig"]
+        # The prepare hook is not run while a claim is pending; run it on its own for the allocated one.
+        prepared = prepare_one_claim(ctx, [c for c in result.claims if c.done])
+        if node_plugin_available():
+            assert prepared is not None and prepared.claim.example == "mig"
+            assert "-mig-1g10gb-" in prepared.spec_text and "NVIDIA_VISIBLE_DEVICES=MIG-" in prepared.spec_text
+            ids = prepared.cdi_device_ids
+            assert ids and all(i.startswith(f"k8s.{driver}/claim=") for i in ids)
+        else:
+            assert prepared is None
+        report(ctx, result)
+        text = "\n".join(lines)
+        assert "### Allocations (namespace demo-e2e)" in text and "1g.10gb" in text
+        assert "restart with the same fleet (second controller instance): 0 API write(s)" in text
+        assert "kubectl describe resourceslice dm-node-b-" in text and "more devices (" in text
+    finally:
+        for name in fleet.node_names:
+            try:
+                cluster.delete_node(name)
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+        delete_namespace(KubeApi(api_client), "demo-e2e")
+
+
+def test_gpu_dra_demo_command_end_to_end(tmp_path: Path) -> None:
+    """What `make demo` runs, with its own control plane: exit 0 and every section of the output."""
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "demo"], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    for example in CHECKS:
+        assert f"\n{example} " in out, example
+    assert "### kubectl describe resourceslice node-b-gpu.dra-driver.io-1" in out
+    assert "String:  time-slicing" in out           # real kubectl describe output
+    listing = out.split("### kubectl get resourceslices\n", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+    assert len(listing) > 1 and all(line.startswith("node-") for line in listing), listing
+    assert f"first start: {len(listing)} API write(s) (create {len(listing)})" in out
+    assert "restart with the same fleet (second controller instance): 0 API write(s)" in out
+    assert "==> stopping the control plane" in out
