@@ -32,6 +32,9 @@ _STRING_FLAGS: dict[str, tuple[str, str | None, str]] = {
     "--pod-uid": ("POD_UID", None, "rolling-update mode: name the sockets after this pod UID"),
     "--node-policy": ("NODE_POLICY", None, "node policy YAML file: what to publish per GPU"),
     "--fleet": ("FLEET", None, "simulated node: take this node's GPUs from the fleet file"),
+    "--sim-state": ("SIM_STATE", None, "simulated node: file where the GPUs' MIG instances, MIG and compute modes "
+                                       "outlive plugin restarts as on hardware (default "
+                                       "<state-dir>/simulated-gpus.json; 'none': in memory only)"),
     "--boot-id-path": ("BOOT_ID_PATH", "/proc/sys/kernel/random/boot_id", "kernel boot ID file (reboot detection)"),
 }
 
@@ -78,7 +81,7 @@ def options_from_args(args: argparse.Namespace) -> "PluginOptions":  # noqa: F82
         registry_dir=args.registry_dir, plugin_dir=args.plugin_dir, cdi_root=args.cdi_root,
         driver_root=args.driver_root, host_driver_root=args.host_driver_root, dev_root=args.dev_root,
         proc_root=args.proc_root, state_dir=args.state_dir, pod_uid=args.pod_uid, node_policy=args.node_policy,
-        fleet=args.fleet, compat_nvidia=args.compat_nvidia, metrics_port=args.metrics_port,
+        fleet=args.fleet, sim_state=args.sim_state, compat_nvidia=args.compat_nvidia, metrics_port=args.metrics_port,
         health_interval=args.health_interval, boot_id_path=args.boot_id_path,
     )
 

@@ -41,6 +41,12 @@ Hardware rules simulated (see dra/catalog.py for the geometry):
 
 Time-slice and MPS state is not NVML state and is not simulated here. All calls take one lock: prepares run
 in parallel threads.
+
+Persistence (``state_file``): real GPUs keep their MIG mode, GPU/compute instances, compute mode and lost
+state when the process that changed them exits. Given a state file (dra/fakenvml_state.py), the simulator
+loads that state at construction, takes the file's cross-process lock for every call, picks up another
+process's changes before the call (handles of unchanged instances stay valid) and writes the file atomically
+after every change. Without one, the state lives and dies with the object. Events are never persisted.
 """
 from __future__ import annotations
 
@@ -52,13 +58,24 @@ import threading
 import time
 import uuid as uuidlib
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pynvml
 
 from dra.catalog import GpuModel, MigProfileSpec, auto_start, get_model, placement_problem
+from dra.fakenvml_state import (
+    SCHEMA_VERSION,
+    ComputeInstanceState,
+    GpuInstanceState,
+    GpuState,
+    HardwareDoc,
+    SimulatedHardwareState,
+    SimulatedStateError,
+)
 
 _NO_ID = 0xFFFFFFFF  # gpuInstanceId / computeInstanceId of an event that is not about a MIG device
 _UUID_NAMESPACE = uuidlib.UUID("6f1c2a0e-3d7b-4f53-9a57-1b6a0e6ad0a1")
@@ -207,14 +224,16 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _api(func: F) -> F:
-    """A simulated NVML call: serialised, and refused before nvmlInit."""
+    """A simulated NVML call: serialised (also against other processes on the same state file), refused
+    before nvmlInit."""
 
     @functools.wraps(func)
     def wrapper(self: FakeNvml, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
             if self._init_count == 0:
                 raise _err(pynvml.NVML_ERROR_UNINITIALIZED)
-            return func(self, *args, **kwargs)
+            with self._hw():
+                return func(self, *args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
 
@@ -227,7 +246,9 @@ class FakeNvml:
     """Simulated NVML library; see the module docstring."""
 
     def __init__(self, gpus: Sequence[SimulatedGpu], driver_version: str = "580.95.05",
-                 cuda_driver_version: int = 13000) -> None:
+                 cuda_driver_version: int = 13000, *, state_file: Path | str | None = None) -> None:
+        """``state_file``: keep the GPUs' mutable state there (see the module docstring); an existing file is
+        loaded now, and SimulatedStateError names it if it is unreadable or describes other GPUs."""
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._init_count = 0
@@ -245,6 +266,156 @@ class FakeNvml:
         if len(set(uuids)) != len(uuids):
             raise ValueError("simulated GPUs need distinct UUIDs")
         self._event_sets: dict[int, _EventSet] = {}
+        self._state = SimulatedHardwareState(state_file) if state_file is not None else None
+        self._hw_depth = 0
+        self._dirty = False
+        self.restored = False          # whether the state came from an existing state file
+        with self._hw():
+            pass
+
+    # -- persistent hardware state -----------------------------------------------------------------------------
+
+    @property
+    def state_file(self) -> Path | None:
+        return self._state.path if self._state is not None else None
+
+    @contextmanager
+    def _hw(self) -> Iterator[None]:
+        """The simulated hardware, held: the thread lock, and with a state file its cross-process lock, the
+        other processes' latest state on entry and this one's changes written on the outermost exit."""
+        with self._lock:
+            self._hw_depth += 1
+            try:
+                if self._state is None:
+                    yield
+                    return
+                with self._state.locked():
+                    if self._hw_depth == 1 and self._state.changed():
+                        doc = self._state.read()
+                        if doc is not None:
+                            self._load_state(doc)
+                            self.restored = True
+                    try:
+                        yield
+                    finally:
+                        if self._hw_depth == 1 and self._dirty:
+                            self._dirty = False
+                            self._state.write(self._snapshot())
+            finally:
+                self._hw_depth -= 1
+
+    def _changed(self) -> None:
+        self._dirty = True
+
+    @contextmanager
+    def hardware_locked(self) -> Iterator[None]:
+        """Simulation control: hold the hardware across several calls, against other threads and processes."""
+        with self._hw():
+            yield
+
+    def has_saved_state(self) -> bool:
+        """Whether the state file exists (call under ``hardware_locked`` for an answer that stays true)."""
+        with self._hw():
+            return self._state is not None and self._state.exists()
+
+    def save_state(self) -> None:
+        """Simulation control: write the state file now (also when nothing changed, e.g. a first boot)."""
+        with self._hw():
+            self._changed()
+
+    def _snapshot(self) -> HardwareDoc:
+        return HardwareDoc(schema_version=SCHEMA_VERSION, gpus=tuple(
+            GpuState(uuid=g.spec.uuid, model=g.model.name, mig_current=g.mig_current, mig_pending=g.mig_pending,
+                     compute_mode=g.compute_mode, lost=g.lost, mig_serial=g.mig_serial,
+                     gpu_instances=tuple(
+                         GpuInstanceState(id=gi.id, profile_id=gi.profile.profile_id, start=gi.start,
+                                          compute_instances=tuple(
+                                              ComputeInstanceState(id=ci.id, profile_index=ci.profile_index,
+                                                                   slices=ci.slices, start=ci.start, uuid=ci.uuid)
+                                              for ci in sorted(gi.cis.values(), key=lambda c: c.id)))
+                         for gi in sorted(g.gis.values(), key=lambda x: x.id)))
+            for g in self._gpus))
+
+    def _load_state(self, doc: HardwareDoc) -> None:
+        """Take over a state document: everything is checked first, so a bad file changes nothing. Objects of
+        instances that did not change are kept, so their handles stay valid."""
+        assert self._state is not None
+        where = f"simulated GPU state {self._state.path}"
+        by_uuid = {g.spec.uuid: g for g in self._gpus}
+        listed = [gs.uuid for gs in doc.gpus]
+        unknown = [u for u in listed if u not in by_uuid]
+        missing = [u for u in by_uuid if u not in listed]
+        if unknown or missing or len(set(listed)) != len(listed):
+            raise SimulatedStateError(
+                f"{where}: describes GPUs {listed}, but this node has {list(by_uuid)} (the fleet changed?); delete "
+                "the file to start again from the fleet's initial state")
+        updates = [(by_uuid[gs.uuid], gs, self._gis_from_state(by_uuid[gs.uuid], gs, f"{where}: gpus[{i}]"))
+                   for i, gs in enumerate(doc.gpus)]
+        for gpu, gs, gis in updates:
+            gpu.mig_current, gpu.mig_pending, gpu.compute_mode = gs.mig_current, gs.mig_pending, gs.compute_mode
+            gpu.mig_serial = max(gpu.mig_serial, gs.mig_serial)
+            if gs.lost is not None and gpu.lost is None:
+                for es in self._event_sets.values():
+                    if gpu.index in es.registrations:
+                        es.lost_pending.add(gpu.index)
+            gpu.lost = gs.lost
+            for gi, cis in gis.values():
+                gi.cis = cis
+            gpu.gis = {gi_id: gi for gi_id, (gi, _cis) in gis.items()}
+        self._cond.notify_all()
+
+    def _gis_from_state(self, gpu: _Gpu, gs: GpuState, at: str) -> dict[int, tuple[_Gi, dict[int, _Ci]]]:
+        model = gpu.model
+        if gs.model != model.name:
+            raise SimulatedStateError(f"{at}.model: {gs.model!r}, but GPU {gpu.spec.uuid} is a {model.name}; delete "
+                                      "the file to start again from the fleet's initial state")
+        if not model.mig_capable and (gs.mig_current or gs.mig_pending):
+            raise SimulatedStateError(f"{at}: MIG mode on a {model.name}, which does not support MIG")
+        if gs.compute_mode not in (pynvml.NVML_COMPUTEMODE_DEFAULT, pynvml.NVML_COMPUTEMODE_PROHIBITED,
+                                   pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS):
+            raise SimulatedStateError(f"{at}.computeMode: {gs.compute_mode} is not a compute mode NVML sets")
+        if gs.gpu_instances and gs.mig_current != pynvml.NVML_DEVICE_MIG_ENABLE:
+            raise SimulatedStateError(f"{at}.gpuInstances: GPU instances exist while MIG mode is off")
+        out: dict[int, tuple[_Gi, dict[int, _Ci]]] = {}
+        placed: list[tuple[MigProfileSpec, int]] = []
+        mig_uuids: set[str] = set()
+        for j, gis in enumerate(gs.gpu_instances):
+            here = f"{at}.gpuInstances[{j}]"
+            spec = model.profile_by_id(gis.profile_id)
+            if spec is None:
+                raise SimulatedStateError(f"{here}.profileId: {model.name} has no GPU-instance profile "
+                                          f"{gis.profile_id}")
+            problem = placement_problem(model, placed, spec, gis.start)
+            if problem is not None:
+                raise SimulatedStateError(f"{here}.start: {problem[1]}")
+            if gis.id != _gi_id(model, spec, gis.start) or gis.id in out:
+                raise SimulatedStateError(f"{here}.id: {gis.id} is not the id of {spec.name} at start {gis.start} "
+                                          f"({_gi_id(model, spec, gis.start)})")
+            placed.append((spec, gis.start))
+            old = gpu.gis.get(gis.id)
+            gi = old if old is not None and old.profile is spec and old.start == gis.start else \
+                _Gi(gpu=gpu, id=gis.id, profile=spec, start=gis.start)
+            cis: dict[int, _Ci] = {}
+            used: set[int] = set()
+            for k, cs in enumerate(gis.compute_instances):
+                there = f"{here}.computeInstances[{k}]"
+                slices = _CI_PROFILE_SLICES.get(cs.profile_index)
+                if slices is None or slices != cs.slices or slices > spec.compute_slices:
+                    raise SimulatedStateError(f"{there}: profile index {cs.profile_index} with {cs.slices} slices "
+                                              f"does not fit a {spec.name} GPU instance")
+                span = set(range(cs.start, cs.start + slices))
+                if cs.start % slices or cs.start + slices > spec.compute_slices or span & used:
+                    raise SimulatedStateError(f"{there}.start: {cs.start} is not a free placement")
+                if cs.id in cis or cs.uuid in mig_uuids:
+                    raise SimulatedStateError(f"{there}: id {cs.id} or UUID {cs.uuid} appears twice")
+                used |= span
+                mig_uuids.add(cs.uuid)
+                prev = old.cis.get(cs.id) if gi is old else None
+                same = prev is not None and (prev.uuid, prev.start, prev.slices) == (cs.uuid, cs.start, slices)
+                cis[cs.id] = prev if same and prev is not None else \
+                    _Ci(gi=gi, id=cs.id, slices=slices, start=cs.start, profile_index=cs.profile_index, uuid=cs.uuid)
+            out[gis.id] = (gi, cis)
+        return out
 
     # -- constants and structures come from pynvml ----------------------------------------------------------
 
@@ -520,6 +691,7 @@ class FakeNvml:
                         pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS):
             raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         gpu.compute_mode = mode
+        self._changed()
 
     # -- MIG mode ----------------------------------------------------------------------------------------------
 
@@ -537,6 +709,7 @@ class FakeNvml:
         if mode == pynvml.NVML_DEVICE_MIG_DISABLE and gpu.gis:
             raise _err(pynvml.NVML_ERROR_IN_USE)
         gpu.mig_pending = mode
+        self._changed()
         if gpu.model.architecture == pynvml.NVML_DEVICE_ARCH_AMPERE:
             return pynvml.NVML_SUCCESS if mode == gpu.mig_current else pynvml.NVML_ERROR_RESET_REQUIRED
         gpu.mig_current = mode
@@ -639,6 +812,7 @@ class FakeNvml:
                        else pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
         gi = _Gi(gpu=gpu, id=_gi_id(gpu.model, spec, start), profile=spec, start=start)
         gpu.gis[gi.id] = gi
+        self._changed()
         return _handle(pynvml.c_nvmlGpuInstance_t, gi.addr)
 
     @_api
@@ -665,6 +839,7 @@ class FakeNvml:
         if gi.cis:
             raise _err(pynvml.NVML_ERROR_IN_USE)
         del gi.gpu.gis[gi.id]
+        self._changed()
         return pynvml.NVML_SUCCESS
 
     @_api
@@ -800,6 +975,7 @@ class FakeNvml:
         mig_uuid = "MIG-" + str(uuidlib.uuid5(_UUID_NAMESPACE, f"{gpu.spec.uuid}/{gi.id}/{ci_id}/{gpu.mig_serial}"))
         ci = _Ci(gi=gi, id=ci_id, slices=slices, start=start, profile_index=profile, uuid=mig_uuid)
         gi.cis[ci_id] = ci
+        self._changed()
         return _handle(pynvml.c_nvmlComputeInstance_t, ci.addr)
 
     @_api
@@ -860,6 +1036,7 @@ class FakeNvml:
     def nvmlComputeInstanceDestroy(self, computeInstance: Any) -> int:
         ci = self._ci(computeInstance)
         del ci.gi.cis[ci.id]
+        self._changed()
         return pynvml.NVML_SUCCESS
 
     # -- MIG devices -------------------------------------------------------------------------------------------
@@ -992,35 +1169,38 @@ class FakeNvml:
 
     def inject_xid(self, uuid: str, xid: int, gi: int | None = None, ci: int | None = None) -> None:
         """Raise an XID critical-error event on a GPU (optionally naming a GPU/compute instance)."""
-        with self._lock:
+        with self._hw():
             gpu = self._gpu_by_uuid(uuid)
             self._emit(gpu, pynvml.nvmlEventTypeXidCriticalError, xid,
                        _NO_ID if gi is None else gi, _NO_ID if ci is None else ci)
 
     def lose_gpu(self, uuid: str, reason: str = "GPU has fallen off the bus") -> None:
         """The GPU stops answering: its calls fail with GPU_IS_LOST until ``recover_gpu``."""
-        with self._lock:
+        with self._hw():
             gpu = self._gpu_by_uuid(uuid)
             gpu.lost = reason
+            self._changed()
             for es in self._event_sets.values():
                 if gpu.index in es.registrations:
                     es.lost_pending.add(gpu.index)
             self._cond.notify_all()
 
     def recover_gpu(self, uuid: str) -> None:
-        with self._lock:
+        with self._hw():
             self._gpu_by_uuid(uuid).lost = None
+            self._changed()
 
     def reset_gpu(self, uuid: str) -> None:
         """A GPU reset: applies the pending MIG mode and clears all GPU and compute instances."""
-        with self._lock:
+        with self._hw():
             gpu = self._gpu_by_uuid(uuid)
             gpu.gis.clear()
             gpu.mig_current = gpu.mig_pending
+            self._changed()
 
     def lost_reason(self, uuid: str) -> str | None:
         """Why a simulated GPU is lost (None when it is not)."""
-        with self._lock:
+        with self._hw():
             return self._gpu_by_uuid(uuid).lost
 
     @property

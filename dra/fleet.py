@@ -23,6 +23,10 @@ a group gets the same layout.
 GPU index, so they are the same on every start: UUID ``GPU-<uuid5(node/index)>``, minor number = index, PCI
 bus ids as on an 8-GPU HGX board, and on nodes with 8 or more GPUs the first half on NUMA node 0 and the second
 half on NUMA node 1 (smaller nodes: all on node 0).
+
+With a ``state_file`` the node's GPUs keep their state there (dra/fakenvml_state.py), like hardware outliving
+the process: the fleet's MIG layout and broken GPUs describe the first boot only, when the file does not exist
+yet; later the file says what exists. The fleet's ``xids`` are events and are raised on every start.
 """
 from __future__ import annotations
 
@@ -269,9 +273,10 @@ def numa_node(index: int, gpu_count: int) -> int:
     return 0 if gpu_count < 8 else (0 if index < gpu_count // 2 else 1)
 
 
-def nvml_for_node(node: NodeSpec) -> FakeNvml:
+def nvml_for_node(node: NodeSpec, state_file: str | Path | None = None) -> FakeNvml:
     """The simulated NVML library of one node, with its MIG layouts created, broken GPUs lost and XIDs queued.
-    Like the real library it needs ``nvmlInit`` before use."""
+    Like the real library it needs ``nvmlInit`` before use. ``state_file``: keep the GPUs' state there (see the
+    module docstring); SimulatedStateError (a ValueError) names a file that cannot be used."""
     total = node.gpu_count
     specs: list[SimulatedGpu] = []
     groups: list[tuple[GpuGroupSpec, int]] = []   # (group, first index)
@@ -283,20 +288,24 @@ def nvml_for_node(node: NodeSpec) -> FakeNvml:
                                       pci_bus_id=pci_bus_id(i), numa_node=numa_node(i, total),
                                       mig_enabled=group.mig.enabled))
     nvml = FakeNvml(specs, driver_version=node.driver_version,
-                    cuda_driver_version=node.cuda_driver_version_int)
+                    cuda_driver_version=node.cuda_driver_version_int, state_file=state_file)
     nvml.nvmlInit()
     try:
-        for group, first in groups:
-            for i in range(first, first + group.count):
-                _create_layout(nvml, i, group)
+        # Under the hardware lock, so two processes starting together boot the hardware once.
+        with nvml.hardware_locked():
+            if not nvml.has_saved_state():
+                for group, first in groups:
+                    for i in range(first, first + group.count):
+                        _create_layout(nvml, i, group)
+                        if group.broken is not None:
+                            nvml.lose_gpu(specs[i].uuid, group.broken)
+                nvml.save_state()
     finally:
         nvml.nvmlShutdown()
     for group, first in groups:
         for i in range(first, first + group.count):
             for xid in group.xids:
                 nvml.inject_xid(specs[i].uuid, xid)
-            if group.broken is not None:
-                nvml.lose_gpu(specs[i].uuid, group.broken)
     return nvml
 
 

@@ -17,11 +17,18 @@ prepare in parallel; unrelated claims never wait for each other except on a GPU 
 
 Unprepare works from the checkpoint alone (the claim may be deleted): stop MPS daemons, destroy MIG devices,
 release time-slice settings, delete the CDI spec, forget the claim. Unknown claims are a success.
+
+Test hook: ``GPU_DRA_FAULT=crash-after:<step>`` in the environment makes the process exit at once with status
+137 (as if SIGKILLed) at that point of a prepare, so tests can prove recovery. Steps: ``checkpoint-started``
+(PrepareStarted written, nothing done), ``mig-created`` (a dynamic MIG device exists that the checkpoint does
+not know yet), ``mps-started`` (an MPS daemon runs), ``cdi-written`` (the CDI spec exists, the claim is not yet
+PrepareCompleted). An unknown value stops the driver from starting. Never set it outside tests.
 """
 from __future__ import annotations
 
 import fcntl
 import os
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -57,6 +64,20 @@ from kubeletplugin.plan import DevicePlan, PlanError, plan_claim
 from kubeletplugin.results import PreparedDevice, PrepareResult, UnprepareResult
 
 DeviceCatalog = Callable[[], Mapping[str, Device]]
+
+FAULT_ENV = "GPU_DRA_FAULT"
+CRASH_STEPS = ("checkpoint-started", "mig-created", "mps-started", "cdi-written")
+
+
+def crash_step_from_env() -> str | None:
+    """The test hook's step (see the module docstring), or None when it is not set."""
+    value = os.environ.get(FAULT_ENV, "").strip()
+    if not value:
+        return None
+    step = value.removeprefix("crash-after:")
+    if not value.startswith("crash-after:") or step not in CRASH_STEPS:
+        raise ValueError(f"{FAULT_ENV}={value!r}: expected crash-after:<step>, step one of {', '.join(CRASH_STEPS)}")
+    return step
 
 
 class MigListener(Protocol):
@@ -175,6 +196,18 @@ class Driver:
         self._claim_locks: dict[str, threading.Lock] = {}
         self._gpu_locks: dict[str, threading.Lock] = defaultdict(threading.Lock)
         self._booking = threading.Lock()
+        self._crash_after = crash_step_from_env()
+        if self._crash_after:
+            self.log.warning("test hook armed: the process exits during prepare",
+                             fault=f"crash-after:{self._crash_after}")
+
+    def _crash_point(self, step: str) -> None:
+        """Test hook (module docstring): die here, leaving everything as a SIGKILL would."""
+        if self._crash_after == step:
+            self.log.warning("test hook: exiting now", fault=f"crash-after:{step}")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(137)
 
     # ----- start-up ------------------------------------------------------------------------------------------
     def start(self) -> StartupReport:
@@ -319,7 +352,9 @@ class Driver:
 
     def _update_gauges(self) -> None:
         if self.metrics is not None:
-            self.metrics.prepared_claims.set(sum(1 for r in self.checkpoint.claims().values() if r.completed))
+            records = self.checkpoint.claims().values()
+            self.metrics.prepared_claims.set(sum(1 for r in records if r.completed))
+            self.metrics.dynamic_mig_devices.set(sum(len(r.undo.mig_devices) for r in records))
 
     def _claim_lock(self, uid: str) -> threading.Lock:
         with self._locks_guard:
@@ -381,6 +416,7 @@ class Driver:
                 log.info("claim has no devices of this driver in this node's pool")
                 return []
             self._book(ref, plans)
+            self._crash_point("checkpoint-started")
             started = time.monotonic()
             try:
                 with self._gpus_locked([p.device.gpu_uuid for p in plans]):
@@ -453,6 +489,7 @@ class Driver:
             elif d.mig_dynamic:
                 assert d.mig_profile_id is not None and d.mig_start is not None
                 live = mig.create_mig_device(self.nvml, d.gpu_uuid, d.mig_profile_id, d.mig_start)
+                self._crash_point("mig-created")
                 self._add_undo(uid, mig_devices=[MigUndo(
                     device=d.name, parent_uuid=d.gpu_uuid, gi_id=live.gi_id, ci_id=live.ci_id,
                     mig_uuid=live.uuid, profile_id=d.mig_profile_id, start=d.mig_start)])
@@ -516,6 +553,7 @@ class Driver:
             self._add_undo(uid, mps_daemons=[_mps_undo(intent)])
             daemon = self.mps.start(uid, devices, active_thread_percentage=threads,
                                     pinned_memory_limit_mib=g.limits_mib)
+            self._crash_point("mps-started")
             if daemon.pipe_dir != intent.pipe_dir:
                 raise PrepareError(f"MPS daemon {daemon.daemon_id}: started with unexpected directories")
             log.info("MPS daemon started", daemon_id=daemon.daemon_id, devices=list(daemon.gpu_uuids),
@@ -537,6 +575,7 @@ class Driver:
                 requests=(p.result.base_request,), share_id=p.result.share_id,
                 mps=mounts.get(uuid) if p.mps is not None else None))
         ids = self.cdi.write_claim_spec(uid, cdi_devices)
+        self._crash_point("cdi-written")
         prepared = [PreparedDevice(request_names=(p.result.base_request,), pool_name=p.result.pool,
                                    device_name=p.device.name, cdi_device_ids=tuple(ids[i]),
                                    share_id=p.result.share_id) for i, p in enumerate(plans)]

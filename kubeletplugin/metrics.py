@@ -43,6 +43,9 @@ class PluginMetrics:
         self.prepared_claims = Gauge(
             "prepared_claims", "ResourceClaims prepared on this node (checkpoint state PrepareCompleted).",
             namespace=NAMESPACE, registry=r)
+        self.dynamic_mig_devices = Gauge(
+            "dynamic_mig_devices", "MIG devices this plugin created for claims (dynamic MIG) and has not destroyed "
+            "yet, from the checkpoint.", namespace=NAMESPACE, registry=r)
         self.devices = Gauge(
             "devices", "Devices this node publishes, by state.", ["state"], namespace=NAMESPACE, registry=r)
         self.registered = Gauge(

@@ -44,6 +44,8 @@ from kubeletplugin.sockets import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR, Soc
 
 log = structlog.get_logger("kubelet-plugin")
 
+SIMULATED_STATE_FILE = "simulated-gpus.json"
+
 
 class PluginConfigError(ValueError):
     """A flag or file the plugin cannot start with; the message names it."""
@@ -67,6 +69,8 @@ class PluginOptions:
     pod_uid: str | None = None             # rolling-update mode
     node_policy: str | None = None         # YAML file
     fleet: str | None = None               # simulated node: fleet file
+    sim_state: str | None = None           # simulated node: GPU state file (default <state dir>/simulated-gpus.json;
+                                           # "none": in memory only, gone with the process)
     compat_nvidia: bool = False
     metrics_port: int = 0                  # 0: no metrics endpoint
     health_interval: float = 10.0          # re-send period of the health stream
@@ -82,6 +86,13 @@ class PluginOptions:
     @property
     def state_directory(self) -> Path:
         return Path(self.state_dir) if self.state_dir else self.plugin_directory
+
+    @property
+    def simulated_state_file(self) -> Path | None:
+        """Where a simulated node's GPUs keep their state across plugin restarts (None: not kept)."""
+        if not self.fleet or self.sim_state == "none":
+            return None
+        return Path(self.sim_state) if self.sim_state else self.state_directory / SIMULATED_STATE_FILE
 
 
 def load_node_policy(path: str | None, fleet_policy: dict[str, Any] | None = None) -> NodePolicy:
@@ -139,8 +150,8 @@ class UnavailableSharingControl(SharingControl):
 
 class KubeletPlugin:
     """One node's plugin. The seams (NVML, API client, claim source, sharing control) can be injected;
-    by default they come from the options: FakeNvml and simulated tools for a fleet node, pynvml and the
-    driver's programs otherwise."""
+    by default they come from the options: FakeNvml (its GPU state kept in the --sim-state file, so it outlives
+    the process like hardware) and simulated tools for a fleet node, pynvml and the driver's programs otherwise."""
 
     def __init__(
         self,
@@ -190,6 +201,7 @@ class KubeletPlugin:
         if self._nvml is not None:
             return self._nvml
         if self.options.fleet:
+            from dra.fakenvml_state import SimulatedStateError
             from dra.fleet import FleetError, load_fleet, nvml_for_node
 
             try:
@@ -197,7 +209,13 @@ class KubeletPlugin:
                 self.fleet_node = fleet.node(self.options.node_name)
             except FleetError as err:
                 raise PluginConfigError(f"--fleet: {err}") from None
-            nvml = nvml_for_node(self.fleet_node)
+            state_file = self.options.simulated_state_file
+            try:
+                nvml = nvml_for_node(self.fleet_node, state_file=state_file)
+            except SimulatedStateError as err:
+                raise PluginConfigError(f"--sim-state: {err}") from None
+            log.info("simulated GPUs", state_file=str(state_file) if state_file else None,
+                     restored=nvml.restored)
         else:
             import pynvml as nvml
         nvml.nvmlInit()

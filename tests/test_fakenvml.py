@@ -549,3 +549,154 @@ def test_random_operations_keep_the_layout_valid(ops):
         assert len(used) == len(set(used)) and all(0 <= s < 8 for s in used)
         assert sum(1 for i in infos if i.profileId == 20) <= 1
         assert len({i.id for i in infos}) == len(infos)
+
+
+# -- persistent state: simulated GPUs that outlive the process, like hardware -----------------------------------
+
+def _persistent(path, *models: str) -> FakeNvml:
+    gpus = [SimulatedGpu(model=m, uuid=f"GPU-{i:08d}-1111-0000-0000-000000000000", minor=i,
+                         pci_bus_id="00000000:%02X:00.0" % (0x18 + i)) for i, m in enumerate(models)]
+    nvml = FakeNvml(gpus, state_file=path)
+    nvml.nvmlInit()
+    return nvml
+
+
+def _layout(nvml: FakeNvml, index: int) -> list[tuple]:
+    """(GI id, profile id, start, CI id, MIG UUID) of every MIG device, read through NVML calls only."""
+    h = nvml.nvmlDeviceGetHandleByIndex(index)
+    out = []
+    for i in range(nvml.nvmlDeviceGetMaxMigDeviceCount(h)):
+        try:
+            mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
+        except pynvml.NVMLError:
+            break
+        gi_id = nvml.nvmlDeviceGetGpuInstanceId(mig)
+        info = nvml.nvmlGpuInstanceGetInfo(nvml.nvmlDeviceGetGpuInstanceById(h, gi_id))
+        out.append((gi_id, info.profileId, info.placement.start, nvml.nvmlDeviceGetComputeInstanceId(mig),
+                    nvml.nvmlDeviceGetUUID(mig)))
+    return out
+
+
+def test_state_survives_a_new_simulator_on_the_same_file(tmp_path):
+    path = tmp_path / "gpus.json"
+    first = _persistent(path, "H100-80GB", "A100-40GB", "L4")
+    assert not first.restored and not path.exists()      # nothing happened yet: nothing written
+    h0, h1, h2 = (first.nvmlDeviceGetHandleByIndex(i) for i in range(3))
+    first.nvmlDeviceSetMigMode(h0, pynvml.NVML_DEVICE_MIG_ENABLE)                 # Hopper: at once
+    gi = first.nvmlDeviceCreateGpuInstanceWithPlacement(h0, 14, placement(2, 2))
+    full_ci(first, gi)
+    gone = full_ci(first, first.nvmlDeviceCreateGpuInstanceWithPlacement(h0, 19, placement(6, 1)))
+    gone_uuid = _layout(first, 0)[-1][4]
+    first.nvmlComputeInstanceDestroy(gone)
+    assert first.nvmlDeviceSetMigMode(h1, pynvml.NVML_DEVICE_MIG_ENABLE) == pynvml.NVML_ERROR_RESET_REQUIRED
+    first.nvmlDeviceSetComputeMode(h2, pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS)
+    first.lose_gpu(first.gpu_uuids[2], "fell off the bus")
+    before = _layout(first, 0)
+
+    second = _persistent(path, "H100-80GB", "A100-40GB", "L4")
+    assert second.restored
+    g0, g1 = second.nvmlDeviceGetHandleByIndex(0), second.nvmlDeviceGetHandleByIndex(1)
+    assert _layout(second, 0) == before and len(before) == 1
+    assert before[0][:4] == (4, 14, 2, 0)       # GI ids follow the placement
+    # the GPU instance left without a compute instance by the destroy above is still there
+    assert second.nvmlGpuInstanceGetInfo(second.nvmlDeviceGetGpuInstanceById(g0, 13)).placement.start == 6
+    assert second.nvmlDeviceGetMigMode(g0) == [1, 1]
+    assert second.nvmlDeviceGetMigMode(g1) == [0, 1]                                # still pending a reset
+    assert second.lost_reason(second.gpu_uuids[2]) == "fell off the bus"
+    second.recover_gpu(second.gpu_uuids[2])
+    assert second.nvmlDeviceGetComputeMode(second.nvmlDeviceGetHandleByIndex(2)) == \
+        pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
+    # MIG UUIDs stay unique across restarts: a new device at the same place is not the destroyed one
+    again = full_ci(second, second.nvmlDeviceGetGpuInstanceById(g0, 13))
+    new_uuid = second.nvmlDeviceGetUUID(second.nvmlComputeInstanceGetInfo(again).device)
+    assert new_uuid not in (gone_uuid, before[0][4])
+
+
+def test_simulators_on_one_file_see_each_others_changes(tmp_path):
+    path = tmp_path / "gpus.json"
+    a = _persistent(path, "H100-80GB")
+    b = _persistent(path, "H100-80GB")
+    ha, hb = a.nvmlDeviceGetHandleByIndex(0), b.nvmlDeviceGetHandleByIndex(0)
+    a.nvmlDeviceSetMigMode(ha, pynvml.NVML_DEVICE_MIG_ENABLE)
+    gi_a = a.nvmlDeviceCreateGpuInstanceWithPlacement(ha, 19, placement(0, 1))
+    ci_a = full_ci(a, gi_a)
+    assert b.nvmlDeviceGetMigMode(hb) == [1, 1]
+    full_ci(b, b.nvmlDeviceCreateGpuInstanceWithPlacement(hb, 19, placement(1, 1)))
+    # b's change reached a, and a's own handles of unchanged instances are still good
+    assert [m[2] for m in _layout(a, 0)] == [0, 1]
+    assert a.nvmlComputeInstanceGetInfo(ci_a).id == 0
+    b.nvmlComputeInstanceDestroy(b.nvmlGpuInstanceGetComputeInstanceById(b.nvmlDeviceGetGpuInstanceById(hb, 7), 0))
+    with pytest.raises(pynvml.NVMLError) as e:                 # destroyed by the other one: a stale handle
+        a.nvmlComputeInstanceGetInfo(ci_a)
+    assert code(e) == ERR.NVML_ERROR_INVALID_ARGUMENT
+
+
+def test_the_state_lock_keeps_other_processes_out(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = tmp_path / "gpus.json"
+    held = _persistent(path, "H100-80GB")
+    script = (
+        "import sys; from dra.fakenvml import FakeNvml, SimulatedGpu\n"
+        "n = FakeNvml([SimulatedGpu('H100-80GB', 'GPU-00000000-1111-0000-0000-000000000000', 0, "
+        "'00000000:18:00.0')], state_file=sys.argv[1]); n.nvmlInit()\n"
+        "n.nvmlDeviceSetMigMode(n.nvmlDeviceGetHandleByIndex(0), 1)\n")
+    repo = Path(__file__).resolve().parents[1]
+    with held.hardware_locked():
+        child = subprocess.Popen([sys.executable, "-c", script, str(path)], cwd=repo)
+        time.sleep(1.0)
+        assert child.poll() is None                    # waiting for the lock
+        assert held.nvmlDeviceGetMigMode(held.nvmlDeviceGetHandleByIndex(0)) == [0, 0]
+    assert child.wait(timeout=30) == 0
+    assert held.nvmlDeviceGetMigMode(held.nvmlDeviceGetHandleByIndex(0)) == [1, 1]
+
+
+def test_unusable_state_file_is_a_clear_error_naming_it(tmp_path):
+    from dra.fakenvml_state import SimulatedStateError
+
+    path = tmp_path / "gpus.json"
+    path.write_text("{not json")
+    with pytest.raises(SimulatedStateError, match=rf"{path}: not valid JSON.*delete it"):
+        _persistent(path, "H100-80GB")
+    original = _persistent(tmp_path / "good.json", "H100-80GB")
+    original.save_state()
+    good = (tmp_path / "good.json").read_text()
+    path.write_text(good.replace('"migCurrent": 0', '"migCurrent": "on"'))
+    with pytest.raises(SimulatedStateError, match=rf"{path}: gpus\[0\]\.migCurrent"):
+        _persistent(path, "H100-80GB")
+    path.write_text(good)
+    with pytest.raises(SimulatedStateError, match=rf"{path}: describes GPUs .*the fleet changed"):
+        _persistent(path, "H100-80GB", "L4")
+    with pytest.raises(SimulatedStateError, match=r"gpus\[0\]\.model: 'H100-80GB', but GPU .* is a L4"):
+        _persistent(path, "L4")
+    path.write_text(good.replace('"gpuInstances": []', '"gpuInstances": [{"id": 3, "profileId": 14, "start": 3}]'))
+    with pytest.raises(SimulatedStateError, match=r"gpus\[0\]\.gpuInstances: GPU instances exist while MIG mode"):
+        _persistent(path, "H100-80GB")
+
+
+def test_nvml_for_node_boots_the_fleet_layout_once(tmp_path):
+    from dra.fleet import nvml_for_node, parse_fleet
+
+    node = parse_fleet({"nodes": [{"name": "n", "gpus": [
+        {"model": "H100-80GB", "mig": {"enabled": True, "instances": [{"profile": "3g.40gb", "start": 4}]}},
+        {"model": "L4", "broken": "fell off the bus"}]}]}).node("n")
+    path = tmp_path / "state" / "gpus.json"
+    first = nvml_for_node(node, state_file=path)
+    assert path.exists() and not first.restored
+    first.nvmlInit()
+    [(gi_id, _, start, ci_id, _uuid)] = _layout(first, 0)
+    assert start == 4
+    h = first.nvmlDeviceGetHandleByIndex(0)
+    gi = first.nvmlDeviceGetGpuInstanceById(h, gi_id)
+    first.nvmlComputeInstanceDestroy(first.nvmlGpuInstanceGetComputeInstanceById(gi, ci_id))
+    first.nvmlGpuInstanceDestroy(gi)
+    first.recover_gpu(first.gpu_uuids[1])
+
+    second = nvml_for_node(node, state_file=path)   # a restart: the file, not the fleet, says what exists
+    second.nvmlInit()
+    assert second.restored
+    assert _layout(second, 0) == []
+    assert second.lost_reason(second.gpu_uuids[1]) is None
+    assert nvml_for_node(node).lost_reason(second.gpu_uuids[1]) == "fell off the bus"   # without a file: fleet

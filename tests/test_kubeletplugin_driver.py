@@ -34,9 +34,11 @@ class Node:
     """One simulated node: hardware that outlives plugin restarts, and a driver over a state directory."""
 
     def __init__(self, base: Path, policy: dict[str, Any], gpus: list[dict[str, Any]] | None = None,
-                 time_slice_unsupported: bool = False):
+                 time_slice_unsupported: bool = False, state_file: Path | None = None):
         fleet = parse_fleet({"nodes": [{"name": NODE, "gpus": gpus or [{"model": "H100-80GB", "count": 2}]}]})
-        self.nvml = nvml_for_node(fleet.node(NODE))
+        self.fleet_node = fleet.node(NODE)
+        self.state_file = state_file      # simulated GPUs kept in a file: a restart can be a new process
+        self.nvml = nvml_for_node(self.fleet_node, state_file=state_file)
         self.nvml.nvmlInit()
         self.inventory = discover(self.nvml)
         self.policy = parse_node_policy(policy, "test policy")
@@ -64,11 +66,21 @@ class Node:
             cdi=CdiSpecWriter(self.cdi_dir, self.tree.driver_root()), nvml=self.nvml,
             mps=MpsSupervisor(self.control, self.state), time_slicing=TimeSlicing(self.control),
             metrics=self.metrics)
-        d.start()
+        self.startup = d.start()
         return d
 
     def restart(self) -> Driver:
         self.driver.close()
+        self.driver = self.new_driver()
+        return self.driver
+
+    def restart_process(self) -> Driver:
+        """A new plugin process: even NVML is new and knows the GPUs only from the state file."""
+        assert self.state_file is not None
+        self.driver.close()
+        self.nvml = nvml_for_node(self.fleet_node, state_file=self.state_file)
+        self.nvml.nvmlInit()
+        self.control.nvml = self.nvml
         self.driver = self.new_driver()
         return self.driver
 
@@ -346,6 +358,54 @@ def test_restart_between_prepare_and_unprepare(dynamic):
     assert dynamic.mig_devices(1) == []
     assert not any(dynamic.control.daemons[k].alive for k in daemons)
     assert not driver.cdi.spec_path(ref.uid).exists()
+
+
+def test_dynamic_mig_outlives_the_plugin_process_on_persistent_hardware(tmp_path):
+    node = Node(tmp_path, {"default": {"mig": "dynamic"}}, state_file=tmp_path / "gpus.json")
+    ref = node.add_claim("kept", [{"request": "mig", "device": "gpu-1-mig-3g40gb-9-4"}])
+    before = ok(node.driver, ref).devices
+    [live] = node.mig_devices(1)
+    assert node.metrics.dynamic_mig_devices._value.get() == 1
+    driver = node.restart_process()
+    assert node.mig_devices(1) == [live]            # read from the file by a new NVML: adopted, not destroyed
+    assert node.startup.mig_destroyed == () and node.startup.rolled_back == ()
+    assert node.metrics.dynamic_mig_devices._value.get() == 1
+    assert ok(driver, ref).devices == before
+    assert driver.unprepare([ref])[ref.uid].error == ""
+    assert node.mig_devices(1) == []
+    assert node.metrics.dynamic_mig_devices._value.get() == 0
+    node.restart_process()
+    assert node.mig_devices(1) == []                # the destroy reached the file too
+
+
+def test_orphan_of_a_dead_process_is_destroyed_by_the_next(tmp_path):
+    node = Node(tmp_path, {"default": {"mig": "dynamic"}}, state_file=tmp_path / "gpus.json")
+    orphan = mig.create_mig_device(node.nvml, node.uuids[0], 19, 3)   # created, then the process died
+    assert orphan.uuid
+    node.restart_process()
+    assert node.startup.mig_destroyed == (f"{node.uuids[0]}/gi{orphan.gi_id}/ci{orphan.ci_id}",)
+    assert node.mig_devices(0) == []
+
+
+def test_fault_hook_setting_is_checked():
+    from kubeletplugin.driver import FAULT_ENV
+
+    for value, step in (("", None), ("crash-after:mig-created", "mig-created"),
+                        ("crash-after:cdi-written", "cdi-written")):
+        assert crash_step_from_env_with(value) == step
+    for bad in ("crash-after:nowhere", "mig-created", "crash:cdi-written"):
+        with pytest.raises(ValueError, match=f"{FAULT_ENV}='{bad}'.*checkpoint-started"):
+            crash_step_from_env_with(bad)
+
+
+def crash_step_from_env_with(value: str):
+    import os
+    from unittest import mock
+
+    from kubeletplugin.driver import FAULT_ENV, crash_step_from_env
+
+    with mock.patch.dict(os.environ, {FAULT_ENV: value}):
+        return crash_step_from_env()
 
 
 def test_half_done_prepare_is_rolled_back_at_start(dynamic):

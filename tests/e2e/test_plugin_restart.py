@@ -1,5 +1,6 @@
 """A plugin restart between prepare and unprepare: the new process must take the prepared claims over from its
-checkpoint, answer a repeated prepare identically, and undo everything on unprepare."""
+checkpoint, answer a repeated prepare identically, and undo everything on unprepare. The simulated GPUs live in
+the plugin's --sim-state file, so like hardware they keep their MIG devices across the restart."""
 from __future__ import annotations
 
 from typing import Any
@@ -68,8 +69,10 @@ def scheduled_example(kube: KubeApi, node: SimulatedNode, namespace: str, folder
 def assert_nothing_left(node: SimulatedNode) -> None:
     assert node.cdi_spec_files() == []
     assert node.checkpoint_claims() == {}
+    assert node.mig_devices() == []
     metrics = node.metrics()
     assert metrics["gpu_dra_prepared_claims"] == 0
+    assert metrics["gpu_dra_dynamic_mig_devices"] == 0
     assert metrics['gpu_dra_devices{state="prepared"}'] == 0
 
 
@@ -81,10 +84,16 @@ def test_dynamic_mig_survives_a_plugin_restart(kube, namespace, node_with, crash
     ids = before.container_cdi_ids["cuda"]
     visible = resolve_cdi([node.dirs.cdi], ids).env_map()["NVIDIA_VISIBLE_DEVICES"]
     claim = before.claims["mig"]
+    [created] = node.mig_devices()
+    assert created.uuid == visible
 
     node.restart_plugin(crash=crash)
     if not crash:
         assert ("deregistered", node.driver) in [(e, d) for e, d, _ in node.kubelet.watcher.history]
+    # the MIG device outlived the process in the simulated hardware and the new process adopted it (start-up
+    # cleanup destroys only MIG devices no prepared claim owns)
+    assert node.mig_devices() == [created]
+    assert node.metrics()["gpu_dra_dynamic_mig_devices"] == 1
     # the claim stays prepared across the restart: same CDI file, and a repeated prepare (a kubelet that
     # restarted too) gets the same devices from the new process
     assert resolve_cdi([node.dirs.cdi], ids).env_map()["NVIDIA_VISIBLE_DEVICES"] == visible

@@ -39,6 +39,7 @@ class PluginDirs:
         self.plugins = base / "plugins"
         self.cdi = base / "cdi"
         self.state = base / "state"
+        self.sim_state = self.state / "simulated-gpus.json"   # the simulated GPUs, outliving plugin restarts
         self.host = base / "host"         # fake driver installation (driver root, /dev, /proc)
         for d in (self.registry, self.plugins, self.cdi, self.state):
             d.mkdir(parents=True, exist_ok=True)
@@ -53,6 +54,7 @@ class PluginProcess:
         self.host = host                  # fixtures.fake_driver_root.FakeDriverTree, or None
         self.metrics_port = metrics_port
         self.extra_args = extra_args
+        self.env: dict[str, str] = {}     # extra environment of the next start (e.g. the GPU_DRA_FAULT test hook)
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
@@ -66,6 +68,7 @@ class PluginProcess:
             "--node-name", self.node, "--driver-name", self.driver, "--kubeconfig", str(self.kubeconfig),
             "--registry-dir", str(self.dirs.registry), "--plugin-dir", str(self.dirs.plugins),
             "--cdi-root", str(self.dirs.cdi), "--state-dir", str(self.dirs.state), "--fleet", str(self.fleet),
+            "--sim-state", str(self.dirs.sim_state),
         ]
         if self.host is not None:
             argv += ["--driver-root", str(self.host.root), "--dev-root", str(self.host.dev_root),
@@ -81,7 +84,7 @@ class PluginProcess:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.argv(), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
 
     @property
     def alive(self) -> bool:
@@ -106,6 +109,11 @@ class PluginProcess:
             assert self.proc is not None
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=15)
+
+    def wait_exit(self, timeout: float = 30.0) -> int:
+        """Wait for the process to end by itself; its exit code."""
+        assert self.proc is not None
+        return self.proc.wait(timeout=timeout)
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -200,13 +208,15 @@ class SimulatedNode:
 
         return wait_until(ready, timeout, f"ResourceSlices of {self.driver} on {self.name}")
 
-    def restart_plugin(self, *, crash: bool = False) -> None:
-        """Stop (or kill) the plugin and start it again; returns once the new instance is registered."""
+    def restart_plugin(self, *, crash: bool = False, env: dict[str, str] | None = None) -> None:
+        """Stop (or kill) the plugin, unless it already exited, and start it again with ``env`` added to its
+        environment; returns once the new instance is registered."""
         before = self.kubelet.watcher.plugin(self.driver)
         if crash:
             self.plugin.kill()
         else:
             self.plugin.stop()
+        self.plugin.env = dict(env or {})
         self.plugin.start()
         self.wait_registered(newer_than=before.registered_at if before else None)
 
@@ -241,3 +251,19 @@ class SimulatedNode:
 
     def checkpoint_claims(self) -> dict[str, Any]:
         return self.checkpoint().get("claims") or {}
+
+    def hardware(self) -> Any:
+        """The node's simulated GPUs as the plugin left them: a FakeNvml (initialised) over the plugin's
+        --sim-state file, so it sees (and may make) the same MIG devices, modes and lost GPUs."""
+        from dra.fleet import load_fleet, nvml_for_node
+
+        nvml = nvml_for_node(load_fleet(self.fleet_path).node(self.name), state_file=self.dirs.sim_state)
+        nvml.nvmlInit()
+        return nvml
+
+    def mig_devices(self) -> list[Any]:
+        """Every MIG device on the node's simulated GPUs now (dra.hardware.MigLive)."""
+        from dra import hardware
+
+        nvml = self.hardware()
+        return [m for uuid in nvml.gpu_uuids for m in hardware.list_mig_devices(nvml, uuid)]

@@ -1,0 +1,174 @@
+"""The plugin dies in the middle of a prepare (the GPU_DRA_FAULT test hook exits with 137 at a chosen step) or
+finds its checkpoint unreadable: the next process must bring the node back to a state where the kubelet's
+retry succeeds and unprepare leaves nothing behind. The simulated GPUs live in the plugin's --sim-state file,
+so what the dead process created on them is still there, as on hardware."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from controller.kubeapi import KubeApi
+from standin import resolve_cdi
+from standin.dra_client import DraCallError
+from standin.node import SimulatedNode
+from standin.workloads import (
+    apply_device_classes,
+    create,
+    create_namespace,
+    delete_pod,
+    for_driver,
+    load_example,
+    pin_to_node,
+    wait_for_scheduled_pod,
+)
+
+pytestmark = pytest.mark.e2e
+
+DYNAMIC_MIG = ([{"model": "H100-80GB", "count": 1}], {"default": {"mig": "dynamic"}})
+MPS_SLOTS = ([{"model": "H100-80GB", "count": 1}],
+             {"default": {"wholeGpu": False, "slots": {"count": 2, "strategy": "mps"}}})
+
+
+@pytest.fixture
+def kube(api_client) -> KubeApi:
+    return KubeApi(api_client)
+
+
+@pytest.fixture
+def namespace(kube, driver_name):
+    name = driver_name.split(".")[0] + "-crash"
+    create_namespace(kube, name)
+    apply_device_classes(kube, driver_name)
+    yield name
+    kube.request("DELETE", f"/api/v1/namespaces/{name}")
+
+
+@pytest.fixture
+def node_with(cluster, api_client, driver_name):
+    started: list[SimulatedNode] = []
+
+    def make(gpus: list[dict[str, Any]], policy: dict[str, Any]) -> SimulatedNode:
+        name = driver_name.split(".")[0] + "-crash-node"
+        node = SimulatedNode(cluster, api_client, name=name, driver=driver_name,
+                             fleet={"nodes": [{"name": name, "gpus": gpus, "policy": policy}]})
+        started.append(node)
+        return node.start()
+
+    yield make
+    for node in started:
+        node.stop()
+
+
+def scheduled_example(kube: KubeApi, node: SimulatedNode, namespace: str, folder: str) -> dict[str, Any]:
+    pod_name = None
+    for obj in load_example(folder):
+        obj = for_driver(obj, node.driver)
+        if obj["kind"] == "Pod":
+            obj = pin_to_node(obj, node.name)
+            pod_name = obj["metadata"]["name"]
+        create(kube, namespace, obj)
+    assert pod_name is not None
+    return wait_for_scheduled_pod(kube, namespace, pod_name)
+
+
+def crash_during_prepare(node: SimulatedNode, pod: dict[str, Any], step: str) -> dict[str, Any]:
+    """Restart the plugin with the crash hook armed, let the kubelet's prepare kill it; the checkpoint record
+    the dead process left behind."""
+    node.restart_plugin(env={"GPU_DRA_FAULT": f"crash-after:{step}"})
+    with pytest.raises(DraCallError):
+        node.kubelet.prepare_pod(pod)
+    assert node.plugin.wait_exit() == 137, node.plugin.log_tail()
+    [record] = node.checkpoint_claims().values()
+    assert record["state"] == "PrepareStarted"
+    return record
+
+
+def prepare_again_and_clean_up(kube: KubeApi, node: SimulatedNode, namespace: str, pod: dict[str, Any],
+                               claim: str) -> None:
+    """The kubelet retries the prepare: a valid answer; then the pod goes and unprepare leaves nothing."""
+    prepared = node.kubelet.prepare_pod(pod)
+    [device] = prepared.devices[claim]
+    cdi_ids = prepared.container_cdi_ids[next(iter(prepared.container_cdi_ids))]
+    assert cdi_ids and set(device.cdi_device_ids) <= set(cdi_ids)
+    env = resolve_cdi([node.dirs.cdi], cdi_ids).env_map()      # every ID resolves in a spec on disk
+    [record] = node.checkpoint_claims().values()
+    assert record["state"] == "PrepareCompleted"
+    if node.mig_devices():
+        [live] = node.mig_devices()                            # exactly one MIG device, the one handed out
+        assert env["NVIDIA_VISIBLE_DEVICES"] == live.uuid
+        assert node.metrics()["gpu_dra_dynamic_mig_devices"] == 1
+
+    delete_pod(kube, namespace, pod["metadata"]["name"])
+    assert [r.uid for r in node.kubelet.unprepare_pod(pod)] == [prepared.claims[claim].uid]
+    assert node.cdi_spec_files() == []
+    assert node.checkpoint_claims() == {}
+    assert node.mig_devices() == []
+    metrics = node.metrics()
+    assert metrics["gpu_dra_prepared_claims"] == 0
+    assert metrics["gpu_dra_dynamic_mig_devices"] == 0
+
+
+def test_crash_after_mig_created_leaves_an_orphan_that_the_next_start_destroys(kube, namespace, node_with):
+    node = node_with(*DYNAMIC_MIG)
+    pod = scheduled_example(kube, node, namespace, "mig-partition")
+    record = crash_during_prepare(node, pod, "mig-created")
+    # The hardware kept the MIG device; the checkpoint never learnt about it.
+    [orphan] = node.mig_devices()
+    assert record["undo"].get("migDevices", []) == []
+
+    node.restart_plugin()
+    assert node.mig_devices() == []                # destroyed at start-up as owned by no prepared claim
+    assert node.checkpoint_claims() == {}          # the half-done claim was rolled back
+    log = node.plugin.log_path.read_text()
+    assert orphan.uuid in log and "destroyed MIG device not owned by any prepared claim" in log
+
+    prepare_again_and_clean_up(kube, node, namespace, pod, "mig")
+
+
+def test_crash_after_cdi_written_is_rolled_back_and_prepared_again(kube, namespace, node_with):
+    node = node_with(*DYNAMIC_MIG)
+    pod = scheduled_example(kube, node, namespace, "mig-partition")
+    record = crash_during_prepare(node, pod, "cdi-written")
+    [created] = node.mig_devices()
+    assert [m["migUuid"] for m in record["undo"]["migDevices"]] == [created.uuid]
+    assert len(node.cdi_spec_files()) == 1
+
+    node.restart_plugin()
+    # everything the dead process did is undone at start-up: MIG device, CDI spec, checkpoint record
+    assert node.mig_devices() == [] and node.cdi_spec_files() == [] and node.checkpoint_claims() == {}
+
+    prepare_again_and_clean_up(kube, node, namespace, pod, "mig")
+    assert created.uuid not in {m.uuid for m in node.mig_devices()}
+
+
+@pytest.mark.parametrize("setup, example, claim, step", [
+    (DYNAMIC_MIG, "mig-partition", "mig", "checkpoint-started"),
+    (MPS_SLOTS, "mps-slot", "slot", "mps-started"),
+], ids=["checkpoint-started", "mps-started"])
+def test_crash_at_other_steps_recovers(kube, namespace, node_with, setup, example, claim, step):
+    node = node_with(*setup)
+    pod = scheduled_example(kube, node, namespace, example)
+    record = crash_during_prepare(node, pod, step)
+    if step == "mps-started":
+        assert record["undo"]["mpsDaemons"]        # recorded before the daemon started
+    node.restart_plugin()
+    assert node.checkpoint_claims() == {} and node.mig_devices() == [] and node.cdi_spec_files() == []
+    prepare_again_and_clean_up(kube, node, namespace, pod, claim)
+
+
+def test_corrupt_checkpoint_is_moved_aside_with_one_log_line(node_with):
+    node = node_with(*DYNAMIC_MIG)
+    node.plugin.stop()
+    checkpoint = node.dirs.state / "checkpoint.json"
+    assert checkpoint.exists()
+    checkpoint.write_bytes(b'{"schemaVersion": 1, "claims": {"x": ')   # torn by a disk fault
+
+    node.restart_plugin()
+    node.wait_for_slices()
+    [moved] = node.dirs.state.glob("checkpoint.json.corrupt-*")
+    assert moved.read_bytes() == b'{"schemaVersion": 1, "claims": {"x": '
+    assert node.checkpoint()["claims"] == {}      # a fresh, readable checkpoint
+    lines = [line for line in node.plugin.log_path.read_text().splitlines() if "unreadable" in line]
+    assert len(lines) == 1, lines
+    assert str(checkpoint) in lines[0] and str(moved) in lines[0]
