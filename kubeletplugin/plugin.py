@@ -25,7 +25,7 @@ from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
 from dra.cdi import CdiSpecWriter, ToolkitSpecs
 from dra.checkpoint import DEFAULT_BOOT_ID_PATH, CheckpointStore
 from dra.devices import Device, DeviceModel, build_devices
-from dra.driverroot import DriverRoot
+from dra.driverroot import DriverRoot, DriverRootError
 from dra.hardware_sharing import MpsSupervisor, TimeSlicing
 from dra.hardware_tools import MpsDaemonSpec, NvidiaSmiSharingControl, SharingControl, SharingError, \
     SimulatedSharingControl
@@ -218,6 +218,13 @@ class KubeletPlugin:
                      restored=nvml.restored)
         else:
             import pynvml as nvml
+
+            from dra.nvmlloader import NvmlLoadError, preload_nvml
+
+            try:
+                preload_nvml(DriverRoot(self.options.driver_root))
+            except (NvmlLoadError, DriverRootError) as err:
+                raise PluginConfigError(f"--driver-root: {err}") from None
         nvml.nvmlInit()
         return nvml
 
