@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-address", default="0.0.0.0", help="address to serve /healthz and /metrics on")
     parser.add_argument("--interval", type=float, default=30.0, help="seconds between reconcile passes")
     parser.add_argument("--once", action="store_true", help="one successful pass (retrying with back-off), then exit")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
 def run(args: argparse.Namespace) -> int:

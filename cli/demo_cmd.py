@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="node whose ResourceSlice is described (default: the fleet's last node)")
     parser.add_argument("--no-prepare", action="store_true",
                         help="skip preparing a claim through the kubelet plugin")
-    parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-level", default="WARNING", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
 @dataclass

@@ -62,8 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve Prometheus /metrics on this port (0: off) [env METRICS_PORT]")
     parser.add_argument("--health-interval", type=float, default=_env_number("HEALTH_INTERVAL", 10.0, float),
                         help="seconds between full device-health messages to the kubelet [env HEALTH_INTERVAL]")
-    parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "info"),
-                        choices=["debug", "info", "warning", "error"], help="log level [env LOG_LEVEL]")
+    parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "info"), type=str.lower,
+                        choices=["debug", "info", "warning", "error"], help="log level, any case [env LOG_LEVEL]")
     parser.add_argument("--log-format", default=os.environ.get("LOG_FORMAT", "json"), choices=["json", "text"],
                         help="log format [env LOG_FORMAT]")
 

@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve /healthz and /metrics on this port (default: not served)")
     parser.add_argument("--metrics-address", default="0.0.0.0", help="address for /healthz and /metrics")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
 def desired_fleet_pools(fleet: Any, fleet_path: str, driver: str, features: Any) -> dict[str, Any]:

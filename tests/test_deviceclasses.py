@@ -361,3 +361,12 @@ def test_kubelet_plugin_env_in_chart_is_read_by_the_command() -> None:
     read_by_command = set(_re.findall(r"\[env ([A-Z_]+)\]", helps))
     assert set_by_chart, "no env found in the kubelet-plugin template"
     assert set_by_chart - read_by_command == {"NVIDIA_VISIBLE_DEVICES"}
+
+
+def test_kind_values_carry_a_valid_simulated_fleet() -> None:
+    """The kind values' fleet must load as the plugin will load it (same parser, same errors)."""
+    from dra.fleet import parse_fleet
+
+    values = yaml.safe_load((ROOT / "deploy" / "kind" / "values-simulated.yaml").read_text())
+    fleet = parse_fleet(values["simulatedFleet"], "deploy/kind/values-simulated.yaml")
+    assert [n.name for n in fleet.nodes] == ["kind-worker", "kind-worker2"]
