@@ -17,6 +17,7 @@ from api.config import (
     check_config_for_device_type,
     decode_opaque_config,
     merge_allocation_configs,
+    restore_claim_request_scopes,
 )
 from dra.devices import KIND_GPU, KIND_MIG, KIND_SHARED, KIND_SLOT, Device
 from dra.quantity import MIB, parse_quantity
@@ -142,6 +143,9 @@ def plan_claim(claim: dict[str, Any], *, driver_name: str, pool_name: str, devic
     ``devices`` are the devices this node publishes, by name."""
     alloc = allocation_for(claim, driver_name, pool_name)
     raw_configs = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("config") or []
+    # The user's request scoping decides which config applies, and whether a kind mismatch is an error.
+    raw_configs = restore_claim_request_scopes(
+        raw_configs, ((claim.get("spec") or {}).get("devices") or {}).get("config") or [])
     plans: list[DevicePlan] = []
     seen: set[tuple[str, str | None]] = set()
     for index, result in enumerate(alloc.devices):

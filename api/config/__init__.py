@@ -12,7 +12,7 @@ from api.config.decode import (
     encode_opaque_config,
 )
 from api.config.errors import ConfigError
-from api.config.merge import ConfigEntry, merge_allocation_configs, merge_configs
+from api.config.merge import ConfigEntry, merge_allocation_configs, merge_configs, restore_claim_request_scopes
 from api.config.quantity import MemoryLimit, Quantity, quantity_bytes
 from api.config.v1alpha1 import (
     TIMESLICE_VALUES,
@@ -30,4 +30,5 @@ __all__ = [
     "GpuSharing", "MemoryLimit", "MigDeviceConfig", "MigSharing", "MpsConfig", "Quantity",
     "TimeSlicingConfig", "check_config_for_device_type", "decode_opaque_config",
     "encode_opaque_config", "merge_allocation_configs", "merge_configs", "quantity_bytes",
+    "restore_claim_request_scopes",
 ]

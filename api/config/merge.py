@@ -11,6 +11,10 @@ into `status.allocation.devices.config`; each entry may name the requests it is 
 Entries for other drivers, and entries without an opaque part, are ignored. With `device_type`, a config
 for all requests applies only when its kind fits the device (a general GpuConfig does not configure a MIG
 device); a config naming the request is returned whatever its kind, and decoding then rejects a mismatch.
+
+The scheduler (1.37) clears `requests` of a claim config that names every request of the claim, which would
+turn a config the user aimed at a request into one for all requests: `restore_claim_request_scopes` puts the
+claim's own `requests` back before these rules are applied.
 """
 from __future__ import annotations
 
@@ -85,6 +89,33 @@ def merge_allocation_configs(allocation_configs: Iterable[Mapping[str, Any]], re
             if entries[c.position].get("source") == source:
                 candidates.append(c)
     return _pick(candidates, request, device_type)
+
+
+def restore_claim_request_scopes(allocation_configs: Iterable[Mapping[str, Any]],
+                                 claim_configs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """`status.allocation.devices.config` with each FromClaim entry's `requests` as the claim spec wrote them.
+
+    The scheduler copies the claim's configs in order, leaving out configs only for sub-requests it did not
+    pick, and empties `requests` when a config names every request ("empty means all"). That loses the
+    difference between "for this request" (applies whatever its kind; a mismatch is an error) and "for all
+    requests" (applies only where its kind fits), and the precedence of the first over the second. Entries
+    are matched to `spec.devices.config` in order by their `opaque` part; unmatched entries stay as they are.
+    Positions are unchanged, so they still index the allocation's list.
+    """
+    spec = list(claim_configs)
+    out: list[dict[str, Any]] = []
+    next_spec = 0
+    for entry in allocation_configs:
+        entry = dict(entry)
+        if entry.get("source") == "FromClaim":
+            match = next((k for k in range(next_spec, len(spec)) if spec[k].get("opaque") == entry.get("opaque")),
+                         None)
+            if match is not None:
+                next_spec = match + 1
+                if not entry.get("requests") and spec[match].get("requests"):
+                    entry["requests"] = list(spec[match]["requests"])
+        out.append(entry)
+    return out
 
 
 def _pick(candidates: list[ConfigEntry], request: str, device_type: str | None) -> ConfigEntry | None:

@@ -4,6 +4,7 @@ Also a CDI resolver that reads spec files the way a container runtime does."""
 from standin.cdi import CdiError, ContainerEdits, resolve as resolve_cdi
 from standin.dra_client import DraCallError, DraClient, HealthUpdate, HealthWatch
 from standin.kubelet import (
+    EXTENDED_RESOURCE_CLAIM,
     Call,
     DriverNotRegistered,
     KubeletStandin,
@@ -16,7 +17,8 @@ from standin.registry import PluginWatcher, RegisteredPlugin, RegistrationError
 from standin.rules import AllocatedDevice, ClaimOutcome, ClaimRef, PreparedDevice, ProtocolViolation
 
 __all__ = [
-    "AllocatedDevice", "Call", "CdiError", "ClaimOutcome", "ClaimRef", "ContainerEdits", "DraCallError", "DraClient",
+    "EXTENDED_RESOURCE_CLAIM", "AllocatedDevice", "Call", "CdiError", "ClaimOutcome", "ClaimRef", "ContainerEdits",
+    "DraCallError", "DraClient",
     "DriverNotRegistered", "HealthUpdate", "HealthWatch", "KubeletStandin", "PluginWatcher", "PodNotReady",
     "PodPrepareError", "PodUnprepareError", "PreparedDevice", "PreparedPod", "ProtocolViolation", "RegisteredPlugin",
     "RegistrationError", "resolve_cdi",

@@ -13,6 +13,10 @@ from standin.registry import PluginWatcher, RegisteredPlugin
 from standin.rules import AllocatedDevice, ClaimOutcome, ClaimRef, PreparedDevice, cdi_ids_for_container
 from standin.stubs import KUBELET_DRA_SERVICES
 
+# Key of the scheduler-made claim for a pod's extended resources (``nvidia.com/gpu: 1`` served by a DeviceClass
+# with extendedResourceName) in PreparedPod; not a DNS label, so it never collides with a pod claim name.
+EXTENDED_RESOURCE_CLAIM = "resource.kubernetes.io/extended-resource-claim"
+
 
 class PodNotReady(Exception):
     """The kubelet would not (yet) prepare this pod: claim missing, not allocated, not reserved, wrong node."""
@@ -59,7 +63,8 @@ class CachedClaim:
 
 @dataclass(frozen=True)
 class PreparedPod:
-    """What prepare_pod produced: pod claim name -> its ResourceClaim and devices, plus CDI IDs per container."""
+    """What prepare_pod produced: pod claim name (EXTENDED_RESOURCE_CLAIM for the scheduler's extended-resource
+    claim) -> its ResourceClaim and devices, plus CDI IDs per container."""
 
     claims: dict[str, ClaimRef]
     devices: dict[str, tuple[PreparedDevice, ...]]
@@ -97,6 +102,19 @@ def pod_claim_name(pod: dict[str, Any], pod_claim: dict[str, Any]) -> str | None
         if status.get("name") == pod_claim["name"]:
             return status.get("resourceClaimName")
     raise PodNotReady(f"pod claim {pod_claim['name']!r}: no generated ResourceClaim recorded in the pod status yet")
+
+
+def extended_resource_claim_name(pod: dict[str, Any]) -> str | None:
+    """The claim the scheduler made for the pod's extended resources (``status.extendedResourceClaimStatus``)."""
+    status = (pod.get("status") or {}).get("extendedResourceClaimStatus") or {}
+    return status.get("resourceClaimName") or None
+
+
+def extended_resource_refs(pod: dict[str, Any], container: str) -> list[dict[str, str]]:
+    """A container's extended-resource requests as ``resources.claims``-style references into that claim."""
+    status = (pod.get("status") or {}).get("extendedResourceClaimStatus") or {}
+    return [{"name": EXTENDED_RESOURCE_CLAIM, "request": m["requestName"]}
+            for m in status.get("requestMappings") or [] if m.get("containerName") == container]
 
 
 def allocated_devices(claim: dict[str, Any]) -> dict[str, list[AllocatedDevice]]:
@@ -177,26 +195,35 @@ class KubeletStandin:
         return KubeApi(self.api_client).get(f"{RESOURCE_V1}/namespaces/{namespace}/resourceclaims/{name}")
 
     def _pod_claims(self, pod: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-        """(pod claim name, ResourceClaim) for every claim the pod needs, checked as the kubelet checks."""
-        meta = pod["metadata"]
+        """(pod claim name, ResourceClaim) for every claim the pod needs, checked as the kubelet checks; the
+        scheduler's claim for extended resources comes last, under EXTENDED_RESOURCE_CLAIM."""
         out = []
         for pod_claim in (pod.get("spec") or {}).get("resourceClaims") or []:
             name = pod_claim_name(pod, pod_claim)
             if name is None:
                 continue
-            claim = self.read_claim(meta["namespace"], name)
-            where = f"ResourceClaim {meta['namespace']}/{name}"
-            if pod_claim.get("resourceClaimTemplateName"):
-                owners = claim["metadata"].get("ownerReferences") or []
-                if not any(o.get("uid") == meta["uid"] and o.get("controller") for o in owners):
-                    raise PodNotReady(f"{where} was not created for pod {_pod_key(pod)}")
-            status = claim.get("status") or {}
-            if not status.get("allocation"):
-                raise PodNotReady(f"{where} is not allocated")
-            if not any(r.get("uid") == meta["uid"] for r in status.get("reservedFor") or []):
-                raise PodNotReady(f"{where} is not reserved for pod {_pod_key(pod)}")
-            out.append((pod_claim["name"], claim))
+            owned = bool(pod_claim.get("resourceClaimTemplateName"))
+            out.append((pod_claim["name"], self._checked_claim(pod, name, owned)))
+        extended = extended_resource_claim_name(pod)
+        if extended is not None:
+            out.append((EXTENDED_RESOURCE_CLAIM, self._checked_claim(pod, extended, owned=True)))
         return out
+
+    def _checked_claim(self, pod: dict[str, Any], name: str, owned: bool) -> dict[str, Any]:
+        """The ResourceClaim, once it is allocated and reserved for the pod (and owned by it when ``owned``)."""
+        meta = pod["metadata"]
+        claim = self.read_claim(meta["namespace"], name)
+        where = f"ResourceClaim {meta['namespace']}/{name}"
+        if owned:
+            owners = claim["metadata"].get("ownerReferences") or []
+            if not any(o.get("uid") == meta["uid"] and o.get("controller") for o in owners):
+                raise PodNotReady(f"{where} was not created for pod {_pod_key(pod)}")
+        status = claim.get("status") or {}
+        if not status.get("allocation"):
+            raise PodNotReady(f"{where} is not allocated")
+        if not any(r.get("uid") == meta["uid"] for r in status.get("reservedFor") or []):
+            raise PodNotReady(f"{where} is not reserved for pod {_pod_key(pod)}")
+        return claim
 
     def prepare_claims(
         self, driver: str, claims: Sequence[ClaimRef], allocations: dict[str, list[AllocatedDevice]] | None = None
@@ -261,8 +288,9 @@ class KubeletStandin:
         pod = as_dict(pod)
         claims: dict[str, ClaimRef] = {}
         devices: dict[str, tuple[PreparedDevice, ...]] = {}
-        for pod_claim in (pod.get("spec") or {}).get("resourceClaims") or []:
-            name = pod_claim_name(pod, pod_claim)
+        names = [(pc["name"], pod_claim_name(pod, pc)) for pc in (pod.get("spec") or {}).get("resourceClaims") or []]
+        names.append((EXTENDED_RESOURCE_CLAIM, extended_resource_claim_name(pod)))
+        for pod_claim, name in names:
             if name is None:
                 continue
             cached = next(
@@ -271,11 +299,14 @@ class KubeletStandin:
             )
             if cached is None or not cached.is_prepared:
                 raise PodNotReady(f"claim {name} of pod {_pod_key(pod)} is not prepared")
-            claims[pod_claim["name"]] = cached.ref
-            devices[pod_claim["name"]] = tuple(cached.devices())
+            claims[pod_claim] = cached.ref
+            devices[pod_claim] = tuple(cached.devices())
         containers = (pod.get("spec") or {}).get("containers") or []
+        # Extended resources reach a container through the request mappings the scheduler recorded.
         cdi = {
-            c["name"]: cdi_ids_for_container((c.get("resources") or {}).get("claims") or [], devices) for c in containers
+            c["name"]: cdi_ids_for_container(
+                [*((c.get("resources") or {}).get("claims") or []), *extended_resource_refs(pod, c["name"])], devices)
+            for c in containers
         }
         return PreparedPod(claims=claims, devices=devices, container_cdi_ids=cdi)
 
