@@ -3,8 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# K8S_VERSION (the target release), K8S_SKEW_VERSION (the oldest supported one), ETCD_VERSION.
+include hack/versions.env
 
-.PHONY: demo test unit e2e bench control-plane protos clean
+.PHONY: demo test unit e2e bench control-plane control-plane-target control-plane-skew protos clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,11 +16,18 @@ $(STAMP): pyproject.toml
 	touch $@
 
 # Builds (or reuses) etcd, kube-apiserver, kube-scheduler, kube-controller-manager and kubectl
-# in ~/.cache/gpu-dra/k8s/<version>/bin.
-control-plane:
-	bash hack/build-control-plane.sh
+# in ~/.cache/gpu-dra/k8s/<version>/bin: the target release, and the oldest supported release for the
+# version-skew tests.
+control-plane: control-plane-target control-plane-skew
 
-demo: $(STAMP) control-plane
+control-plane-target:
+	K8S_VERSION=$(K8S_VERSION) ETCD_VERSION=$(ETCD_VERSION) bash hack/build-control-plane.sh
+
+control-plane-skew:
+	K8S_VERSION=$(K8S_SKEW_VERSION) ETCD_VERSION=$(ETCD_VERSION) bash hack/build-control-plane.sh
+
+# The demo runs on the target release only.
+demo: $(STAMP) control-plane-target
 	$(VENV)/bin/gpu-dra demo
 
 test: $(STAMP) control-plane

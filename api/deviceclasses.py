@@ -12,7 +12,8 @@ In NVIDIA compatibility mode the driver is gpu.nvidia.com and the first two are 
 `gpu.nvidia.com` (also serving the extended resource nvidia.com/gpu) and `mig.nvidia.com`, so claims
 written for NVIDIA's driver keep working.
 
-`python -m api.deviceclasses` rewrites the generated YAML in deploy/ from these definitions.
+`python -m api.deviceclasses` rewrites the generated YAML in deploy/ from these definitions. Older API
+servers drop fields they do not support; `classes_for_server` leaves those out for them.
 """
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ DEVICE_CLASS_API_VERSION = "resource.k8s.io/v1"
 # Families with example classes, spelled as the `family` attribute spells them (GFD's spelling).
 FAMILIES = ("ampere", "ada-lovelace", "hopper", "blackwell")
 NVIDIA_EXTENDED_RESOURCE = "nvidia.com/gpu"
+# extendedResourceName (DRAExtendedResource) is alpha and off by default in 1.34 and 1.35, whose API servers
+# silently drop the field; beta and on from 1.36.
+EXTENDED_RESOURCE_MIN_MINOR = 36
 # Stands for the driver name in the chart's copy; the chart replaces it with .Values.driverName.
 CHART_DRIVER_PLACEHOLDER = "driver-name.placeholder.invalid"
 
@@ -90,6 +94,23 @@ def device_classes(driver_name: str = DEFAULT_DRIVER_NAME, *, compat_nvidia: boo
     ]
     classes += [_device_class(f"{family}.{driver}", selector(driver, "gpu", family)) for family in FAMILIES]
     return classes
+
+
+def classes_for_server(classes: list[dict[str, Any]], minor: int) -> tuple[list[dict[str, Any]], list[str]]:
+    """The classes as an API server of Kubernetes 1.<minor> stores them, and a note per field left out.
+
+    A field the server drops would make every comparison with the stored class show a change, and the
+    class would be rewritten forever; without it the class is written once. The inputs are not changed."""
+    out, notes = [], []
+    for cls in classes:
+        spec = cls.get("spec") or {}
+        if minor < EXTENDED_RESOURCE_MIN_MINOR and "extendedResourceName" in spec:
+            notes.append(f"DeviceClass {cls['metadata']['name']} is created without extendedResourceName "
+                         f"{spec['extendedResourceName']}: pods asking for that extended resource are served by "
+                         f"DRA from Kubernetes 1.{EXTENDED_RESOURCE_MIN_MINOR} on; claims for the class work")
+            cls = {**cls, "spec": {k: v for k, v in spec.items() if k != "extendedResourceName"}}
+        out.append(cls)
+    return out, notes
 
 
 def render_yaml(objects: list[dict[str, Any]]) -> str:

@@ -33,11 +33,12 @@ import yaml
 
 log = logging.getLogger(__name__)
 
-K8S_VERSION = "v1.37.2"
 BIN_ENV = "GPU_DRA_K8S_BIN"
+CACHE_ENV = "GPU_DRA_CACHE"
 COMPONENTS = ("etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager", "kubectl")
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 _BUILD_SCRIPT = _REPO_ROOT / "hack" / "build-control-plane.sh"
+VERSIONS_FILE = _REPO_ROOT / "hack" / "versions.env"
 _LOG_TAIL_LINES = 25
 
 
@@ -49,26 +50,57 @@ def _missing_components(bin_dir: Path) -> list[str]:
     return [c for c in COMPONENTS if not os.access(bin_dir / c, os.X_OK)]
 
 
-def find_binaries(build: bool = True) -> Path:
-    """The directory holding etcd, kube-apiserver, kube-scheduler, kube-controller-manager and kubectl.
+def pinned_version(key: str = "K8S_VERSION") -> str:
+    """A version pinned in hack/versions.env: K8S_VERSION (the target release), K8S_SKEW_VERSION (the oldest
+    supported release) or ETCD_VERSION."""
+    try:
+        lines = VERSIONS_FILE.read_text().splitlines()
+    except OSError as exc:
+        raise ClusterError(f"cannot read the pinned versions: {exc}") from exc
+    values = dict(line.split("=", 1) for line in lines if "=" in line and not line.lstrip().startswith("#"))
+    value = values.get(key, "").strip()
+    if not value:
+        raise ClusterError(f"{VERSIONS_FILE}: no {key}=... line")
+    return value
 
-    Order: $GPU_DRA_K8S_BIN, else hack/build-control-plane.sh (which reuses its cache or builds from the
-    Go module proxy and prints the bin directory on its last line)."""
+
+def k8s_bin_dir(version: str) -> Path:
+    """Where hack/build-control-plane.sh keeps the binaries of Kubernetes `version` (e.g. v1.34.4)."""
+    root = os.environ.get(CACHE_ENV) or str(Path.home() / ".cache" / "gpu-dra")
+    return Path(root).expanduser() / "k8s" / version / "bin"
+
+
+def find_binaries(build: bool = True, version: str | None = None) -> Path:
+    """The directory holding etcd, kube-apiserver, kube-scheduler, kube-controller-manager and kubectl of
+    Kubernetes `version` (default: the pinned target release).
+
+    Order: $GPU_DRA_K8S_BIN (target release only), else hack/build-control-plane.sh, which reuses its cache
+    or builds from the Go module proxy and prints the bin directory on its last line. Without `build`, only
+    a complete cache directory is used."""
     env = os.environ.get(BIN_ENV)
-    if env:
+    if env and (version is None or version == pinned_version()):
         bin_dir = Path(env).expanduser()
         missing = _missing_components(bin_dir)
         if missing:
             raise ClusterError(f"${BIN_ENV}={env} lacks executables: {', '.join(missing)}")
         return bin_dir
+    target = pinned_version()
+    version = version or target
     if not build:
-        raise ClusterError(f"set ${BIN_ENV} to a directory with {', '.join(COMPONENTS)}")
+        cached = k8s_bin_dir(version)
+        if not _missing_components(cached) and (cached.parent / ".complete").is_file():
+            return cached
+        raise ClusterError(f"no Kubernetes {version} binaries in {cached}; build them with "
+                           f"K8S_VERSION={version} bash hack/build-control-plane.sh"
+                           + (f", or set ${BIN_ENV} to a directory with {', '.join(COMPONENTS)}"
+                              if version == target else ""))
     if not _BUILD_SCRIPT.is_file():
         raise ClusterError(f"no ${BIN_ENV} set and no build script at {_BUILD_SCRIPT}")
-    proc = subprocess.run(["bash", str(_BUILD_SCRIPT)], capture_output=True, text=True)
+    proc = subprocess.run(["bash", str(_BUILD_SCRIPT)], capture_output=True, text=True,
+                          env={**os.environ, "K8S_VERSION": version})
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-_LOG_TAIL_LINES:])
-        raise ClusterError(f"{_BUILD_SCRIPT.name} failed (exit {proc.returncode}):\n{tail}")
+        raise ClusterError(f"{_BUILD_SCRIPT.name} failed for Kubernetes {version} (exit {proc.returncode}):\n{tail}")
     lines = proc.stdout.strip().splitlines()
     if not lines:
         raise ClusterError(f"{_BUILD_SCRIPT.name} printed no bin directory")

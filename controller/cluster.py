@@ -2,6 +2,9 @@
 Node is gone (node-local pools of deleted nodes would otherwise linger when no owner reference was set,
 or until the garbage collector gets to them).
 
+The classes are fitted to the API server's version once (`api.deviceclasses.classes_for_server`): fields an
+older server drops are not sent, so that the stored classes match and are not rewritten on every pass.
+
 Each pass is a full comparison against the API server (no cache), repeated every `interval` seconds and
 retried with exponential back-off while the API server is unavailable.
 """
@@ -14,6 +17,7 @@ import time
 from collections import Counter as _Tally
 from typing import Any
 
+from api.deviceclasses import classes_for_server
 from controller.backoff import Backoff
 from controller.kubeapi import DEVICE_CLASSES, NODES, SLICES, ApiError, ApiUnavailable, KubeApi
 from controller.metrics import CLUSTER_RECONCILES, DEVICECLASS_WRITES, STALE_SLICE_DELETES
@@ -30,12 +34,15 @@ class ClusterController:
     """One reconcile pass = DeviceClasses exactly as desired + no slices of the driver on vanished nodes."""
 
     def __init__(self, api_client: Any, driver_name: str, device_classes: list[dict[str, Any]],
-                 interval: float = 30.0, backoff: Backoff | None = None) -> None:
+                 interval: float = 30.0, backoff: Backoff | None = None, server_minor: int | None = None) -> None:
+        """`server_minor`: the API server's Kubernetes minor version if known; asked on the first pass if not."""
         self.kube = KubeApi(api_client)
         self.driver = driver_name
         self.interval = interval
         self._backoff = backoff or Backoff(initial=0.5, maximum=interval)
         self._classes = [self._labelled(c) for c in device_classes]
+        self._server_minor = server_minor
+        self._server_classes: list[dict[str, Any]] | None = None
         self._lock = threading.Lock()
         self._writes: _Tally[str] = _Tally()
         self.last_success: float | None = None
@@ -129,9 +136,22 @@ class ClusterController:
         labels[DRIVER_LABEL] = self.driver
         return obj
 
+    def _classes_for_server(self) -> list[dict[str, Any]]:
+        if self._server_classes is None:
+            if self._server_minor is None:
+                major, minor = self.kube.server_version()
+                if major != 1:
+                    raise ApiError("GET", "/version", 200, f'{{"message": "unexpected major version {major}"}}')
+                self._server_minor = minor
+            classes, notes = classes_for_server(self._classes, self._server_minor)
+            for note in notes:
+                log.warning("API server is Kubernetes 1.%d: %s", self._server_minor, note)
+            self._server_classes = classes
+        return self._server_classes
+
     def ensure_device_classes(self) -> None:
         """Creates missing classes, rewrites changed ones, deletes ones we made that are no longer wanted."""
-        wanted = {c["metadata"]["name"]: c for c in self._classes}
+        wanted = {c["metadata"]["name"]: c for c in self._classes_for_server()}
         for name, desired in wanted.items():
             try:
                 existing = self.kube.get(f"{DEVICE_CLASSES}/{name}")

@@ -17,7 +17,9 @@ It follows the algorithm of the upstream Go helper (k8s.io/dynamic-resource-allo
 
 Differences from upstream, for simplicity: slice names are deterministic (`<pool>-<driver>-<index>`)
 rather than generated, and each pool sync reads the pool's slices with a fresh LIST (field selectors on
-driver and pool) instead of an informer cache, which makes a mutation cache unnecessary.
+driver and pool) instead of an informer cache, which makes a mutation cache unnecessary. API servers that
+cannot select by `spec.pool.name` (Kubernetes 1.34) answer 400; from then on the pool's slices are picked
+out of the driver's (and node's) slices here.
 """
 from __future__ import annotations
 
@@ -231,6 +233,7 @@ class ResourceSliceController:
         self._threads: list[threading.Thread] = []
         self._watch_resp: Any = None
         self._watch_synced = threading.Event()
+        self._pool_field_selector = True     # until the server says it has no spec.pool.name selector
 
     # ---- public API -------------------------------------------------------------------------------
 
@@ -417,6 +420,22 @@ class ResourceSliceController:
             parts.append(f"spec.pool.name={pool}")
         return ",".join(parts)
 
+    def _list_pool(self, pool: str) -> list[dict[str, Any]]:
+        """The pool's slices (of this driver and owner)."""
+        if self._pool_field_selector:
+            try:
+                return list(self.kube.list(SLICES, field_selector=self._selector(pool))["items"])
+            except ApiError as exc:
+                if not (exc.status == 400 and "spec.pool.name" in exc.message):
+                    raise
+                with self._cond:
+                    first, self._pool_field_selector = self._pool_field_selector, False
+                if first:
+                    log.info("driver %s: the API server cannot select ResourceSlices by spec.pool.name (%s); "
+                             "listing the driver's slices and picking each pool's here", self.driver, exc.message)
+        items = self.kube.list(SLICES, field_selector=self._selector())["items"]
+        return [o for o in items if (o.get("spec") or {}).get("pool", {}).get("name") == pool]
+
     def _watch_loop(self) -> None:
         backoff = Backoff(initial=0.5, maximum=30.0)
         rv: str | None = None
@@ -512,7 +531,7 @@ class ResourceSliceController:
     def _sync_pool(self, pool_name: str) -> None:
         with self._cond:
             desired = (self._desired or {}).get(pool_name)
-        existing = self.kube.list(SLICES, field_selector=self._selector(pool_name))["items"]
+        existing = self._list_pool(pool_name)
         existing.sort(key=lambda o: o["metadata"]["name"])
         if desired is None:
             for obj in existing:

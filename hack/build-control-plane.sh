@@ -2,10 +2,14 @@
 # Builds etcd, kube-apiserver, kube-scheduler, kube-controller-manager and kubectl from their
 # published Go modules into a cache outside the repository, keyed by version, and reuses it.
 # Usage: hack/build-control-plane.sh   (prints the bin directory on its last line)
+#   K8S_VERSION=v1.34.4 hack/build-control-plane.sh   builds another release (default: the pin in
+#   hack/versions.env; K8S_SKEW_VERSION there is the oldest supported release). ETCD_VERSION likewise.
 set -euo pipefail
 
-K8S_VERSION="${K8S_VERSION:-v1.37.2}"
-ETCD_VERSION="${ETCD_VERSION:-v3.6.10}"
+VERSIONS_FILE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/versions.env"
+pinned() { sed -n "s/^$1=//p" "$VERSIONS_FILE" 2>/dev/null | tail -n 1; }
+K8S_VERSION="${K8S_VERSION:-$(pinned K8S_VERSION)}"
+ETCD_VERSION="${ETCD_VERSION:-$(pinned ETCD_VERSION)}"
 CACHE_ROOT="${GPU_DRA_CACHE:-$HOME/.cache/gpu-dra}"
 OUT="$CACHE_ROOT/k8s/$K8S_VERSION"
 BIN="$OUT/bin"
@@ -13,6 +17,13 @@ COMPONENTS=(kube-apiserver kube-scheduler kube-controller-manager kubectl)
 
 log() { printf '[build-control-plane %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { printf 'build-control-plane: error: %s\n' "$*" >&2; exit 1; }
+
+# The staging modules are tagged v0.<minor>.<patch> for k8s.io/kubernetes v1.<minor>.<patch>: only plain
+# release versions map that way.
+[[ "$K8S_VERSION" =~ ^v1\.[0-9]+\.[0-9]+$ ]] \
+  || die "K8S_VERSION '$K8S_VERSION' is not a Kubernetes release like v1.37.2 (set it, or pin it in $VERSIONS_FILE)"
+[[ "$ETCD_VERSION" =~ ^v3\.[0-9]+\.[0-9]+$ ]] \
+  || die "ETCD_VERSION '$ETCD_VERSION' is not an etcd release like v3.6.10 (set it, or pin it in $VERSIONS_FILE)"
 
 have_all() {
   for c in "${COMPONENTS[@]}" etcd; do [ -x "$BIN/$c" ] || return 1; done
@@ -51,6 +62,11 @@ build_k8s() {
     # their published tags instead (replace directives only work in the main module).
     for m in $(grep -E '^\s*k8s.io/[a-z0-9-]+ v0\.0\.0\s*$' "$gomod" | awk '{print $1}' | sort -u); do
       go mod edit -replace="$m=$m@$staging_ver"
+    done
+    # Keep upstream's GODEBUG defaults (1.34 says `godebug default=go1.24`), so that a build with a newer
+    # Go behaves like the release (TLS, x509 and HTTP settings follow them).
+    for kv in $(sed -n 's/^godebug[[:space:]]\{1,\}//p' "$gomod"); do
+      go mod edit -godebug="$kv"
     done
     # Keep upstream's own replaces for third-party modules (pinned forks).
     grep -E '^\s*[a-z].* => [a-z].* v[0-9]' "$gomod" | grep -v '^\s*k8s.io/[a-z0-9-]* =>' | while read -r l; do

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from kubernetes import client as kclient
 
-from cli.localcluster import BIN_ENV, COMPONENTS, ClusterError, LocalCluster, find_binaries
+from cli.localcluster import BIN_ENV, COMPONENTS, ClusterError, LocalCluster, find_binaries, pinned_version
 
 pytestmark = pytest.mark.e2e
 
@@ -23,7 +23,7 @@ def test_components_run_and_simulated_nodes_are_ready_and_untainted(cluster: Any
     assert [(c.type, c.status) for c in node.status.conditions] == [("Ready", "True")]
     assert node.metadata.labels["example.com/rack"] == "r1"
     assert name in cluster.kubectl("get", "nodes", "-o", "name").stdout
-    assert kclient.VersionApi(cluster.api_client()).get_code().git_version == "v1.37.2"
+    assert kclient.VersionApi(cluster.api_client()).get_code().git_version == pinned_version("K8S_VERSION")
 
 
 def test_teardown_kills_every_component_and_removes_the_work_dir(cluster: Any) -> None:
