@@ -62,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve Prometheus /metrics on this port (0: off) [env METRICS_PORT]")
     parser.add_argument("--health-interval", type=float, default=_env_number("HEALTH_INTERVAL", 10.0, float),
                         help="seconds between full device-health messages to the kubelet [env HEALTH_INTERVAL]")
+    parser.add_argument("--health-quiet-period", type=float,
+                        default=_env_number("HEALTH_QUIET_PERIOD", 300.0, float), metavar="SECONDS",
+                        help="remove a device's XID/ECC taint after this many seconds without a new event on it "
+                             "(0: never; a lost GPU's taint goes when it answers again) [env HEALTH_QUIET_PERIOD]")
     parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "info"), type=str.lower,
                         choices=["debug", "info", "warning", "error"], help="log level, any case [env LOG_LEVEL]")
     parser.add_argument("--log-format", default=os.environ.get("LOG_FORMAT", "json"), choices=["json", "text"],
@@ -76,6 +80,8 @@ def options_from_args(args: argparse.Namespace) -> "PluginOptions":  # noqa: F82
         driver = NVIDIA_DRIVER_NAME
     if args.health_interval <= 0:
         raise ValueError(f"--health-interval {args.health_interval}: must be positive")
+    if not args.health_quiet_period >= 0:   # also refuses NaN
+        raise ValueError(f"--health-quiet-period {args.health_quiet_period}: must be 0 (never) or positive")
     return PluginOptions(
         node_name=args.node_name or "", driver_name=driver, kubeconfig=args.kubeconfig,
         registry_dir=args.registry_dir, plugin_dir=args.plugin_dir, cdi_root=args.cdi_root,
@@ -83,6 +89,7 @@ def options_from_args(args: argparse.Namespace) -> "PluginOptions":  # noqa: F82
         proc_root=args.proc_root, state_dir=args.state_dir, pod_uid=args.pod_uid, node_policy=args.node_policy,
         fleet=args.fleet, sim_state=args.sim_state, compat_nvidia=args.compat_nvidia, metrics_port=args.metrics_port,
         health_interval=args.health_interval, boot_id_path=args.boot_id_path,
+        health_quiet_period=args.health_quiet_period,
     )
 
 

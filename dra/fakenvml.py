@@ -38,6 +38,8 @@ Hardware rules simulated (see dra/catalog.py for the geometry):
   Events raised while nobody listens are kept and delivered to the next set that registers, so a health
   monitor that starts later still sees XIDs a simulated fleet scripts at start. After ``lose_gpu`` the next
   ``nvmlEventSetWait`` of each set registered on that GPU raises GPU_IS_LOST once.
+* Recoveries (simulation only, no NVML counterpart): ``recover_gpu`` also records that an operator declared
+  the GPU healthy; ``take_recoveries`` hands those GPUs to a health monitor once.
 
 Time-slice and MPS state is not NVML state and is not simulated here. All calls take one lock: prepares run
 in parallel threads.
@@ -46,7 +48,11 @@ Persistence (``state_file``): real GPUs keep their MIG mode, GPU/compute instanc
 state when the process that changed them exits. Given a state file (dra/fakenvml_state.py), the simulator
 loads that state at construction, takes the file's cross-process lock for every call, picks up another
 process's changes before the call (handles of unchanged instances stay valid) and writes the file atomically
-after every change. Without one, the state lives and dies with the object. Events are never persisted.
+after every change. Without one, the state lives and dies with the object. Events raised in the process
+(``inject_xid``) stay in it; events other processes record in the file's event log (dra/fakenvml_faults.py,
+``gpu-dra simulate``) are delivered here as they appear, those from before this object existed are not.
+``nvmlEventSetWait`` re-checks the file every ``FILE_POLL_S`` while it waits, so such an event, a lost GPU or
+a recovery reaches a waiting monitor within that time.
 """
 from __future__ import annotations
 
@@ -68,16 +74,20 @@ import pynvml
 
 from dra.catalog import GpuModel, MigProfileSpec, auto_start, get_model, placement_problem
 from dra.fakenvml_state import (
+    EVENT_RECOVER,
+    EVENT_XID,
     SCHEMA_VERSION,
     ComputeInstanceState,
     GpuInstanceState,
     GpuState,
     HardwareDoc,
+    SimulatedEvent,
     SimulatedHardwareState,
     SimulatedStateError,
 )
 
 _NO_ID = 0xFFFFFFFF  # gpuInstanceId / computeInstanceId of an event that is not about a MIG device
+FILE_POLL_S = 0.15   # how often a waiting nvmlEventSetWait looks for another process's change of the state file
 _UUID_NAMESPACE = uuidlib.UUID("6f1c2a0e-3d7b-4f53-9a57-1b6a0e6ad0a1")
 _SUPPORTED_EVENTS = (pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypeSingleBitEccError
                      | pynvml.nvmlEventTypeDoubleBitEccError)
@@ -270,8 +280,14 @@ class FakeNvml:
         self._hw_depth = 0
         self._dirty = False
         self.restored = False          # whether the state came from an existing state file
+        self._event_serial = 0         # newest event of the state file's log that this object has taken over
+        self._event_log: tuple[SimulatedEvent, ...] = ()   # the file's log as last read (written back unchanged)
+        self._recoveries: list[str] = []   # GPUs declared healthy, not yet taken by take_recoveries
+        self._recovery_count = 0       # recoveries ever offered: a new one ends a waiting nvmlEventSetWait early
+        self._booted = False           # events in the file when this object is made are history
         with self._hw():
             pass
+        self._booted = True
 
     # -- persistent hardware state -----------------------------------------------------------------------------
 
@@ -324,7 +340,7 @@ class FakeNvml:
             self._changed()
 
     def _snapshot(self) -> HardwareDoc:
-        return HardwareDoc(schema_version=SCHEMA_VERSION, gpus=tuple(
+        gpus = tuple(
             GpuState(uuid=g.spec.uuid, model=g.model.name, mig_current=g.mig_current, mig_pending=g.mig_pending,
                      compute_mode=g.compute_mode, lost=g.lost, mig_serial=g.mig_serial,
                      gpu_instances=tuple(
@@ -334,7 +350,10 @@ class FakeNvml:
                                                                    slices=ci.slices, start=ci.start, uuid=ci.uuid)
                                               for ci in sorted(gi.cis.values(), key=lambda c: c.id)))
                          for gi in sorted(g.gis.values(), key=lambda x: x.id)))
-            for g in self._gpus))
+            for g in self._gpus)
+        # The event log is written back as last read: under the file lock, that is the latest.
+        return HardwareDoc(schema_version=SCHEMA_VERSION, gpus=gpus, event_serial=self._event_serial,
+                           events=self._event_log)
 
     def _load_state(self, doc: HardwareDoc) -> None:
         """Take over a state document: everything is checked first, so a bad file changes nothing. Objects of
@@ -351,6 +370,14 @@ class FakeNvml:
                 "the file to start again from the fleet's initial state")
         updates = [(by_uuid[gs.uuid], gs, self._gis_from_state(by_uuid[gs.uuid], gs, f"{where}: gpus[{i}]"))
                    for i, gs in enumerate(doc.gpus)]
+        for j, event in enumerate(doc.events):
+            if event.gpu_uuid not in by_uuid:
+                raise SimulatedStateError(f"{where}: events[{j}].gpuUuid: no GPU {event.gpu_uuid} on this node")
+            if event.kind == EVENT_XID and event.xid is None:
+                raise SimulatedStateError(f"{where}: events[{j}].xid: an XID event needs its XID")
+        if doc.events and doc.event_serial < doc.events[-1].seq:
+            raise SimulatedStateError(f"{where}: eventSerial {doc.event_serial} is older than the newest event "
+                                      f"({doc.events[-1].seq})")
         for gpu, gs, gis in updates:
             gpu.mig_current, gpu.mig_pending, gpu.compute_mode = gs.mig_current, gs.mig_pending, gs.compute_mode
             gpu.mig_serial = max(gpu.mig_serial, gs.mig_serial)
@@ -362,7 +389,22 @@ class FakeNvml:
             for gi, cis in gis.values():
                 gi.cis = cis
             gpu.gis = {gi_id: gi for gi_id, (gi, _cis) in gis.items()}
+        # Events recorded since we last looked; those already there when this object was made are history.
+        if self._booted:
+            for event in doc.events:
+                if event.seq > self._event_serial:
+                    self._deliver(by_uuid[event.gpu_uuid], event)
+        self._event_serial = max(self._event_serial, doc.event_serial)
+        self._event_log = doc.events
         self._cond.notify_all()
+
+    def _deliver(self, gpu: _Gpu, event: SimulatedEvent) -> None:
+        if event.kind == EVENT_RECOVER:
+            self._offer_recovery(gpu.spec.uuid)
+        elif event.kind == EVENT_XID and event.xid is not None:
+            gi = _NO_ID if event.gpu_instance_id is None else event.gpu_instance_id
+            ci = _NO_ID if event.compute_instance_id is None else event.compute_instance_id
+            self._emit(gpu, pynvml.nvmlEventTypeXidCriticalError, event.xid, gi, ci)
 
     def _gis_from_state(self, gpu: _Gpu, gs: GpuState, at: str) -> dict[int, tuple[_Gi, dict[int, _Ci]]]:
         model = gpu.model
@@ -1120,13 +1162,19 @@ class FakeNvml:
         self._cond.notify_all()
 
     def nvmlEventSetWait_v2(self, eventSet: Any, timeoutms: int) -> Any:
-        """Next event, or NVMLError TIMEOUT after ``timeoutms``; GPU_IS_LOST once after a registered GPU is lost."""
+        """Next event, or NVMLError TIMEOUT after ``timeoutms``; GPU_IS_LOST once after a registered GPU is lost.
+        With a state file, other processes' events and lost GPUs are picked up while waiting. A recovery offered
+        meanwhile (see take_recoveries) ends the wait early with TIMEOUT, so the monitor takes it at once."""
         deadline = time.monotonic() + max(timeoutms, 0) / 1000.0
         with self._cond:
             if self._init_count == 0:
                 raise _err(pynvml.NVML_ERROR_UNINITIALIZED)
             es = self._event_set(eventSet)
+            recoveries = self._recovery_count
             while True:
+                if self._state is not None and self._state.changed():
+                    with self._hw():
+                        pass  # entering takes over the file's changes, delivering its new events
                 if es.lost_pending:
                     es.lost_pending.clear()
                     raise _err(pynvml.NVML_ERROR_GPU_IS_LOST)
@@ -1140,9 +1188,9 @@ class FakeNvml:
                     data.computeInstanceId = ci
                     return data
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or es.freed:
+                if remaining <= 0 or es.freed or self._recovery_count != recoveries:
                     raise _err(pynvml.NVML_ERROR_TIMEOUT)
-                self._cond.wait(remaining)
+                self._cond.wait(remaining if self._state is None else min(remaining, FILE_POLL_S))
 
     def nvmlEventSetWait(self, eventSet: Any, timeoutms: int) -> Any:
         return self.nvmlEventSetWait_v2(eventSet, timeoutms)
@@ -1186,9 +1234,23 @@ class FakeNvml:
             self._cond.notify_all()
 
     def recover_gpu(self, uuid: str) -> None:
+        """The GPU answers again (if it was lost), and an operator declared it healthy (see take_recoveries)."""
         with self._hw():
             self._gpu_by_uuid(uuid).lost = None
+            self._offer_recovery(uuid)
             self._changed()
+
+    def _offer_recovery(self, uuid: str) -> None:
+        self._recoveries.append(uuid)
+        self._recovery_count += 1
+        self._cond.notify_all()
+
+    def take_recoveries(self) -> list[str]:
+        """GPUs declared healthy (``recover_gpu`` here, or recovery events in the state file) since the last
+        call, each once, oldest first. A health monitor clears their taints."""
+        with self._hw():
+            taken, self._recoveries = self._recoveries, []
+            return list(dict.fromkeys(taken))
 
     def reset_gpu(self, uuid: str) -> None:
         """A GPU reset: applies the pending MIG mode and clears all GPU and compute instances."""

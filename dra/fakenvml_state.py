@@ -11,7 +11,11 @@ simulated ones do too. ``SimulatedHardwareState`` owns that file:
   rolling update) never interleave, and each call starts from the other's latest write;
 * change detection by the file's identity (inode, size, mtime), so an unchanged file is not re-read.
 
-Events (XIDs waiting for a listener, event sets) are not state and stay in the process.
+Fault injection from outside the plugin (``gpu-dra simulate``) goes through the same file: a lost GPU is
+state (``lost``); XIDs and operator recoveries are appended to a short event log (``events``, numbered by
+``eventSerial``, the newest ``MAX_EVENTS`` kept). Every simulator over the file delivers the events numbered
+after the ones it has seen, as new NVML events, to its own event sets; events from before it started are
+history, as on hardware. Event sets and events not yet delivered stay in the process.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
@@ -29,6 +34,10 @@ from pydantic.alias_generators import to_camel
 from dra.atomicfile import write_atomic
 
 SCHEMA_VERSION = 1
+MAX_EVENTS = 256                 # events kept in the file; a simulator that falls further behind misses some
+EVENT_XID = "xid"
+EVENT_RECOVER = "recover"        # an operator confirmed the GPU healthy again (clears its health taints)
+MAX_XID = 0xFFFF
 
 
 class SimulatedStateError(ValueError):
@@ -66,9 +75,31 @@ class GpuState(_Doc):
     gpu_instances: tuple[GpuInstanceState, ...] = ()
 
 
+class SimulatedEvent(_Doc):
+    """One injected event: an XID (optionally naming a GPU/compute instance) or a recovery."""
+
+    seq: int = Field(ge=1)
+    gpu_uuid: str
+    kind: Literal["xid", "recover"]
+    xid: int | None = Field(default=None, ge=1, le=MAX_XID)
+    gpu_instance_id: int | None = Field(default=None, ge=0)
+    compute_instance_id: int | None = Field(default=None, ge=0)
+
+
 class HardwareDoc(_Doc):
     schema_version: int
     gpus: tuple[GpuState, ...]
+    event_serial: int = Field(default=0, ge=0)         # number of the newest event ever recorded
+    events: tuple[SimulatedEvent, ...] = ()            # the newest MAX_EVENTS events, oldest first
+
+    def with_event(self, gpu_uuid: str, kind: str, **fields: int | None) -> HardwareDoc:
+        """This document with one more event (numbered ``event_serial + 1``), older ones trimmed."""
+        event = SimulatedEvent(seq=self.event_serial + 1, gpu_uuid=gpu_uuid, kind=kind, **fields)  # type: ignore[arg-type]
+        return self.model_copy(update={"event_serial": event.seq,
+                                       "events": (*self.events, event)[-MAX_EVENTS:]})
+
+    def with_gpu(self, gpu: GpuState) -> HardwareDoc:
+        return self.model_copy(update={"gpus": tuple(gpu if g.uuid == gpu.uuid else g for g in self.gpus)})
 
 
 def _field_path(loc: tuple[object, ...]) -> str:

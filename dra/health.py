@@ -15,8 +15,10 @@ loop and keeps the current taints of every published device:
 
 Recovery: a lost GPU that answers again loses all its taints (it came back through a reset); XID and ECC
 taints disappear after ``quiet_period_s`` without a new event on the device (None: only ``recover``
-clears them). ``on_change`` receives the complete taint map (device name → wire-format taint dicts, empty
-for healthy devices) whenever it changes.
+clears them). ``recover`` is the operator's word that a GPU is healthy again; ``recoveries``, when given, is
+asked every round for GPUs so declared (a simulated node's ``gpu-dra simulate recover``). ``on_change``
+receives the complete taint map (device name → wire-format taint dicts, empty for healthy devices) whenever
+it changes, once per monitor round at most.
 """
 from __future__ import annotations
 
@@ -59,6 +61,8 @@ class Taint:
         wire = {"key": self.key, "effect": self.effect}
         if self.value:
             wire["value"] = self.value
+        # Sent, so that rewriting a slice for another device's sake does not make the server stamp it anew.
+        wire["timeAdded"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.since))
         return wire
 
 
@@ -76,6 +80,7 @@ class HealthMonitor:
         quiet_period_s: float | None = 300.0,
         probe_interval_s: float = 10.0,
         wait_timeout_ms: int = 5000,
+        recoveries: Callable[[], Iterable[str]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
@@ -86,6 +91,7 @@ class HealthMonitor:
         self.quiet_period_s = quiet_period_s
         self.probe_interval_s = probe_interval_s
         self.wait_timeout_ms = wait_timeout_ms
+        self.recoveries = recoveries
         self._clock = clock
         self._wall = wall_clock
         self._lock = threading.RLock()
@@ -177,14 +183,18 @@ class HealthMonitor:
     def recover(self, gpu_uuid: str) -> None:
         """Clear every taint of a GPU's devices (an operator confirmed it is healthy, or it was reset)."""
         with self._lock:
-            self._lost.discard(gpu_uuid)
-            for device in self._devices.values():
-                if device.gpu_uuid == gpu_uuid:
-                    self._taints[device.name] = {}
-            self._registered.discard(gpu_uuid)
-            if self._event_set is not None:
-                self._register_gpu(gpu_uuid)
+            self._recover_locked(gpu_uuid)
         self._notify()
+
+    def _recover_locked(self, gpu_uuid: str) -> None:
+        log.info("GPU %s declared healthy: clearing the taints of its devices", gpu_uuid)
+        self._lost.discard(gpu_uuid)
+        for device in self._devices.values():
+            if device.gpu_uuid == gpu_uuid:
+                self._taints[device.name] = {}
+        self._registered.discard(gpu_uuid)
+        if self._event_set is not None:
+            self._register_gpu(gpu_uuid)
 
     # ----- events --------------------------------------------------------------------------------------------
     def _gpus(self) -> list[str]:
@@ -311,9 +321,14 @@ class HealthMonitor:
                 gpu_lost = True
             elif code != nvml.NVML_ERROR_TIMEOUT:
                 log.warning("waiting for NVML events failed: %s", err)
+        # Asked outside our lock: the source may take the NVML library's lock, which is taken after ours.
+        recovered = list(self.recoveries()) if self.recoveries is not None else []
         with self._lock:
             if data is not None:
                 self._handle_event(data)
+            for uuid in recovered:
+                if uuid in self._gpus():
+                    self._recover_locked(uuid)
             if gpu_lost:
                 if not self._probe():
                     # NVML did not say which GPU: without a culprit, every GPU is suspect.

@@ -11,12 +11,15 @@ One claim, end to end (``Driver._prepare_claim``):
 5. Under the claim's GPU locks: create dynamic MIG devices at the allocated placement, apply time-slice
    intervals, start MPS daemons; each undo step is checkpointed as soon as it is done (MPS: before).
 6. Write the claim's CDI spec, then ``PrepareCompleted`` with the devices returned to the kubelet.
+7. Report the prepared devices in the claim's ``status.devices`` (``ClaimStatusWriter``): Ready, and which GPU
+   or MIG device is used. A failed status write is logged and counted; the prepare still succeeds.
 
 A failure fails that claim only (its error names the problem) and undoes what was done. Claims of one call
 prepare in parallel; unrelated claims never wait for each other except on a GPU they both touch.
 
 Unprepare works from the checkpoint alone (the claim may be deleted): stop MPS daemons, destroy MIG devices,
-release time-slice settings, delete the CDI spec, forget the claim. Unknown claims are a success.
+release time-slice settings, delete the CDI spec, forget the claim, then remove our ``status.devices`` entries
+(best effort, as above). Unknown claims are a success.
 
 Test hook: ``GPU_DRA_FAULT=crash-after:<step>`` in the environment makes the process exit at once with status
 137 (as if SIGKILLed) at that point of a prepare, so tests can prove recovery. Steps: ``checkpoint-started``
@@ -59,6 +62,7 @@ from dra.hardware_sharing import MpsDaemon, MpsDevice, MpsSupervisor, TimeSliceA
 from dra.hardware_tools import SharingError
 from dra.quantity import MIB
 from kubeletplugin.claims import ClaimError, ClaimRef, ClaimSource
+from kubeletplugin.claimstatus import ClaimStatusWriter, DeviceStatus
 from kubeletplugin.metrics import PluginMetrics
 from kubeletplugin.plan import DevicePlan, PlanError, plan_claim
 from kubeletplugin.results import PreparedDevice, PrepareResult, UnprepareResult
@@ -172,6 +176,7 @@ class Driver:
         serialize_lock: Path | str | None = None,
         mig_listener: MigListener | None = None,
         on_change: Callable[[], None] | None = None,
+        status: ClaimStatusWriter | None = None,
         log: Any = None,
     ) -> None:
         self.driver_name = driver_name
@@ -190,6 +195,8 @@ class Driver:
         self.serialize_lock = Path(serialize_lock) if serialize_lock else None
         self.mig_listener = mig_listener
         self.on_change = on_change          # called after every prepare/unprepare call (e.g. device gauges)
+        self.status = status                # status.devices of prepared claims; None: not reported
+        self._status_published: set[str] = set()   # claims whose entries this process has written
         self.log = log or structlog.get_logger("driver")
         self._pool = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="claim")
         self._locks_guard = threading.Lock()
@@ -397,43 +404,110 @@ class Driver:
 
     def _prepare_claim(self, ref: ClaimRef, log: Any) -> list[PreparedDevice]:
         with self._claim_lock(ref.uid):
-            record = self.checkpoint.get(ref.uid)
-            if record is not None and record.completed:
-                log.debug("claim already prepared; returning the stored devices")
-                return [_from_checkpoint(d) for d in record.devices]
-            claim = self.claims.get_claim(ref.namespace, ref.name, ref.uid)
-            log = log.bind(pods=_pods(claim))
-            plans = plan_claim(claim, driver_name=self.driver_name, pool_name=self.pool_name,
-                               devices=self._devices(), compat_nvidia=self.compat_nvidia)
-            if record is not None:
-                log.info("rolling back an earlier half-done prepare before retrying")
-                try:
-                    self._rollback(record)
-                except Exception as err:  # noqa: BLE001
-                    raise PrepareError(f"claim {ref.describe()}: rolling back an earlier incomplete prepare failed: "
-                                       f"{err}") from err
-            if not plans:
-                log.info("claim has no devices of this driver in this node's pool")
-                return []
-            self._book(ref, plans)
-            self._crash_point("checkpoint-started")
-            started = time.monotonic()
-            try:
-                with self._gpus_locked([p.device.gpu_uuid for p in plans]):
-                    devices = self._apply(ref, plans, log)
-            except BaseException as err:
-                self._undo_after_failure(ref, log)
-                if isinstance(err, (PrepareError, ClaimError)):
-                    raise
-                if isinstance(err, (SharingError, mig.MigError, OSError, ValueError)):
-                    raise PrepareError(f"claim {ref.describe()}: {err}") from err
-                if isinstance(err, Exception) and isinstance(err, getattr(self.nvml, "NVMLError", ())):
-                    raise PrepareError(f"claim {ref.describe()}: NVML: {err}") from err
-                raise
-            log.info("claim prepared", devices=[d.device_name for d in devices],
-                     cdi_device_ids=[i for d in devices for i in d.cdi_device_ids],
-                     seconds=round(time.monotonic() - started, 4))
+            devices = self._prepare_locked(ref, log)
+            if devices:
+                self._publish_status(ref, log)
             return devices
+
+    def _prepare_locked(self, ref: ClaimRef, log: Any) -> list[PreparedDevice]:
+        record = self.checkpoint.get(ref.uid)
+        if record is not None and record.completed:
+            log.debug("claim already prepared; returning the stored devices")
+            return [_from_checkpoint(d) for d in record.devices]
+        claim = self.claims.get_claim(ref.namespace, ref.name, ref.uid)
+        log = log.bind(pods=_pods(claim))
+        plans = plan_claim(claim, driver_name=self.driver_name, pool_name=self.pool_name,
+                           devices=self._devices(), compat_nvidia=self.compat_nvidia)
+        if record is not None:
+            log.info("rolling back an earlier half-done prepare before retrying")
+            try:
+                self._rollback(record)
+            except Exception as err:  # noqa: BLE001
+                raise PrepareError(f"claim {ref.describe()}: rolling back an earlier incomplete prepare failed: "
+                                   f"{err}") from err
+        if not plans:
+            log.info("claim has no devices of this driver in this node's pool")
+            return []
+        self._book(ref, plans)
+        self._crash_point("checkpoint-started")
+        started = time.monotonic()
+        try:
+            with self._gpus_locked([p.device.gpu_uuid for p in plans]):
+                devices = self._apply(ref, plans, log)
+        except BaseException as err:
+            self._undo_after_failure(ref, log)
+            if isinstance(err, (PrepareError, ClaimError)):
+                raise
+            if isinstance(err, (SharingError, mig.MigError, OSError, ValueError)):
+                raise PrepareError(f"claim {ref.describe()}: {err}") from err
+            if isinstance(err, Exception) and isinstance(err, getattr(self.nvml, "NVMLError", ())):
+                raise PrepareError(f"claim {ref.describe()}: NVML: {err}") from err
+            raise
+        log.info("claim prepared", devices=[d.device_name for d in devices],
+                 cdi_device_ids=[i for d in devices for i in d.cdi_device_ids],
+                 seconds=round(time.monotonic() - started, 4))
+        return devices
+
+    # ----- claim status --------------------------------------------------------------------------------------
+    def _status_devices(self, record: ClaimRecord) -> list[DeviceStatus]:
+        """The status entries of a prepared claim: which GPU or MIG device each of its devices is."""
+        catalog = self._devices()
+        dynamic = {m.device: m for m in record.undo.mig_devices}
+        out = []
+        for d in record.devices:
+            if d.pool != self.pool_name:
+                continue
+            data: dict[str, Any] = {}
+            if d.uuid:
+                data["uuid"] = d.uuid
+            dev = catalog.get(d.device)
+            if dev is not None:
+                data["type"] = dev.kind
+                if dev.gpu_uuid != d.uuid:
+                    data["parentUUID"] = dev.gpu_uuid
+                data["pciBusID"] = dev.gpu_pci_bus_id
+                if dev.kind == KIND_MIG:
+                    data["migProfile"] = dev.mig_profile_name
+                    m = dynamic.get(d.device)
+                    gi, ci = (m.gi_id, m.ci_id) if m is not None else (dev.mig_gi_id, dev.mig_ci_id)
+                    if gi is not None and ci is not None:
+                        data["gpuInstanceID"], data["computeInstanceID"] = gi, ci
+            if d.admin_access:
+                data["adminAccess"] = True
+            out.append(DeviceStatus(pool=d.pool, device=d.device, share_id=d.share_id, data=data))
+        return out
+
+    def _publish_status(self, ref: ClaimRef, log: Any) -> None:
+        """Best effort: a status the API server does not take never fails the prepare."""
+        if self.status is None or ref.uid in self._status_published:
+            return
+        record = self.checkpoint.get(ref.uid)
+        if record is None or not record.completed:
+            return
+        try:
+            self.status.publish(ref, self._status_devices(record), record.updated or time.time())
+        except Exception as err:  # noqa: BLE001 - the kubelet's answer does not depend on it
+            self._count_status("publish", "error")
+            log.warning("claim status not written; the claim is prepared all the same", error=str(err))
+            return
+        self._count_status("publish", "ok")
+        self._status_published.add(ref.uid)
+
+    def _withdraw_status(self, ref: ClaimRef, log: Any) -> None:
+        self._status_published.discard(ref.uid)
+        if self.status is None:
+            return
+        try:
+            self.status.withdraw(ref)
+        except Exception as err:  # noqa: BLE001 - the unprepare itself succeeded
+            self._count_status("withdraw", "error")
+            log.warning("claim status entries not removed", error=str(err))
+            return
+        self._count_status("withdraw", "ok")
+
+    def _count_status(self, operation: str, result: str) -> None:
+        if self.metrics is not None:
+            self.metrics.claim_status_writes.labels(operation=operation, result=result).inc()
 
     def _book(self, ref: ClaimRef, plans: list[DevicePlan]) -> None:
         """Refuse devices another prepared (or preparing) claim holds, then write PrepareStarted."""
@@ -683,6 +757,8 @@ class Driver:
                         log.debug("claim not prepared on this node; nothing to undo")
                         return UnprepareResult()
                     self._rollback(record)
+                    if record.completed:   # only a completed prepare has status entries to remove
+                        self._withdraw_status(ref, log)
                 with self._locks_guard:
                     self._claim_locks.pop(ref.uid, None)
             except Exception as err:  # noqa: BLE001 - reported to the kubelet, which retries

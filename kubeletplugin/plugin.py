@@ -34,6 +34,7 @@ from dra.inventory import discover
 from dra.policy import DEFAULT_NODE_POLICY, NodePolicy, PolicyError, parse_node_policy
 from dra.slices import ApiFeatures, apply_features, desired_pool_slices
 from kubeletplugin.claims import ClaimSource, KubernetesClaimSource
+from kubeletplugin.claimstatus import ClaimStatusWriter, KubernetesClaimStatusWriter
 from kubeletplugin.driver import Driver, StartupReport
 from kubeletplugin.health import HealthBoard, health_from_taints
 from kubeletplugin.metrics import PluginMetrics
@@ -77,6 +78,7 @@ class PluginOptions:
     boot_id_path: str = DEFAULT_BOOT_ID_PATH
     mps_supervise_interval: float = 5.0
     health_wait_ms: int = 1000             # NVML event wait per monitor round (bounds shutdown time)
+    health_quiet_period: float = 300.0     # XID/ECC taints go after this many seconds without a new event (0: never)
     max_parallel: int = 8
 
     @property
@@ -164,6 +166,7 @@ class KubeletPlugin:
         features: ApiFeatures | None = None,
         publish: bool = True,
         metrics: PluginMetrics | None = None,
+        status_writer: ClaimStatusWriter | None = None,
     ) -> None:
         if options.compat_nvidia and options.driver_name == DEFAULT_DRIVER_NAME:
             options.driver_name = NVIDIA_DRIVER_NAME
@@ -176,6 +179,7 @@ class KubeletPlugin:
         self._claim_source = claim_source
         self._sharing = sharing
         self._features = features
+        self._status_writer = status_writer
         self.publish = publish
         self.metrics = metrics or PluginMetrics()
         self.paths: SocketPaths = socket_paths(options.driver_name, options.registry_dir, options.plugin_directory,
@@ -227,6 +231,15 @@ class KubeletPlugin:
                 raise PluginConfigError(f"--driver-root: {err}") from None
         nvml.nvmlInit()
         return nvml
+
+    def _claim_status_writer(self) -> ClaimStatusWriter | None:
+        """Claims read from the API server get their status.devices entries written there too."""
+        if self._status_writer is not None:
+            return self._status_writer
+        if self._claim_source is None and self._api_client is not None:
+            return KubernetesClaimStatusWriter(self._api_client, self.options.driver_name, self.pool,
+                                               node_name=self.options.node_name)
+        return None
 
     def _driver_root(self, driver_version: str) -> DriverRoot:
         o = self.options
@@ -317,7 +330,10 @@ class KubeletPlugin:
         vendor = f"k8s.{o.driver_name}"
         toolkit = None if o.fleet else ToolkitSpecs(dirs=("/etc/cdi", o.cdi_root), ignore_vendor=vendor)
         self.monitor = HealthMonitor(self.nvml, o.driver_name, self._health_devices(), on_change=self._on_taints,
-                                     wait_timeout_ms=o.health_wait_ms)
+                                     wait_timeout_ms=o.health_wait_ms,
+                                     quiet_period_s=o.health_quiet_period if o.health_quiet_period > 0 else None,
+                                     # simulated GPUs: `gpu-dra simulate recover` declares a GPU healthy again
+                                     recoveries=getattr(self.nvml, "take_recoveries", None))
         self.driver = Driver(
             driver_name=o.driver_name, pool_name=self.pool, devices=self.devices_by_name,
             claims=self._claim_source or KubernetesClaimSource(self._api_client),
@@ -326,7 +342,7 @@ class KubeletPlugin:
             nvml=self.nvml, mps=MpsSupervisor(sharing, state), time_slicing=TimeSlicing(sharing),
             compat_nvidia=o.compat_nvidia, metrics=self.metrics, max_parallel=o.max_parallel,
             serialize_lock=(state / "serialize.lock") if o.pod_uid else None, mig_listener=self.monitor,
-            on_change=self._update_device_gauges,
+            on_change=self._update_device_gauges, status=self._claim_status_writer(),
         )
         self.startup = self.driver.start()
 

@@ -261,3 +261,45 @@ def test_failing_callback_does_not_stop_monitoring(nvml):
     nvml.inject_xid(GPU1, 79)
     assert m.poll_once() is True
     assert m.taints()["gpu-1"] != []
+
+
+def test_recoveries_source_clears_a_gpus_taints(nvml):
+    m = monitor(nvml, [], quiet_period_s=None, recoveries=nvml.take_recoveries)
+    nvml.inject_xid(GPU1, 79)
+    nvml.inject_xid(GPU0, 48)
+    m.poll_once()
+    m.poll_once()
+    assert m.taints()["gpu-1"] != [] and m.taints()["gpu-0-mig-1g10gb-19-0"] != []
+    nvml.recover_gpu(GPU1)             # the operator's word (gpu-dra simulate recover on a simulated node)
+    assert m.poll_once(10) is True
+    assert m.taints()["gpu-1"] == [] and m.taints()["gpu-1-slot-0"] == []
+    assert m.taints()["gpu-0-mig-1g10gb-19-0"] != []    # other GPUs keep theirs
+    assert nvml.take_recoveries() == []
+    nvml.inject_xid(GPU1, 79)          # still monitored after the recovery
+    m.poll_once()
+    assert keys(m.taints()["gpu-1"]) == [(f"{DRIVER}/xid", "79", "NoSchedule")]
+
+
+def test_recovered_lost_gpu_is_monitored_again(nvml):
+    m = monitor(nvml, [], recoveries=nvml.take_recoveries)
+    nvml.lose_gpu(GPU1)
+    m.poll_once()
+    assert (f"{DRIVER}/gpu-lost", None, "NoSchedule") in keys(m.taints()["gpu-1"])
+    nvml.recover_gpu(GPU1)
+    m.poll_once(10)
+    assert m.taints()["gpu-1"] == []
+    nvml.inject_xid(GPU1, 62)
+    m.poll_once()
+    assert keys(m.taints()["gpu-1"]) == [(f"{DRIVER}/xid", "62", "NoSchedule")]
+
+
+def test_taints_say_since_when(nvml):
+    wall = Clock()
+    wall.now = 1_767_225_600.0          # 2026-01-01T00:00:00Z
+    m = monitor(nvml, [], wall_clock=wall)
+    nvml.inject_xid(GPU1, 79)
+    m.poll_once()
+    wall.now += 3600
+    nvml.inject_xid(GPU1, 79)           # a repeat keeps the first time: the slice must not change
+    m.poll_once()
+    assert m.taints()["gpu-1"][0]["timeAdded"] == "2026-01-01T00:00:00Z"

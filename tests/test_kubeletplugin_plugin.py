@@ -162,6 +162,26 @@ def test_command_line_flags_and_environment(monkeypatch):
     assert opts.registry_dir == "/var/lib/kubelet/plugins_registry"
 
 
+def test_health_quiet_period_flag(monkeypatch, base):
+    parse = lambda *extra: options_from_args(build_parser().parse_args(["kubelet-plugin", "--node-name", NODE, *extra]))
+    monkeypatch.delenv("HEALTH_QUIET_PERIOD", raising=False)
+    assert parse().health_quiet_period == 300.0
+    assert parse("--health-quiet-period", "0").health_quiet_period == 0.0
+    monkeypatch.setenv("HEALTH_QUIET_PERIOD", "12.5")
+    assert parse().health_quiet_period == 12.5
+    with pytest.raises(ValueError, match="--health-quiet-period -1.0"):
+        parse("--health-quiet-period", "-1")
+    # The monitor gets it; 0 means the taints stay until the GPU is declared healthy.
+    plugin = make_plugin(base, DictClaimSource())
+    plugin.options.health_quiet_period = 0
+    plugin.start()
+    try:
+        assert plugin.monitor.quiet_period_s is None
+        assert plugin.monitor.recoveries is not None    # simulated GPUs: `gpu-dra simulate recover` reaches it
+    finally:
+        plugin.stop()
+
+
 def test_command_requires_node_name(monkeypatch, capsys):
     monkeypatch.delenv("NODE_NAME", raising=False)
     from cli.main import main

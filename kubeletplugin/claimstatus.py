@@ -1,0 +1,122 @@
+"""This driver's entries in ``ResourceClaim.status.devices``: what was prepared, and how it can be found.
+
+After a claim is prepared, each of its devices from this node's pool gets an entry keyed by (driver, pool,
+device, shareID) with a ``Ready`` condition and ``data`` that says which GPU or MIG device was actually used
+(a dynamic MIG device's UUID exists only from the prepare on, so dashboards could not attribute it before).
+On unprepare the entries go.
+
+Writes use server-side apply on the ``status`` subresource with a field manager of this driver and pool: the
+apply body lists exactly our entries, so the API server merges them with other drivers' entries (the list is
+a map keyed by driver, pool, device and shareID) and an apply without entries removes ours and nobody else's.
+The body names the claim's UID, so a claim deleted and re-created under the same name is never written.
+
+RBAC (deploy/helm, rbac-kubelet-plugin.yaml): ``patch`` on ``resourceclaims/status``, plus
+``associated-node:patch`` on ``resourceclaims/driver`` for the driver name, which the API server checks for
+status.devices writes by a plugin whose token names the claim's node (Kubernetes 1.36+).
+
+Failures are the caller's to log: the kubelet's contract is the gRPC answer, which never waits on them.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol, Sequence
+
+from kubeletplugin.claims import ClaimRef
+
+READY = "Ready"
+MAX_FIELD_MANAGER = 128
+
+
+class ClaimStatusError(Exception):
+    """A status write the API server refused or did not answer; the message names the claim."""
+
+
+@dataclass(frozen=True)
+class DeviceStatus:
+    """One prepared device of a claim, as its status entry reports it."""
+
+    pool: str
+    device: str
+    share_id: str | None = None
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+
+class ClaimStatusWriter(Protocol):
+    def publish(self, ref: ClaimRef, devices: Sequence[DeviceStatus], ready_since: float) -> None:
+        """Make ``devices`` this plugin's entries of the claim (Ready since ``ready_since``, unix seconds)."""
+        ...
+
+    def withdraw(self, ref: ClaimRef) -> None:
+        """Remove this plugin's entries; a claim that no longer exists is fine."""
+        ...
+
+
+def field_manager(driver: str, pool: str) -> str:
+    """The apply field manager of one plugin: per pool, so plugins of other pools never undo each other."""
+    name = f"{driver}/{pool}"
+    if len(name) <= MAX_FIELD_MANAGER:
+        return name
+    return f"{driver}/{hashlib.sha256(pool.encode()).hexdigest()[:16]}"
+
+
+def _rfc3339(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def status_entry(driver: str, node: str, device: DeviceStatus, ready_since: float) -> dict[str, Any]:
+    """The wire-format ``status.devices[]`` entry of one prepared device."""
+    entry: dict[str, Any] = {"driver": driver, "pool": device.pool, "device": device.device}
+    if device.share_id:
+        entry["shareID"] = device.share_id
+    entry["conditions"] = [{
+        "type": READY, "status": "True", "reason": "Prepared",
+        "message": f"prepared on node {node}", "lastTransitionTime": _rfc3339(ready_since),
+    }]
+    if device.data:
+        entry["data"] = dict(device.data)
+    return entry
+
+
+class KubernetesClaimStatusWriter:
+    """Writes this plugin's ``status.devices`` entries through the API server (server-side apply)."""
+
+    def __init__(self, api_client: Any, driver_name: str, pool_name: str, *, node_name: str | None = None,
+                 timeout_s: float = 5.0) -> None:
+        from controller.kubeapi import KubeApi
+
+        self.kube = KubeApi(api_client, timeout=timeout_s)
+        self.driver = driver_name
+        self.pool = pool_name
+        self.node = node_name or pool_name
+        self.manager = field_manager(driver_name, pool_name)
+
+    def publish(self, ref: ClaimRef, devices: Sequence[DeviceStatus], ready_since: float) -> None:
+        self._apply(ref, [status_entry(self.driver, self.node, d, ready_since) for d in devices])
+
+    def withdraw(self, ref: ClaimRef) -> None:
+        from controller.kubeapi import ApiError
+
+        try:
+            self._apply(ref, [])
+        except ClaimStatusError as err:
+            cause = err.__cause__
+            if isinstance(cause, ApiError) and cause.not_found:
+                return  # the claim is gone, and our entries with it
+            raise
+
+    def _apply(self, ref: ClaimRef, entries: list[dict[str, Any]]) -> None:
+        from controller.kubeapi import RESOURCE_V1, ApiError, ApiUnavailable
+
+        body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                "metadata": {"name": ref.name, "namespace": ref.namespace, "uid": ref.uid},
+                # An empty list would still be ours to own; no list at all gives every entry up.
+                "status": {"devices": entries} if entries else {}}
+        path = f"{RESOURCE_V1}/namespaces/{ref.namespace}/resourceclaims/{ref.name}/status"
+        try:
+            self.kube.request("PATCH", path, query={"fieldManager": self.manager, "force": True}, body=body,
+                              content_type="application/apply-patch+yaml")
+        except (ApiError, ApiUnavailable) as err:
+            action = "writing" if entries else "removing"
+            raise ClaimStatusError(f"{action} status.devices of ResourceClaim {ref.describe()}: {err}") from err
