@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compat-nvidia", action="store_true", default=_env_bool("COMPAT_NVIDIA"),
                         help="accept NVIDIA's opaque configs and use NVIDIA's driver name [env COMPAT_NVIDIA]")
     parser.add_argument("--metrics-port", type=int, default=int(_env_number("METRICS_PORT", 0, int)),
-                        help="serve Prometheus /metrics on this port (0: off) [env METRICS_PORT]")
+                        help="serve Prometheus /metrics, and /healthz, /readyz, /livez for probes, on this port "
+                             "(0: off) [env METRICS_PORT]")
     parser.add_argument("--health-interval", type=float, default=_env_number("HEALTH_INTERVAL", 10.0, float),
                         help="seconds between full device-health messages to the kubelet [env HEALTH_INTERVAL]")
     parser.add_argument("--health-quiet-period", type=float,

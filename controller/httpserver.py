@@ -5,22 +5,31 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 
 HealthCheck = Callable[[], tuple[bool, str]]
 
 
-def serve_health_and_metrics(port: int, health: HealthCheck, address: str = "0.0.0.0") -> ThreadingHTTPServer:
-    """Starts serving; port 0 picks a free one (see server.server_address). Stop with server.shutdown()."""
+def serve_health_and_metrics(port: int, health: HealthCheck, address: str = "0.0.0.0", *,
+                             registry: CollectorRegistry = REGISTRY,
+                             live: HealthCheck | None = None) -> ThreadingHTTPServer:
+    """Starts serving; port 0 picks a free one (see server.server_address). Stop with server.shutdown().
+
+    /healthz and /readyz answer ``health``; /livez answers ``live`` (default: ``health``), for a process whose
+    liveness is narrower than its health (restarting it would not cure every unhealthy state)."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server naming
             path = self.path.split("?", 1)[0]
             if path in ("/healthz", "/livez", "/readyz"):
-                ok, reason = health()
+                check = live if path == "/livez" and live is not None else health
+                try:
+                    ok, reason = check()
+                except Exception as exc:  # noqa: BLE001 - a failing check is an unhealthy answer, not a 500
+                    ok, reason = False, f"health check failed: {type(exc).__name__}: {exc}"
                 self._reply(200 if ok else 503, "text/plain; charset=utf-8", (reason + "\n").encode())
             elif path == "/metrics":
-                self._reply(200, CONTENT_TYPE_LATEST, generate_latest(REGISTRY))
+                self._reply(200, CONTENT_TYPE_LATEST, generate_latest(registry))
             else:
                 self._reply(404, "text/plain; charset=utf-8", b"not found\n")
 

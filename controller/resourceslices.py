@@ -224,6 +224,7 @@ class ResourceSliceController:
         self._queue: dict[str, tuple[float, bool]] = {}    # pool -> (due, urgent)
         self._busy: set[str] = set()
         self._errors: dict[str, str] = {}
+        self._failing_since: dict[str, float] = {}          # pool -> monotonic time of its first failure in a row
         self._writes: _Tally[str] = _Tally()
         self._own_writes: dict[str, str] = {}               # slice name -> resourceVersion we wrote
         self._own_deletes: set[str] = set()                 # uids we deleted
@@ -253,6 +254,13 @@ class ResourceSliceController:
         """Last error per pool that is currently failing."""
         with self._cond:
             return dict(self._errors)
+
+    def failing(self) -> dict[str, tuple[float, str]]:
+        """Pools whose syncs have failed without a success since: seconds since the first failure of that
+        streak, and the last error (for health checks: a pool failing for minutes is not a blip)."""
+        now = time.monotonic()
+        with self._cond:
+            return {pool: (now - since, self._errors.get(pool, "")) for pool, since in self._failing_since.items()}
 
     def update(self, pools: Mapping[str, DesiredPool]) -> None:
         """Replaces the whole desired state. Validates every pool first (InvalidPoolError, nothing
@@ -396,6 +404,7 @@ class ResourceSliceController:
                 delay = self._backoff.failure(pool)
                 attempt = self._backoff.failures(pool)
                 self._errors[pool] = f"{type(exc).__name__}: {exc}"
+                self._failing_since.setdefault(pool, time.monotonic())
                 self._enqueue_locked(pool, delay, urgent=True)
             SLICE_SYNCS.labels(self.driver, "error").inc()
             log.warning("driver %s pool %s: sync failed (attempt %d), retrying in %.2fs: %s",
@@ -404,6 +413,7 @@ class ResourceSliceController:
             with self._cond:
                 self._backoff.success(pool)
                 self._errors.pop(pool, None)
+                self._failing_since.pop(pool, None)
             SLICE_SYNCS.labels(self.driver, "ok").inc()
         finally:
             with self._cond:

@@ -8,7 +8,9 @@ crash halfway through), is stored here:
   complete, so a crash leaves enough to roll back; ``PrepareCompleted`` holds the result returned to the kubelet.
 * The file is versioned (``schemaVersion``), written atomically, and read tolerantly: unknown fields (from a
   newer plugin) are ignored, so an upgrade or downgrade never turns into a crash loop. A file that cannot be read
-  at all is moved aside as ``<name>.corrupt-<timestamp>`` with one log line and the plugin starts empty.
+  at all is moved aside as ``<name>.corrupt-<timestamp>`` with one log line and the store starts empty;
+  ``LoadResult.state_lost`` tells the caller that prepared claims may exist that it no longer knows (the driver
+  then destroys nothing at that start and adopts claims from their CDI specs).
 * The node boot ID is stored: after a reboot, MIG devices, MPS daemons, time-slice settings and the CDI files
   under /var/run are gone, so state from an earlier boot is dropped and the caller is told which claims.
 
@@ -148,6 +150,9 @@ class ClaimRecord(_Record):
     devices: tuple[PreparedDevice, ...] = ()
     undo: UndoInfo = Field(default_factory=UndoInfo)
     updated: float = 0.0                     # unix time of the last write of this record
+    # Rebuilt from the claim's CDI spec after the checkpoint was lost: request names, namespace and name are
+    # unknown until the claim is prepared again (kubeletplugin.recovery).
+    recovered: bool = False
 
     @property
     def completed(self) -> bool:
@@ -170,6 +175,13 @@ class LoadResult:
     corrupt_file: Path | None = None                # where an unreadable file was moved
     unreadable_claims: tuple[str, ...] = ()         # UIDs of records that could not be parsed (skipped)
     boot_id_stamped: bool = False                   # a file without boot ID got the current one
+    corrupt: bool = False                           # the file could not be read at all (moved aside if possible)
+
+    @property
+    def state_lost(self) -> bool:
+        """Claims prepared on this node may be missing from the checkpoint: their MIG devices and CDI specs
+        must not be mistaken for leftovers."""
+        return self.corrupt or bool(self.unreadable_claims)
 
 
 def read_boot_id(path: Path | str = DEFAULT_BOOT_ID_PATH) -> str:
@@ -218,7 +230,7 @@ class CheckpointStore:
             except (ValueError, ValidationError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
                 moved = self._quarantine(err)
                 self._write()
-                return LoadResult(claims=0, corrupt_file=moved)
+                return LoadResult(claims=0, corrupt_file=moved, corrupt=True)
             if data.schema_version > SCHEMA_VERSION:
                 log.info("checkpoint %s has schema version %d (this plugin writes %d); reading known fields only",
                          self.path, data.schema_version, SCHEMA_VERSION)
@@ -262,10 +274,10 @@ class CheckpointStore:
         try:
             self.path.rename(target)
         except OSError as move_err:
-            log.error("checkpoint %s is unreadable (%s) and could not be moved aside (%s); starting empty",
-                      self.path, reason, move_err)
+            log.error("checkpoint %s is unreadable (%s) and could not be moved aside (%s); starting without "
+                      "its records", self.path, reason, move_err)
             return None
-        log.error("checkpoint %s is unreadable (%s); moved it to %s and starting with no prepared claims",
+        log.error("checkpoint %s is unreadable (%s); moved it to %s and starting without its records",
                   self.path, reason, target)
         return target
 

@@ -52,19 +52,38 @@ class TimeSlicing:
         self._holders: dict[str, dict[str, str]] = {}   # gpu uuid -> {claim uid: interval}
         self._previous: dict[str, str] = {}             # gpu uuid -> interval before the first holder
 
+    def _check(self, claim_uid: str, uuids: Sequence[str], interval: str) -> None:
+        for uuid in uuids:
+            if is_mig_uuid(uuid):
+                raise SharingNotSupported(f"claim {claim_uid}: time-slicing applies to whole GPUs, not {uuid}")
+            others = {c: i for c, i in self._holders.get(uuid, {}).items() if c != claim_uid}
+            conflict = next(((c, i) for c, i in others.items() if i != interval), None)
+            if conflict:
+                raise SharingError(f"claim {claim_uid}: GPU {uuid} is time-sliced with interval {conflict[1]} "
+                                   f"for claim {conflict[0]}; cannot set {interval}")
+
+    def intent(self, claim_uid: str, gpu_uuids: Sequence[str], interval: str) -> TimeSliceApplied:
+        """What ``apply`` would do, without doing it: the undo record to write ahead of the change, so that a
+        crash between applying and recording can still be rolled back. Raises what ``apply`` raises for a
+        conflict; the caller must hold the GPUs (no other claim may change them in between)."""
+        check_interval(interval)
+        uuids = tuple(dict.fromkeys(gpu_uuids))
+        with self._lock:
+            self._check(claim_uid, uuids, interval)
+            previous = "Default"
+            for uuid in uuids:
+                if self._holders.get(uuid):
+                    previous = self._previous.get(uuid, previous)
+                else:
+                    previous = self.control.get_time_slice(uuid) or "Default"
+            return TimeSliceApplied(gpu_uuids=uuids, interval=interval, previous=previous)
+
     def apply(self, claim_uid: str, gpu_uuids: Sequence[str], interval: str) -> TimeSliceApplied:
         """Set ``interval`` on whole GPUs for a claim. Raises SharingNotSupported / SharingError cleanly."""
         check_interval(interval)
         uuids = tuple(dict.fromkeys(gpu_uuids))
         with self._lock:
-            for uuid in uuids:
-                if is_mig_uuid(uuid):
-                    raise SharingNotSupported(f"claim {claim_uid}: time-slicing applies to whole GPUs, not {uuid}")
-                others = {c: i for c, i in self._holders.get(uuid, {}).items() if c != claim_uid}
-                conflict = next(((c, i) for c, i in others.items() if i != interval), None)
-                if conflict:
-                    raise SharingError(f"claim {claim_uid}: GPU {uuid} is time-sliced with interval {conflict[1]} "
-                                       f"for claim {conflict[0]}; cannot set {interval}")
+            self._check(claim_uid, uuids, interval)
             done: list[str] = []
             previous = "Default"
             try:

@@ -15,10 +15,11 @@ loop and keeps the current taints of every published device:
 
 Recovery: a lost GPU that answers again loses all its taints (it came back through a reset); XID and ECC
 taints disappear after ``quiet_period_s`` without a new event on the device (None: only ``recover``
-clears them). ``recover`` is the operator's word that a GPU is healthy again; ``recoveries``, when given, is
-asked every round for GPUs so declared (a simulated node's ``gpu-dra simulate recover``). ``on_change``
-receives the complete taint map (device name → wire-format taint dicts, empty for healthy devices) whenever
-it changes, once per monitor round at most.
+clears them). With a ``store`` (``dra.health_state.TaintStore``) XID and ECC taints outlive a restart of the
+plugin, their quiet-period clock included. ``recover`` is the operator's word that a GPU is healthy again;
+``recoveries``, when given, is asked every round for GPUs so declared (a simulated node's ``gpu-dra simulate
+recover``). ``on_change`` receives the complete taint map (device name → wire-format taint dicts, empty for
+healthy devices) whenever it changes, once per monitor round at most.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
+
+from dra.health_state import SavedTaint, TaintStore
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,7 @@ class Taint:
     effect: str
     since: float          # wall-clock time the taint was first set (unix seconds)
     last_seen: float      # monotonic time of the latest event behind it (for the quiet period)
+    last_event: float = 0.0   # the same moment in wall-clock time, for the taint file (outlives the process)
 
     def to_wire(self) -> dict[str, str]:
         wire = {"key": self.key, "effect": self.effect}
@@ -81,6 +85,7 @@ class HealthMonitor:
         probe_interval_s: float = 10.0,
         wait_timeout_ms: int = 5000,
         recoveries: Callable[[], Iterable[str]] | None = None,
+        store: TaintStore | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
@@ -102,7 +107,12 @@ class HealthMonitor:
         self._lost: set[str] = set()
         self._last_probe = float("-inf")
         self._last_sent: TaintMap | None = None
+        self.store = store
+        self._save_lock = threading.Lock()
+        self._last_saved: list[SavedTaint] | None = None
         self.set_devices(devices, notify=False)
+        if store is not None:
+            self._restore(store.load())
 
     # ----- keys ----------------------------------------------------------------------------------------------
     @property
@@ -171,14 +181,53 @@ class HealthMonitor:
                     for name in sorted(self._devices)}
 
     def _set(self, device: str, key: str, value: str, effect: str) -> None:
-        now = self._clock()
+        now, wall = self._clock(), self._wall()
         current = self._taints.setdefault(device, {}).get(key)
         if current is not None and _SEVERITY[current.effect] > _SEVERITY[effect]:
             # A harmless XID after a serious one must not make the device schedulable again.
-            self._taints[device][key] = replace(current, last_seen=now)
+            self._taints[device][key] = replace(current, last_seen=now, last_event=wall)
             return
-        since = current.since if current is not None else self._wall()
-        self._taints[device][key] = Taint(key, value, effect, since, now)
+        since = current.since if current is not None else wall
+        self._taints[device][key] = Taint(key, value, effect, since, now, wall)
+
+    # ----- persistence ---------------------------------------------------------------------------------------
+    def _saved(self) -> list[SavedTaint]:
+        """The taints the file keeps: the event-based ones (lost and unmonitored GPUs are found again)."""
+        return sorted(SavedTaint(name, t.key, t.value, t.effect, t.since, t.last_event)
+                      for name, taints in self._taints.items() for t in taints.values()
+                      if t.key in (self.xid_key, self.ecc_key))
+
+    def _restore(self, saved: Iterable[SavedTaint]) -> None:
+        """Taints from before a restart; the quiet period counts from their last event, downtime included."""
+        now, wall = self._clock(), self._wall()
+        restored, skipped = [], 0
+        with self._lock:
+            for t in saved:
+                if t.device not in self._devices or t.key not in (self.xid_key, self.ecc_key) \
+                        or t.effect not in _SEVERITY:
+                    skipped += 1    # the device is not published any more, or the entry is not ours
+                    continue
+                age = max(0.0, wall - t.last_event)
+                self._taints.setdefault(t.device, {})[t.key] = Taint(t.key, t.value, t.effect, t.time_added,
+                                                                     now - age, t.last_event)
+                restored.append(f"{t.device} {t.key}={t.value}:{t.effect}")
+            # Dropped entries leave the file at the next save.
+            self._last_saved = None if skipped else self._saved()
+        if restored or skipped:
+            log.warning("restored %d device taint(s) from %s: %s%s", len(restored), self.store.path if self.store
+                        else "", ", ".join(restored) or "none",
+                        f" ({skipped} for devices no longer published dropped)" if skipped else "")
+
+    def _save(self) -> None:
+        if self.store is None:
+            return
+        with self._save_lock:   # one writer at a time, so an older state never overwrites a newer one
+            with self._lock:
+                saved = self._saved()
+                if saved == self._last_saved:
+                    return
+            if self.store.save(saved):
+                self._last_saved = saved
 
     def recover(self, gpu_uuid: str) -> None:
         """Clear every taint of a GPU's devices (an operator confirmed it is healthy, or it was reset)."""
@@ -361,6 +410,7 @@ class HealthMonitor:
                 self._registered.clear()
 
     def _notify(self) -> bool:
+        self._save()   # also when only the time of the latest event changed
         current = self.taints()
         with self._lock:
             if current == self._last_sent:

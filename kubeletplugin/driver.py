@@ -9,7 +9,8 @@ One claim, end to end (``Driver._prepare_claim``):
 4. Book the devices: check that no other prepared claim holds them (the last line of defence against double
    allocation) and write ``PrepareStarted`` — both under one short lock.
 5. Under the claim's GPU locks: create dynamic MIG devices at the allocated placement, apply time-slice
-   intervals, start MPS daemons; each undo step is checkpointed as soon as it is done (MPS: before).
+   intervals, start MPS daemons; each undo step is checkpointed as soon as it is done (time-slices and MPS:
+   before).
 6. Write the claim's CDI spec, then ``PrepareCompleted`` with the devices returned to the kubelet.
 7. Report the prepared devices in the claim's ``status.devices`` (``ClaimStatusWriter``): Ready, and which GPU
    or MIG device is used. A failed status write is logged and counted; the prepare still succeeds.
@@ -24,7 +25,8 @@ release time-slice settings, delete the CDI spec, forget the claim, then remove 
 Test hook: ``GPU_DRA_FAULT=crash-after:<step>`` in the environment makes the process exit at once with status
 137 (as if SIGKILLed) at that point of a prepare, so tests can prove recovery. Steps: ``checkpoint-started``
 (PrepareStarted written, nothing done), ``mig-created`` (a dynamic MIG device exists that the checkpoint does
-not know yet), ``mps-started`` (an MPS daemon runs), ``cdi-written`` (the CDI spec exists, the claim is not yet
+not know yet), ``timeslice-applied`` (a GPU's time-slice interval was changed; only the write-ahead record knows
+it), ``mps-started`` (an MPS daemon runs), ``cdi-written`` (the CDI spec exists, the claim is not yet
 PrepareCompleted). An unknown value stops the driver from starting. Never set it outside tests.
 """
 from __future__ import annotations
@@ -70,7 +72,7 @@ from kubeletplugin.results import PreparedDevice, PrepareResult, UnprepareResult
 DeviceCatalog = Callable[[], Mapping[str, Device]]
 
 FAULT_ENV = "GPU_DRA_FAULT"
-CRASH_STEPS = ("checkpoint-started", "mig-created", "mps-started", "cdi-written")
+CRASH_STEPS = ("checkpoint-started", "mig-created", "timeslice-applied", "mps-started", "cdi-written")
 
 
 def crash_step_from_env() -> str | None:
@@ -105,6 +107,8 @@ class StartupReport:
     mig_destroyed: tuple[str, ...]        # "<parent uuid>/gi<g>/ci<c>" of MIG devices nobody owned
     cdi_removed: tuple[str, ...]          # claim UIDs whose orphaned CDI specs were removed
     mps_adopted: int
+    adopted_from_cdi: tuple[str, ...] = ()   # claims rebuilt from their CDI specs (the checkpoint was lost)
+    conservative: bool = False            # state was lost: nothing was destroyed or deleted at this start
 
 
 def _pods(claim: Mapping[str, Any]) -> list[str]:
@@ -228,6 +232,9 @@ class Driver:
             # State from before a reboot: the hardware state is gone; the CDI file may remain on a
             # persistent spec directory.
             self.cdi.delete_claim_spec(record.uid)
+        adopted_from_cdi: list[str] = []
+        if loaded.state_lost:
+            adopted_from_cdi = self._adopt_from_cdi_specs(loaded)
         # Completed claims first: their time-slice settings and MPS daemons are registered before any
         # rollback releases a GPU setting they share.
         adopted = 0
@@ -252,26 +259,77 @@ class Driver:
             except Exception as err:  # noqa: BLE001 - keep starting; the record stays for a retry
                 self.log.error("rolling back half-done prepare failed", claim_uid=uid, error=str(err))
                 failed.append(uid)
-        destroyed = self._destroy_unowned_mig()
-        cdi_removed = []
+        destroyed: list[mig.MigLive] = []
+        cdi_removed: list[str] = []
         claims = self.checkpoint.claims()
-        for uid in self.cdi.list_claim_specs():
-            if uid not in claims:
-                self.cdi.delete_claim_spec(uid)
-                cdi_removed.append(uid)
+        if loaded.state_lost:
+            self._log_conservative_start(loaded, adopted_from_cdi)
+        else:
+            destroyed = self._destroy_unowned_mig()
+            for uid in self.cdi.list_claim_specs():
+                if uid not in claims:
+                    self.cdi.delete_claim_spec(uid)
+                    cdi_removed.append(uid)
         self.cdi.remove_leftover_temp_files()
         if adopted:
             self.mps.supervise()  # daemons die with the plugin's container: start them again now
         self._update_gauges()
         report = StartupReport(loaded, tuple(rolled_back), tuple(failed),
                                tuple(f"{d.parent_uuid}/gi{d.gi_id}/ci{d.ci_id}" for d in destroyed),
-                               tuple(cdi_removed), adopted)
+                               tuple(cdi_removed), adopted, tuple(adopted_from_cdi), loaded.state_lost)
         self.log.info("driver state recovered", prepared_claims=len(claims), rolled_back=list(rolled_back),
                       rollback_failed=list(failed), mig_destroyed=list(report.mig_destroyed),
                       cdi_removed=cdi_removed, mps_daemons=adopted,
-                      dropped_after_reboot=[r.uid for r in loaded.dropped_claims],
+                      dropped_after_reboot=[r.uid for r in loaded.dropped_claims], adopted_from_cdi=adopted_from_cdi,
                       corrupt_checkpoint=str(loaded.corrupt_file) if loaded.corrupt_file else None)
         return report
+
+    def _adopt_from_cdi_specs(self, loaded: LoadResult) -> list[str]:
+        """The checkpoint lost claims: take back every claim whose CDI spec is still here (module
+        ``kubeletplugin.recovery``), so its devices stay booked and its unprepare undoes it. Claims whose own
+        record could not be read are adopted the same way."""
+        from kubeletplugin.recovery import recover_claims
+
+        known = list(self.checkpoint.claims())
+        try:
+            found = recover_claims(self.cdi, self._devices(), self.nvml, self.pool_name, skip=known)
+        except Exception as err:  # noqa: BLE001 - adopting is a bonus; the start stays conservative anyway
+            self.log.error("adopting claims from their CDI specs failed", error=str(err))
+            return []
+        for problem in found.problems:
+            self.log.warning("claim not adopted from its CDI spec", detail=problem)
+        adopted = []
+        for record in found.records:
+            try:
+                self.checkpoint.put(record)
+            except OSError as err:
+                self.log.error("recording an adopted claim failed", claim_uid=record.uid, error=str(err))
+                continue
+            adopted.append(record.uid)
+        return adopted
+
+    def _log_conservative_start(self, loaded: LoadResult, adopted: list[str]) -> None:
+        """One line: why this start destroys nothing, and what it keeps that it would otherwise remove."""
+        claims = self.checkpoint.claims()
+        owned = {(m.parent_uuid, m.gi_id, m.ci_id) for r in claims.values() for m in r.undo.mig_devices}
+        mig_kept: list[str] = []
+        try:
+            for gpu in sorted(self._dynamic_mig_gpus()):
+                mig_kept += [f"{m.parent_uuid}/gi{m.gi_id}/ci{m.ci_id}" for m in mig.list_mig_devices(self.nvml, gpu)
+                             if m.key not in owned]
+        except (mig.MigError, self.nvml.NVMLError) as err:
+            mig_kept.append(f"(listing failed: {err})")
+        cdi_kept = sorted(uid for uid in self.cdi.list_claim_specs() if uid not in claims)
+        if loaded.corrupt:
+            reason = (f"the checkpoint could not be read and was moved to {loaded.corrupt_file}"
+                      if loaded.corrupt_file else "the checkpoint could not be read")
+        else:
+            reason = f"the records of claims {', '.join(loaded.unreadable_claims)} could not be read"
+        self.log.warning(
+            f"prepared-claim state was lost ({reason}): this start destroys no MIG device and deletes no CDI spec; "
+            f"{len(adopted)} claim(s) adopted from their CDI specs (their MPS daemons and time-slice settings are "
+            "not known and stay as they are)",
+            adopted_claims=adopted, unowned_mig_kept=mig_kept, cdi_specs_kept=cdi_kept)
 
     def _dynamic_mig_gpus(self) -> set[str]:
         return {d.gpu_uuid for d in self._devices().values() if d.kind == KIND_MIG and d.mig_dynamic}
@@ -411,13 +469,15 @@ class Driver:
 
     def _prepare_locked(self, ref: ClaimRef, log: Any) -> list[PreparedDevice]:
         record = self.checkpoint.get(ref.uid)
-        if record is not None and record.completed:
+        if record is not None and record.completed and not record.recovered:
             log.debug("claim already prepared; returning the stored devices")
             return [_from_checkpoint(d) for d in record.devices]
         claim = self.claims.get_claim(ref.namespace, ref.name, ref.uid)
         log = log.bind(pods=_pods(claim))
         plans = plan_claim(claim, driver_name=self.driver_name, pool_name=self.pool_name,
                            devices=self._devices(), compat_nvidia=self.compat_nvidia)
+        if record is not None and record.completed:
+            return self._complete_recovered(ref, record, plans, log)
         if record is not None:
             log.info("rolling back an earlier half-done prepare before retrying")
             try:
@@ -447,6 +507,29 @@ class Driver:
                  cdi_device_ids=[i for d in devices for i in d.cdi_device_ids],
                  seconds=round(time.monotonic() - started, 4))
         return devices
+
+    def _complete_recovered(self, ref: ClaimRef, record: ClaimRecord, plans: list[DevicePlan],
+                            log: Any) -> list[PreparedDevice]:
+        """A claim adopted from its CDI spec is prepared already; its allocation supplies what the spec could
+        not (request names, admin access). Nothing is done to the hardware."""
+        stored = {(d.device, d.share_id): d for d in record.devices}
+        wanted = {(p.device.name, p.result.share_id) for p in plans}
+        if wanted != set(stored):
+            raise PrepareError(f"claim {ref.describe()}: the devices adopted from its CDI spec after the checkpoint "
+                               f"was lost ({', '.join(sorted(n for n, _ in stored))}) are not its allocation "
+                               f"({', '.join(sorted(n for n, _ in wanted))}); unprepare it (delete its pods) and "
+                               "prepare it again")
+        admin = {p.device.name for p in plans if p.result.admin_access}
+        devices = tuple(stored[(p.device.name, p.result.share_id)].model_copy(update={
+            "requests": (p.result.base_request,), "admin_access": p.result.admin_access}) for p in plans)
+        # Admin access only watches a device: the MIG device belongs to the claim that uses it.
+        undo = record.undo.model_copy(update={
+            "mig_devices": tuple(m for m in record.undo.mig_devices if m.device not in admin)})
+        self.checkpoint.put(record.model_copy(update={
+            "namespace": ref.namespace, "name": ref.name, "devices": devices, "undo": undo, "recovered": False}))
+        log.info("claim adopted from its CDI spec is prepared; its record is complete again",
+                 devices=[d.device for d in devices])
+        return [_from_checkpoint(d) for d in devices]
 
     # ----- claim status --------------------------------------------------------------------------------------
     def _status_devices(self, record: ClaimRecord) -> list[DeviceStatus]:
@@ -518,7 +601,8 @@ class Driver:
                     continue
                 for d in r.devices:
                     if d.pool == self.pool_name and not d.admin_access:
-                        held.setdefault(d.device, f"{r.namespace}/{r.name} ({uid})")
+                        who = f"{r.namespace}/{r.name} ({uid})" if r.name else f"with UID {uid}"
+                        held.setdefault(d.device, who)
             for p in plans:
                 if p.result.admin_access or p.device.allow_multiple_allocations:
                     continue
@@ -588,10 +672,29 @@ class Driver:
                 raise PrepareError(f"claim {ref.describe()}: GPU {p.device.gpu_uuid} would get time-slice intervals "
                                    f"{prev} and {p.timeslice} from different requests; use one interval per GPU")
         for gpu_uuid, interval in sorted(intervals.items()):
-            applied = self.time_slicing.apply(ref.uid, [gpu_uuid], interval)
+            # Write-ahead: the undo record (with the interval to go back to) is checkpointed before the GPU is
+            # changed, so a crash right after the change is rolled back at the next start. Undoing an intent
+            # that never reached the GPU only sets the interval it already has.
+            intent = self.time_slicing.intent(ref.uid, [gpu_uuid], interval)
             self._add_undo(ref.uid, time_slices=[TimeSliceUndo(
-                gpu_uuids=applied.gpu_uuids, interval=applied.interval, previous=applied.previous)])
+                gpu_uuids=intent.gpu_uuids, interval=intent.interval, previous=intent.previous)])
+            try:
+                applied = self.time_slicing.apply(ref.uid, [gpu_uuid], interval)
+            except BaseException:
+                # apply() changes all or nothing: no intent is left for the rollback to undo.
+                self._drop_undo(ref.uid, time_slice=intent.gpu_uuids)
+                raise
+            self._crash_point("timeslice-applied")
+            if applied != intent:   # cannot happen while we hold the GPU; keep the record true if it does
+                self._set_time_slice_undo(ref.uid, applied)
             log.info("time-slice applied", gpu=gpu_uuid, interval=interval)
+
+    def _set_time_slice_undo(self, uid: str, applied: TimeSliceApplied) -> None:
+        def change(r: ClaimRecord) -> ClaimRecord:
+            kept = tuple(t for t in r.undo.time_slices if tuple(t.gpu_uuids) != tuple(applied.gpu_uuids))
+            entry = TimeSliceUndo(gpu_uuids=applied.gpu_uuids, interval=applied.interval, previous=applied.previous)
+            return r.model_copy(update={"undo": r.undo.model_copy(update={"time_slices": kept + (entry,)})})
+        self.checkpoint.update(uid, change)
 
     def _start_mps(self, uid: str, plans: list[DevicePlan], mig_ids: dict[int, tuple[str, int, int]],
                    log: Any) -> dict[str, MpsMounts]:

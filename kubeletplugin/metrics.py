@@ -1,7 +1,8 @@
 """Prometheus metrics of the node plugin.
 
 Each ``PluginMetrics`` owns its own registry, so several drivers (tests, a simulated fleet in one process)
-do not collide; ``serve`` exposes one registry over HTTP.
+do not collide; ``serve`` exposes one registry over HTTP, with the process-wide ResourceSlice publisher metrics
+(``gpu_dra_resourceslice_*``) and the plugin's health checks.
 """
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from http.server import ThreadingHTTPServer
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from controller.httpserver import HealthCheck, serve_health_and_metrics
+from controller.metrics import SLICE_POOLS, SLICE_SYNCS, SLICE_WRITES
 
 NAMESPACE = "gpu_dra"
 # 5 ms .. ~20 s: prepare of a whole GPU is milliseconds, of a dynamic MIG partition up to seconds.
@@ -57,6 +63,10 @@ class PluginMetrics:
             namespace=NAMESPACE, registry=r)
         for state in DEVICE_STATES:
             self.devices.labels(state=state).set(0)
+        # The ResourceSlice publisher's metrics (process-wide, labelled by driver) are served here too.
+        if r is not REGISTRY:   # the process-wide registry holds them already
+            for collector in (SLICE_WRITES, SLICE_SYNCS, SLICE_POOLS):
+                r.register(collector)
 
     @contextmanager
     def timed(self, operation: str) -> Iterator[None]:
@@ -79,6 +89,9 @@ class PluginMetrics:
         self.devices.labels(state="prepared").set(prepared)
         self.devices.labels(state="unhealthy").set(unhealthy)
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
-        """Expose /metrics on ``port`` (a daemon thread)."""
-        start_http_server(port, addr=addr, registry=self.registry)
+    def serve(self, port: int, addr: str = "0.0.0.0", *, health: HealthCheck | None = None,
+              live: HealthCheck | None = None) -> ThreadingHTTPServer:
+        """Expose /metrics, /healthz, /readyz (``health``) and /livez (``live``) on ``port`` (a daemon thread;
+        port 0 picks a free one). Stop it with ``shutdown()`` on the returned server."""
+        return serve_health_and_metrics(port, health or (lambda: (True, "ok")), addr, registry=self.registry,
+                                        live=live)

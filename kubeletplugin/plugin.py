@@ -1,8 +1,14 @@
 """The node plugin process: discovery, ResourceSlice publishing, health, the kubelet's two sockets.
 
-Start order (``KubeletPlugin.start``): NVML and discovery → devices from the node policy → driver state
-recovery (checkpoint, MIG cleanup, rollbacks) → slice publishing and health monitoring → DRA socket →
-registration socket (last, so the kubelet never dials an endpoint that is not listening yet).
+Start order (``KubeletPlugin.start``): NVML and discovery → node policy → /metrics and /healthz (when a port
+is set) → the API server's version, waited for with back-off (``kubeletplugin.apiserver``; nothing is served
+to the kubelet before it answers) → devices → driver state recovery (checkpoint, MIG cleanup, rollbacks) →
+slice publishing (each pool checked with ``dra.slices.validate_pool`` first) and health monitoring (taints
+restored from the state directory) → DRA socket → registration socket (last, so the kubelet never dials an
+endpoint that is not listening yet).
+
+Health over HTTP: /livez when both gRPC servers run and the registration socket answers GetInfo; /healthz and
+/readyz also need the slice publisher not to be failing persistently.
 
 Stop (``stop``, on SIGTERM): the registration socket goes first (the kubelet deregisters the plugin), then the
 DRA socket, the slice controller, the health monitor and the MPS supervision threads. Prepared claims stay
@@ -18,9 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import structlog
 import yaml
 
+from api.generated.pluginregistration.v1 import api_pb2 as reg_pb
+from api.generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
 from dra.cdi import CdiSpecWriter, ToolkitSpecs
 from dra.checkpoint import DEFAULT_BOOT_ID_PATH, CheckpointStore
@@ -30,9 +39,12 @@ from dra.hardware_sharing import MpsSupervisor, TimeSlicing
 from dra.hardware_tools import MpsDaemonSpec, NvidiaSmiSharingControl, SharingControl, SharingError, \
     SimulatedSharingControl
 from dra.health import HealthDevice, HealthMonitor, TaintMap
+from dra.health_state import DEFAULT_FILE_NAME as TAINTS_FILE
+from dra.health_state import TaintStore
 from dra.inventory import discover
 from dra.policy import DEFAULT_NODE_POLICY, NodePolicy, PolicyError, parse_node_policy
-from dra.slices import ApiFeatures, apply_features, desired_pool_slices
+from dra.slices import ApiFeatures, apply_features, desired_pool_slices, validate_pool
+from kubeletplugin.apiserver import StoppedWaiting, wait_for_api_features
 from kubeletplugin.claims import ClaimSource, KubernetesClaimSource
 from kubeletplugin.claimstatus import ClaimStatusWriter, KubernetesClaimStatusWriter
 from kubeletplugin.driver import Driver, StartupReport
@@ -79,6 +91,7 @@ class PluginOptions:
     mps_supervise_interval: float = 5.0
     health_wait_ms: int = 1000             # NVML event wait per monitor round (bounds shutdown time)
     health_quiet_period: float = 300.0     # XID/ECC taints go after this many seconds without a new event (0: never)
+    publish_failure_grace: float = 300.0   # /healthz turns unhealthy when a pool's slices fail this long
     max_parallel: int = 8
 
     @property
@@ -199,6 +212,9 @@ class KubeletPlugin:
         self.startup: StartupReport | None = None
         self.fleet_node: Any = None
         self.nvml: Any = None
+        self.invalid_pool: tuple[str, ...] | None = None   # problems of the last pool not published, if any
+        self.metrics_server: Any = None
+        self._phase: str | None = "starting"               # why the plugin is not serving yet (None: serving)
 
     # ----- seams ---------------------------------------------------------------------------------------------
     def _open_nvml(self) -> Any:
@@ -273,11 +289,30 @@ class KubeletPlugin:
                                           {d.name: list(d.taints) for d in model.devices})
         self._update_device_gauges()
         if self.slices is not None:
-            from controller.resourceslices import DesiredPool
+            self._publish(taints)
 
-            specs = desired_pool_slices(self.inventory, self.policy, self.options.driver_name, self.options.node_name,
-                                        self.features, taints)
-            self.slices.update({self.pool: DesiredPool.from_slice_specs(specs, self.options.node_name)})
+    def _publish(self, taints: TaintMap) -> None:
+        """Hand the pool to the slice publisher, after checking it against the API server's ResourceSlice
+        rules: an invalid pool is not sent (the server would refuse it on every retry), the slices published
+        before stay, and the problems are logged once per distinct set."""
+        from controller.resourceslices import DesiredPool, InvalidPoolError
+
+        specs = desired_pool_slices(self.inventory, self.policy, self.options.driver_name, self.options.node_name,
+                                    self.features, taints)
+        problems = validate_pool(specs)
+        if not problems:
+            try:
+                self.slices.update({self.pool: DesiredPool.from_slice_specs(specs, self.options.node_name)})
+            except InvalidPoolError as err:
+                problems = [str(err)]
+        with self._model_lock:
+            reported, self.invalid_pool = self.invalid_pool, tuple(problems) or None
+        if problems and tuple(problems) != reported:
+            log.error(f"not publishing ResourceSlices for pool {self.pool}: the pool built from this node's GPUs, "
+                      f"policy and taints breaks {len(problems)} ResourceSlice rule(s); the slices published before "
+                      "stay as they are", problems=problems)
+        elif reported and not problems:
+            log.info("ResourceSlices valid again; publishing", pool=self.pool)
 
     def devices_by_name(self) -> dict[str, Device]:
         with self._model_lock:
@@ -307,13 +342,19 @@ class KubeletPlugin:
             from controller.connect import api_client_from
 
             self._api_client = api_client_from(o.kubeconfig)
+        if o.metrics_port:
+            # Up before the wait for the API server: /healthz then says what the plugin waits for.
+            try:
+                self.metrics_server = self.metrics.serve(o.metrics_port, health=self.healthy, live=self.alive)
+            except OSError as err:
+                raise PluginConfigError(f"--metrics-port {o.metrics_port}: cannot listen: {err.strerror or err}") \
+                    from None
         if self._features is None:
             if self._api_client is None:
                 self._features = ApiFeatures.all()
             else:
-                from controller.serverversion import api_features
-
-                self._features = api_features(self._api_client)
+                self._features = wait_for_api_features(self._api_client, self._stop, on_wait=self._set_phase)
+        self._set_phase("starting")
         self.features = self._features
         with self._model_lock:
             self.model = build_devices(self.inventory, self.policy, driver=o.driver_name)
@@ -333,7 +374,12 @@ class KubeletPlugin:
                                      wait_timeout_ms=o.health_wait_ms,
                                      quiet_period_s=o.health_quiet_period if o.health_quiet_period > 0 else None,
                                      # simulated GPUs: `gpu-dra simulate recover` declares a GPU healthy again
-                                     recoveries=getattr(self.nvml, "take_recoveries", None))
+                                     recoveries=getattr(self.nvml, "take_recoveries", None),
+                                     # XID/ECC taints outlive a restart: a broken GPU stays tainted
+                                     store=TaintStore(state / TAINTS_FILE, boot_id_path=o.boot_id_path))
+        with self._model_lock:
+            # Restored taints are in the very first publish: a restart never offers a broken GPU untainted.
+            self._taints = {k: v for k, v in self.monitor.taints().items() if v}
         self.driver = Driver(
             driver_name=o.driver_name, pool_name=self.pool, devices=self.devices_by_name,
             claims=self._claim_source or KubernetesClaimSource(self._api_client),
@@ -354,8 +400,6 @@ class KubeletPlugin:
         self.monitor.start()
         self._spawn(self._run_monitor, "health-monitor")
         self._spawn(self._run_mps_supervisor, "mps-supervisor")
-        if o.metrics_port:
-            self.metrics.serve(o.metrics_port)
 
         self.dra_server = DRAServer(self.paths.dra, self.driver, health=self.health_board, metrics=self.metrics,
                                     log=structlog.get_logger("dra-service"))
@@ -365,8 +409,47 @@ class KubeletPlugin:
             on_status=lambda ok, err: self.metrics.registered.set(1 if ok else 0),
             log=structlog.get_logger("registration"))
         self.registration.start()
+        self._set_phase(None)
         log.info("kubelet plugin serving", registration_socket=str(self.paths.registration),
                  dra_socket=str(self.paths.dra), driver=o.driver_name, pool=self.pool)
+
+    # ----- health --------------------------------------------------------------------------------------------
+    def _set_phase(self, phase: str | None) -> None:
+        self._phase = phase
+
+    def alive(self) -> tuple[bool, str]:
+        """/livez: both gRPC servers run and the registration socket answers GetInfo (what a restart cures)."""
+        if self._phase is not None:
+            return False, self._phase
+        if self.dra_server is None or not self.dra_server.running:
+            return False, "the DRA gRPC server is not running"
+        if self.registration is None or not self.registration.running:
+            return False, "the registration gRPC server is not running"
+        path = self.paths.registration
+        try:
+            with grpc.insecure_channel(f"unix://{path}") as channel:
+                info = reg_grpc.RegistrationStub(channel).GetInfo(reg_pb.InfoRequest(), timeout=2)
+        except grpc.RpcError as err:
+            return False, f"registration socket {path} does not answer GetInfo: {err.code().name}"
+        if info.name != self.options.driver_name:
+            return False, f"registration socket {path} answers for driver {info.name!r}"
+        return True, "ok"
+
+    def healthy(self) -> tuple[bool, str]:
+        """/healthz and /readyz: alive, and the slice publisher is not failing persistently (a pool failing
+        for ``publish_failure_grace`` seconds, or one too invalid to send)."""
+        ok, reason = self.alive()
+        if not ok:
+            return ok, reason
+        with self._model_lock:
+            invalid = self.invalid_pool
+        if invalid:
+            return False, f"ResourceSlices of pool {self.pool} not published: {len(invalid)} problem(s), see the log"
+        if self.slices is not None:
+            for pool, (seconds, error) in sorted(self.slices.failing().items()):
+                if seconds >= self.options.publish_failure_grace:
+                    return False, f"publishing ResourceSlices of pool {pool} has failed for {seconds:.0f} s: {error}"
+        return True, "ok"
 
     def _health_devices(self) -> list[HealthDevice]:
         # Static MIG devices carry their GI/CI; dynamic ones get theirs when prepared (Driver → bind_mig).
@@ -392,6 +475,7 @@ class KubeletPlugin:
     def stop(self) -> None:
         """Clean shutdown; prepared claims are left prepared (see the module docstring)."""
         log.info("kubelet plugin stopping")
+        self._set_phase("stopping")
         if self.registration is not None:
             self.registration.stop()
         if self.dra_server is not None:
@@ -411,6 +495,10 @@ class KubeletPlugin:
                 self.nvml.nvmlShutdown()
         except Exception:  # noqa: BLE001 - shutting down anyway
             pass
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
+            self.metrics_server = None
         log.info("kubelet plugin stopped")
 
     def run(self) -> int:
@@ -420,12 +508,15 @@ class KubeletPlugin:
         def on_signal(signum: int, _frame: Any) -> None:
             log.info("signal received", signal=signal.Signals(signum).name)
             done.set()
+            self._stop.set()   # also ends a start that is still waiting for the API server
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, on_signal)
         try:
             self.start()
             done.wait()
+        except StoppedWaiting:
+            log.info("stopped before the API server answered")
         finally:
             self.stop()  # also after a failed start: no socket or thread is left behind
         return 0

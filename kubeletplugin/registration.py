@@ -112,6 +112,10 @@ class RegistrationServer:
     def socket_path(self) -> Path:
         return self._server.path
 
+    @property
+    def running(self) -> bool:
+        return self._server.running
+
     def start(self) -> None:
         self._server.start()
 

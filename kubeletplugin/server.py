@@ -167,6 +167,10 @@ class DRAServer:
     def socket_path(self) -> Path:
         return self._server.path
 
+    @property
+    def running(self) -> bool:
+        return self._server.running
+
     def start(self) -> None:
         self._server.start()
 

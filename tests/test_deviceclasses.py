@@ -287,9 +287,10 @@ def test_kubelet_plugin_rbac() -> None:
     rules = _rules("rbac-kubelet-plugin.yaml")
     assert rules["resourceslices"][0] == {"create", "get", "list", "watch", "update", "patch", "delete"}
     assert rules["resourceclaims"][0] == {"get", "list", "watch"}
-    assert rules["resourceclaims/status"][0] == {"update", "patch"}
+    # Least privilege: status.devices is written by server-side apply only, so patch is all it needs.
+    assert rules["resourceclaims/status"][0] == {"patch"}
     verbs, names = rules["resourceclaims/driver"]
-    assert verbs == {"associated-node:update", "associated-node:patch"} and names == ["TEMPLATED"]
+    assert verbs == {"associated-node:patch"} and names == ["TEMPLATED"]
     assert 'include "gpu-dra-driver.driverName"' in _templates()["rbac-kubelet-plugin.yaml"]
     assert rules["nodes"][0] == {"get", "list", "watch"}
 
@@ -323,6 +324,30 @@ def test_kubelet_plugin_daemonset() -> None:
     for host_path in ('"%s/plugins_registry" .Values.kubeletDir', '"%s/plugins" .Values.kubeletDir',
                       ".Values.cdiRoot", ".Values.driverRoot"):
         assert text.count(host_path) >= 2, host_path  # mounted at the same path it has on the host
+
+
+def test_kubelet_plugin_metrics_port_probes_and_quiet_period_come_from_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    [ds] = _objects("kubelet-plugin.yaml")
+    [container] = ds["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    text = _templates()["kubelet-plugin.yaml"]
+    assert "value: {{ .Values.kubeletPlugin.metricsPort | quote }}" in text
+    assert "value: {{ .Values.kubeletPlugin.healthQuietPeriod | quote }}" in text
+    assert env["METRICS_PORT"] == env["HEALTH_QUIET_PERIOD"] == "TEMPLATED"
+    assert container["ports"] == [{"name": "metrics", "containerPort": "TEMPLATED"}]
+    assert "containerPort: {{ .Values.kubeletPlugin.metricsPort }}" in text
+    # Liveness only for what a restart cures; readiness also follows ResourceSlice publishing.
+    assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "metrics"}
+    assert container["startupProbe"]["httpGet"] == {"path": "/livez", "port": "metrics"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    values = _values()["kubeletPlugin"]
+    monkeypatch.setenv("METRICS_PORT", str(values["metricsPort"]))
+    monkeypatch.setenv("HEALTH_QUIET_PERIOD", str(values["healthQuietPeriod"]))
+    monkeypatch.setenv("NODE_NAME", "n")
+    from cli.kubeletplugin_cmd import options_from_args
+
+    options = options_from_args(build_parser().parse_args(["kubelet-plugin"]))
+    assert (options.metrics_port, options.health_quiet_period) == (8080, 300.0)
 
 
 def test_controller_deployment_passes_flags_the_controller_accepts() -> None:

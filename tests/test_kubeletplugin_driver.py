@@ -3,6 +3,7 @@ from a dict. Every effect is checked where it lands: NVML's MIG state, the shari
 file, the checkpoint."""
 from __future__ import annotations
 
+import json
 import threading
 import uuid as uuidlib
 from pathlib import Path
@@ -564,3 +565,152 @@ def _l4_nvml():
     nvml = nvml_for_node(fleet.node(NODE))
     nvml.nvmlInit()
     return nvml
+
+
+# --------------------------------------------------------------------------------------------------- lost state
+
+class Crash(BaseException):
+    """The fault hook's exit, raised instead so the test run survives it (not an Exception: nothing catches it)."""
+
+
+def armed(node: Node, monkeypatch, step: str) -> Driver:
+    """A new plugin process on the node with GPU_DRA_FAULT=crash-after:<step>; reaching the step ends it like a
+    SIGKILL: nothing after it runs, not even the undo of a failed prepare."""
+    from kubeletplugin import driver as driver_module
+
+    monkeypatch.setenv(driver_module.FAULT_ENV, f"crash-after:{step}")
+    driver = node.restart()
+    monkeypatch.delenv(driver_module.FAULT_ENV)
+
+    def die(code: int) -> None:
+        raise Crash(code)
+
+    monkeypatch.setattr(driver_module.os, "_exit", die)
+    monkeypatch.setattr(driver, "_undo_after_failure", lambda ref, log: None)
+    return driver
+
+
+def test_crash_after_a_time_slice_change_is_rolled_back_at_start(tmp_path, monkeypatch):
+    node = Node(tmp_path, {"default": {"slots": {"count": 3, "strategy": "time-slicing"}}})
+    long = [opaque(gpu_config(strategy="TimeSlicing", timeSlicing={"interval": "Long"}))]
+    gpu0, gpu1 = node.uuids
+    alone = node.add_claim("alone", [{"request": "s", "device": "gpu-0-slot-0"}], long)
+    driver = armed(node, monkeypatch, "timeslice-applied")
+    with pytest.raises(Crash):
+        driver.prepare([alone])
+    assert node.control.time_slices[gpu0] == "Long"               # applied, then the process died
+    [intent] = driver.checkpoint.get(alone.uid).undo.time_slices  # recorded before it was applied
+    assert (intent.interval, intent.previous) == ("Long", "Default")
+    node.restart()
+    assert node.startup.rolled_back == (alone.uid,)
+    assert node.control.time_slices[gpu0] == "Default"            # back to the interval before the claim
+    assert node.driver.checkpoint.claims() == {}
+
+    # A claim joining a GPU another claim holds: its rollback must leave the holder's interval alone.
+    holder = node.add_claim("holder", [{"request": "s", "device": "gpu-1-slot-0"}], long)
+    ok(node.driver, holder)
+    joiner = node.add_claim("joiner", [{"request": "s", "device": "gpu-1-slot-1"}], long)
+    driver = armed(node, monkeypatch, "timeslice-applied")
+    with pytest.raises(Crash):
+        driver.prepare([joiner])
+    node.restart()
+    assert node.startup.rolled_back == (joiner.uid,)
+    assert node.control.time_slices[gpu1] == "Long"
+
+    # The kubelet's retries prepare both from scratch; the GPUs return to Default when the last holder leaves.
+    ok(node.driver, alone)
+    ok(node.driver, joiner)
+    node.driver.unprepare([alone, joiner])
+    assert node.control.time_slices == {gpu0: "Default", gpu1: "Long"}
+    node.driver.unprepare([holder])
+    assert node.control.time_slices == {gpu0: "Default", gpu1: "Default"}
+
+
+def lose_checkpoint(node: Node, how: str, uid: str) -> None:
+    path = node.state / "checkpoint.json"
+    if how == "torn file":
+        path.write_bytes(path.read_bytes()[:40])
+    else:  # the claim's own record cannot be read; the rest of the file can
+        doc = json.loads(path.read_text())
+        doc["claims"][uid]["state"] = "SomethingNewer"
+        path.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("how", ["torn file", "one record"])
+def test_lost_checkpoint_destroys_nothing_and_adopts_claims_from_their_cdi_specs(tmp_path, how):
+    from structlog.testing import capture_logs
+
+    node = Node(tmp_path, {"default": {"mig": "dynamic"}}, state_file=tmp_path / "gpus.json")
+    in_use = node.add_claim("in-use", [{"request": "mig", "device": "gpu-1-mig-3g40gb-9-4"},
+                                       {"request": "gpu", "device": "gpu-0"}])
+    before = ok(node.driver, in_use).devices
+    [live] = node.mig_devices(1)
+    spec_file = node.driver.cdi.spec_path(in_use.uid)
+    stray = mig.create_mig_device(node.nvml, node.uuids[1], 19, 0)    # nobody's: normally destroyed at start
+    lose_checkpoint(node, how, in_use.uid)
+
+    with capture_logs() as logs:
+        driver = node.restart_process()
+    report = node.startup
+    assert report.conservative and report.mig_destroyed == () and report.cdi_removed == ()
+    assert sorted(m.uuid for m in node.mig_devices(1)) == sorted([live.uuid, stray.uuid])   # both kept
+    assert spec_file.exists()
+    assert report.adopted_from_cdi == (in_use.uid,)
+    lines = [e for e in logs if "prepared-claim state was lost" in e["event"]]
+    assert len(lines) == 1 and lines[0]["log_level"] == "warning", logs
+    assert "destroys no MIG device and deletes no CDI spec" in lines[0]["event"]
+    assert lines[0]["adopted_claims"] == [in_use.uid]
+    assert lines[0]["unowned_mig_kept"] == [f"{node.uuids[1]}/gi{stray.gi_id}/ci{stray.ci_id}"]
+    record = driver.checkpoint.get(in_use.uid)
+    assert record.completed and record.recovered
+    assert [(m.mig_uuid, m.gi_id) for m in record.undo.mig_devices] == [(live.uuid, live.gi_id)]
+
+    # Its devices stay booked: another claim cannot have them.
+    thief = node.add_claim("thief", [{"request": "gpu", "device": "gpu-0"}])
+    assert f"already prepared for claim with UID {in_use.uid}" in driver.prepare([thief])[thief.uid].error
+    # A repeated prepare gets the same answer as before the loss (request names come from the claim).
+    assert ok(driver, in_use).devices == before
+    assert not driver.checkpoint.get(in_use.uid).recovered
+    # Unprepare undoes it all, and the placement can be prepared again.
+    assert driver.unprepare([in_use])[in_use.uid].error == ""
+    assert [m.uuid for m in node.mig_devices(1)] == [stray.uuid] and not spec_file.exists()
+    again = node.add_claim("again", [{"request": "mig", "device": "gpu-1-mig-3g40gb-9-4"}])
+    ok(driver, again)
+    assert driver.unprepare([again])[again.uid].error == ""
+    # Conservative for that one start only: the next start cleans up as usual.
+    node.restart_process()
+    assert not node.startup.conservative
+    assert node.startup.mig_destroyed == (f"{node.uuids[1]}/gi{stray.gi_id}/ci{stray.ci_id}",)
+    assert node.mig_devices(1) == []
+
+
+def test_adopted_claim_whose_allocation_differs_is_refused_not_redone(tmp_path):
+    node = Node(tmp_path, {"default": {"wholeGpu": True}})
+    ref = node.add_claim("c", [{"request": "gpu", "device": "gpu-1"}])
+    ok(node.driver, ref)
+    lose_checkpoint(node, "torn file", ref.uid)
+    driver = node.restart()
+    assert node.startup.adopted_from_cdi == (ref.uid,)
+    node.add_claim("c", [{"request": "gpu", "device": "gpu-0"}], uid=ref.uid)   # not what the spec says
+    err = driver.prepare([ref])[ref.uid].error
+    assert "adopted from its CDI spec" in err and "gpu-1" in err and "gpu-0" in err
+    assert driver.cdi.spec_path(ref.uid).exists()
+    assert driver.unprepare([ref])[ref.uid].error == ""
+    assert not driver.cdi.spec_path(ref.uid).exists()
+
+
+def test_cdi_device_names_split_into_device_and_share():
+    from kubeletplugin.recovery import split_cdi_device_name
+
+    def catalog(policy: dict) -> dict:
+        return build_devices(discover(_l4_nvml()), parse_node_policy({"default": policy}, "p"), driver=DRIVER).by_name()
+
+    shared = {**catalog({"wholeGpu": True, "slots": {"count": 2}}),
+              **catalog({"memoryShares": {"minimum": "1Gi", "step": "1Gi"}})}
+    assert {"gpu-0", "gpu-0-slot-1", "gpu-0-shared"} <= set(shared)
+    assert split_cdi_device_name("u-1", "u-1-gpu-0", shared) == ("gpu-0", None)
+    assert split_cdi_device_name("u-1", "u-1-gpu-0-slot-1", shared) == ("gpu-0-slot-1", None)
+    assert split_cdi_device_name("u-1", "u-1-gpu-0-shared-s-7", shared) == ("gpu-0-shared", "s-7")
+    assert split_cdi_device_name("u-1", "u-1-gpu-9", shared) == ("gpu-9", None)     # no longer published
+    with pytest.raises(ValueError, match="claim UID"):
+        split_cdi_device_name("u-1", "u-2-gpu-0", shared)

@@ -188,3 +188,112 @@ def test_command_requires_node_name(monkeypatch, capsys):
 
     assert main(["kubelet-plugin", "--fleet", "x.yaml"]) == 2
     assert "--node-name" in capsys.readouterr().err
+
+
+def wait_for(check, timeout: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def board(plugin: KubeletPlugin) -> dict[str, str]:
+    return {d.device: d.status for d in plugin.health_board.snapshot()[1]}
+
+
+def test_fatal_xid_taint_survives_a_plugin_restart_until_recovered(base):
+    claims = DictClaimSource()
+    plugin = make_plugin(base, claims)
+    plugin.start()
+    try:
+        gpu0 = plugin.inventory.gpus[0].uuid
+        plugin.nvml.inject_xid(gpu0, 79)
+        wait_for(lambda: board(plugin).get("gpu-0") == "Unhealthy", what="the XID to taint gpu-0")
+        tainted = {d.name: d.taints for d in plugin.published}["gpu-0"]
+    finally:
+        plugin.stop()
+    assert (base / "plug" / "device-taints.json").exists()      # in the state directory
+
+    again = make_plugin(base, claims)     # a new process: the XID event itself is history on the GPUs
+    again.start()
+    try:
+        # Tainted from the first publish on, with the same timeAdded, before any new event.
+        assert {d.name: d.taints for d in again.published}["gpu-0"] == tainted
+        assert board(again)["gpu-0"] == "Unhealthy" and board(again)["gpu-0-slot-0"] == "Unhealthy"
+        assert board(again)["gpu-1"] == "Healthy"
+        again.nvml.recover_gpu(gpu0)      # the operator's word
+        wait_for(lambda: board(again).get("gpu-0") == "Healthy", what="recover to clear gpu-0")
+    finally:
+        again.stop()
+    third = make_plugin(base, claims)
+    third.start()
+    try:
+        assert board(third)["gpu-0"] == "Healthy"
+    finally:
+        third.stop()
+
+
+class Publisher:
+    """Stands in for the ResourceSlice publisher: records what it is asked to publish."""
+
+    def __init__(self) -> None:
+        self.pools: list[dict] = []
+
+    def update(self, pools: dict) -> None:
+        self.pools.append(pools)
+
+    def stop(self) -> None:
+        pass
+
+
+class Lines:
+    """Stands in for the plugin's logger: (level, event, fields) per line."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, str, dict]] = []
+
+    def __getattr__(self, level: str):
+        return lambda event, **fields: self.lines.append((level, event, fields))
+
+
+def test_invalid_pool_is_not_published_and_logged_once(base, monkeypatch):
+    from kubeletplugin import plugin as plugin_module
+
+    plugin = make_plugin(base, DictClaimSource())
+    plugin.start()
+    publisher = plugin.slices = Publisher()
+    lines = Lines()
+    monkeypatch.setattr(plugin_module, "log", lines)
+    try:
+        plugin._rebuild()
+        assert len(publisher.pools) == 1 and plugin.invalid_pool is None
+        valid = plugin_module.desired_pool_slices
+
+        def with_a_duplicate(*args, **kwargs):
+            specs = valid(*args, **kwargs)
+            devices = next(s for s in specs if s.get("devices"))["devices"]
+            devices.append(dict(devices[0]))
+            return specs
+
+        monkeypatch.setattr(plugin_module, "desired_pool_slices", with_a_duplicate)
+        plugin._rebuild()
+        plugin.nvml.inject_xid(plugin.inventory.gpus[1].uuid, 79)   # another rebuild, same problem
+        wait_for(lambda: board(plugin).get("gpu-1") == "Unhealthy", what="the XID to taint gpu-1")
+        plugin._rebuild()
+        assert len(publisher.pools) == 1                           # nothing invalid was sent
+        errors = [(event, fields) for level, event, fields in lines.lines if level == "error"]
+        assert len(errors) == 1, errors
+        event, fields = errors[0]
+        assert f"not publishing ResourceSlices for pool {NODE}" in event and "published before stay" in event
+        assert any("appears twice in the pool" in p for p in fields["problems"])
+        assert plugin.invalid_pool == tuple(fields["problems"])
+
+        monkeypatch.setattr(plugin_module, "desired_pool_slices", valid)
+        plugin._rebuild()
+        assert len(publisher.pools) == 2 and plugin.invalid_pool is None
+        assert any(event.startswith("ResourceSlices valid again") for _, event, _ in lines.lines)
+    finally:
+        plugin.stop()

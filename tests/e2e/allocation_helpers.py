@@ -16,10 +16,11 @@ from cli.demo_examples import collection, create_namespace, delete_namespace
 from cli.demo_report import device_index
 from cli.publish_cmd import SIMULATED_LABEL, desired_fleet_pools
 from controller.cluster import ClusterController
-from controller.kubeapi import SLICES, KubeApi
+from controller.kubeapi import KubeApi
 from controller.resourceslices import DesiredPool, Owner, ResourceSliceController
 from controller.serverversion import api_features
 from dra.fleet import load_fleet
+from e2e_helpers import slices_of
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -39,7 +40,6 @@ class PublishedFleet:
 
     def __init__(self, cluster: Any, api_client: Any, driver: str, doc: dict[str, Any], workdir: Path) -> None:
         self.cluster, self.api_client, self.driver = cluster, api_client, driver
-        self.kube = KubeApi(api_client)
         self.path = workdir / "fleet.yaml"
         self.path.write_text(yaml.safe_dump(doc, sort_keys=False))
         self.fleet = load_fleet(self.path)
@@ -62,8 +62,7 @@ class PublishedFleet:
         return self
 
     def slices(self) -> list[dict[str, Any]]:
-        items = self.kube.list(SLICES, field_selector=f"spec.driver={self.driver}")["items"]
-        return sorted(items, key=lambda s: s["metadata"]["name"])
+        return slices_of(self.api_client, self.driver)
 
     def devices(self) -> dict[tuple[str, str, str], dict[str, Any]]:
         return device_index(self.slices())
@@ -78,7 +77,8 @@ class PublishedFleet:
 
 
 @contextmanager
-def namespace(api_client: Any, name: str) -> Iterator[str]:
+def temporary_namespace(api_client: Any, name: str) -> Iterator[str]:
+    """A namespace for the duration of the block; its pods and then itself are deleted after."""
     kube = KubeApi(api_client)
     create_namespace(kube, name)
     try:
@@ -95,21 +95,22 @@ def attr(device: dict[str, Any], name: str) -> Any:
 # ---------------------------------------------------------------------------------------------- claims + pods
 
 def claim_with_pod(name: str, device_class: str, cel: str | None = None,
-                   capacity: dict[str, str] | None = None) -> list[dict[str, Any]]:
+                   capacity: dict[str, str] | None = None, *, request: str = "dev",
+                   container: str = "c") -> list[dict[str, Any]]:
     """A ResourceClaim for one device of `device_class` and a pod that uses it (which makes the scheduler
-    allocate it)."""
+    allocate it). The claim's request and the pod's claim entry are both named `request`."""
     exactly: dict[str, Any] = {"deviceClassName": device_class}
     if cel:
         exactly["selectors"] = [{"cel": {"expression": cel}}]
     if capacity:
         exactly["capacity"] = {"requests": capacity}
     claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
-             "spec": {"devices": {"requests": [{"name": "dev", "exactly": exactly}]}}}
+             "spec": {"devices": {"requests": [{"name": request, "exactly": exactly}]}}}
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
            "spec": {"restartPolicy": "Never",
-                    "containers": [{"name": "c", "image": "example.invalid/none",
-                                    "resources": {"claims": [{"name": "dev"}]}}],
-                    "resourceClaims": [{"name": "dev", "resourceClaimName": name}]}}
+                    "containers": [{"name": container, "image": "example.invalid/none",
+                                    "resources": {"claims": [{"name": request}]}}],
+                    "resourceClaims": [{"name": request, "resourceClaimName": name}]}}
     return [claim, pod]
 
 

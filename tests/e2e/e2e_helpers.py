@@ -1,16 +1,15 @@
-"""Small helpers for the end-to-end tests: hand-made slice parts, reading slices back, waiting, and a
-TCP forwarder that lets a test decide when the API server becomes reachable."""
+"""Small helpers for the end-to-end tests: hand-made slice parts, reading slices back, `gpu-dra publish` as
+a process, and a TCP forwarder that lets a test decide when the API server becomes reachable."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
-import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any
 
 from controller.kubeapi import SLICES, KubeApi
-
-T = TypeVar("T")
 
 
 def gpu_devices(prefix: str, count: int, memory: str = "80Gi", product: str = "NVIDIA H100 80GB HBM3") -> dict[str, Any]:
@@ -45,15 +44,11 @@ def pool_summary(slices: list[dict[str, Any]]) -> dict[str, tuple[int, int]]:
             for s in slices}
 
 
-def wait_until(check: Callable[[], T], timeout: float, what: str, interval: float = 0.1) -> T:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+def run_publish(cluster: Any, fleet: Path, driver: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``gpu-dra publish`` of ``fleet`` for ``driver`` against ``cluster``, as its own process."""
+    return subprocess.run([sys.executable, "-m", "cli.main", "publish", "--fleet", str(fleet), "--kubeconfig",
+                           str(cluster.kubeconfig), "--driver-name", driver, *args],
+                          capture_output=True, text=True, timeout=120)
 
 
 class TcpForwarder:

@@ -21,7 +21,8 @@ from controller.resourceslices import DesiredPool, Owner, ResourceSliceControlle
 from controller.serverversion import api_features
 from dra.policy import parse_node_policy
 from dra.slices import desired_pool_slices
-from e2e_helpers import gpu_devices, slices_of, wait_until
+from e2e_helpers import gpu_devices, slices_of
+from standin.workloads import wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -9,130 +9,40 @@ what was done to the simulated GPUs. Pods never run: there is no kubelet.
 """
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from api.deviceclasses import device_classes
 from api.names import NVIDIA_DRIVER_NAME
-from controller.kubeapi import DEVICE_CLASSES, RESOURCE_V1, ApiError, KubeApi
-from standin import EXTENDED_RESOURCE_CLAIM, PodPrepareError, PreparedPod, resolve_cdi
+from controller.kubeapi import DEVICE_CLASSES, RESOURCE_V1
+from plugin_helpers import container_edits, finish, published, run_objects
+from standin import EXTENDED_RESOURCE_CLAIM, PodPrepareError
 from standin.node import SimulatedNode
-from standin.workloads import create, create_namespace, delete_pod, get, pin_to_node, wait_for_scheduled_pod, wait_until
+from standin.workloads import create, delete_pod, get, pin_to_node, wait_for_scheduled_pod, wait_until
 
 pytestmark = pytest.mark.e2e
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "nvidia-compat"
 H100 = {"model": "H100-80GB", "count": 1}
 NVIDIA_CONFIG = "resource.nvidia.com/v1beta1"
-_numbers = itertools.count(1)
 
 
 def load(file: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all((EXAMPLE / file).read_text()) if d]
 
 
-# --- fixtures ---------------------------------------------------------------------------------------------
-
 @pytest.fixture
-def kube(api_client) -> KubeApi:
-    return KubeApi(api_client)
-
-
-@pytest.fixture(scope="module")
-def nvidia_classes(api_client) -> Iterator[dict[str, dict[str, Any]]]:
-    """The compatibility-mode DeviceClasses, as a cluster admin installs them (and removes them after)."""
-    kube = KubeApi(api_client)
-    classes = {c["metadata"]["name"]: c for c in device_classes(compat_nvidia=True)}
-    for cls in classes.values():
-        try:
-            kube.create(DEVICE_CLASSES, cls)
-        except ApiError as exc:
-            if not exc.conflict:
-                raise
-    yield classes
-    for name in classes:
-        try:
-            kube.request("DELETE", f"{DEVICE_CLASSES}/{name}")
-        except ApiError as exc:
-            if not exc.not_found:
-                raise
-
-
-@pytest.fixture
-def namespace(kube, nvidia_classes) -> Iterator[str]:
-    name = f"compat-nvidia-{next(_numbers)}"
-    create_namespace(kube, name)
-    yield name
-    kube.request("DELETE", f"/api/v1/namespaces/{name}")
-
-
-@pytest.fixture
-def make_node(cluster, api_client):
-    """A simulated node running ``gpu-dra kubelet-plugin --compat-nvidia`` and a kubelet stand-in."""
-    nodes: list[SimulatedNode] = []
-
-    def make(gpus: list[dict[str, Any]], policy: dict[str, Any] | None = None) -> SimulatedNode:
-        name = f"compat-node-{next(_numbers)}"   # one per test: the driver name is the same for all of them
-        spec: dict[str, Any] = {"name": name, "gpus": gpus}
-        if policy is not None:
-            spec["policy"] = policy
-        node = SimulatedNode(cluster, api_client, name=name, driver=NVIDIA_DRIVER_NAME, fleet={"nodes": [spec]},
-                             extra_args=("--compat-nvidia",))
-        nodes.append(node)
-        return node.start()
-
-    yield make
-    for node in nodes:
-        node.stop()
-
-
-# --- helpers ----------------------------------------------------------------------------------------------
-
-def apply_example(kube: KubeApi, node: SimulatedNode, namespace: str, objects: list[dict[str, Any]]) -> dict[str, Any]:
-    """Create the objects (the pod pinned to the node) and return the pod once its claims are allocated."""
-    pod_name = None
-    for obj in objects:
-        if obj["kind"] == "Pod":
-            obj = pin_to_node(obj, node.name)
-            pod_name = obj["metadata"]["name"]
-        create(kube, namespace, obj)
-    assert pod_name is not None
-    return wait_for_scheduled_pod(kube, namespace, pod_name)
-
-
-def published(node: SimulatedNode) -> dict[str, dict[str, Any]]:
-    """Published devices by name, attributes flattened to plain values."""
-    devices = [d for s in node.wait_for_slices() for d in s["spec"].get("devices") or []]
-    return {d["name"]: {k: next(iter(v.values())) for k, v in (d.get("attributes") or {}).items()} for d in devices}
-
-
-def container_edits(node: SimulatedNode, prepared: PreparedPod, container: str = "cuda"):
-    ids = prepared.container_cdi_ids[container]
-    assert ids, f"container {container} got no CDI devices"
-    for cdi_id in ids:
-        assert cdi_id.startswith(f"k8s.{NVIDIA_DRIVER_NAME}/claim="), cdi_id  # NVIDIA's CDI vendor/class
-    return resolve_cdi([node.dirs.cdi], ids)
+def compat_nvidia() -> bool:
+    """Every plugin here runs with ``--compat-nvidia`` under NVIDIA's driver name."""
+    return True
 
 
 def only_claim(node: SimulatedNode) -> dict[str, Any]:
     records = list(node.checkpoint_claims().values())
     assert len(records) == 1, records
     return records[0]
-
-
-def finish(kube: KubeApi, node: SimulatedNode, namespace: str, pod: dict[str, Any]) -> None:
-    """Delete the pod, unprepare like the kubelet, and check that nothing is left on the node."""
-    delete_pod(kube, namespace, pod["metadata"]["name"])
-    node.kubelet.unprepare_pod(pod)
-    assert node.cdi_spec_files() == [], "CDI specs left behind"
-    assert node.checkpoint_claims() == {}, "claims left in the plugin's checkpoint"
-    assert node.metrics()["gpu_dra_prepared_claims"] == 0
-    assert node.kubelet.claim_cache == {}
 
 
 # --- tests ------------------------------------------------------------------------------------------------
@@ -153,7 +63,7 @@ def test_nvidia_gpu_claim_with_time_slicing(kube, namespace, make_node):
     node = make_node([H100])
     devices = published(node)
     assert devices["gpu-0"]["productName"] == "NVIDIA H100 80GB HBM3" and devices["gpu-0"]["type"] == "gpu"
-    pod = apply_example(kube, node, namespace, load("gpu-time-slicing.yaml"))
+    pod, = run_objects(kube, node, namespace, load("gpu-time-slicing.yaml"))
 
     claim = get(kube, "ResourceClaim", namespace, pod["status"]["resourceClaimStatuses"][0]["resourceClaimName"])
     result, = claim["status"]["allocation"]["devices"]["results"]
@@ -184,7 +94,7 @@ def test_nvidia_mig_claim_with_mps(kube, namespace, make_node):
     MPS daemon with the mapped limits serves it."""
     node = make_node([H100], {"default": {"mig": "dynamic"}})
     assert any("-mig-1g10gb-" in name for name in published(node))
-    pod = apply_example(kube, node, namespace, load("mig-mps.yaml"))
+    pod, = run_objects(kube, node, namespace, load("mig-mps.yaml"))
 
     prepared = node.kubelet.prepare_pod(pod)
     dev, = prepared.devices["mig"]

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from allocation_helpers import EXAMPLES, FLEETS, PublishedFleet, attr, namespace, renamed_fleet
+from allocation_helpers import EXAMPLES, FLEETS, PublishedFleet, attr, renamed_fleet, temporary_namespace
 from cli.demo_cdi import node_plugin_available
 from cli.demo_cmd import DemoContext, prepare_one_claim, report, run_demo
 from cli.demo_examples import (PodClaim, apply_objects, delete_namespace, load_example, load_examples,
@@ -44,7 +44,7 @@ def allocate(api_client: Any, fleet: PublishedFleet, example: str) -> Allocated:
     """Applies one example in a fresh namespace; returns (pod claim, allocation result, device) per result."""
     kube = KubeApi(api_client)
     ex = load_example(EXAMPLES / example, DRIVER)
-    with namespace(api_client, f"ex-{next(_namespaces)}-{example}") as ns:
+    with temporary_namespace(api_client, f"ex-{next(_namespaces)}-{example}") as ns:
         apply_objects(kube, ex.objects, ns)
         state = wait_for_allocation(kube, [ex], ns, timeout=30)
         assert state.complete, [(c.pod, c.claim, c.node, c.allocation) for c in state.pending]
@@ -145,7 +145,7 @@ def test_first_available_falls_back_when_no_h100_is_free(cluster: Any, api_clien
     try:
         kube = KubeApi(api_client)
         ex = load_example(EXAMPLES / "first-available", driver)
-        with namespace(api_client, "ex-fallback") as ns:
+        with temporary_namespace(api_client, "ex-fallback") as ns:
             apply_objects(kube, ex.objects, ns)
             state = wait_for_allocation(kube, [ex], ns, timeout=30)
             assert state.complete, state.pending

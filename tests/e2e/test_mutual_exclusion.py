@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from allocation_helpers import (PublishedFleet, allocated_devices, claim_with_pod, namespace, wait_allocated,
-                                wait_unschedulable)
+from allocation_helpers import (PublishedFleet, allocated_devices, claim_with_pod, temporary_namespace,
+                                wait_allocated, wait_unschedulable)
 from cli.demo_examples import apply_objects
 from controller.kubeapi import KubeApi
 
@@ -35,7 +35,7 @@ def one_gpu(cluster: Any, api_client: Any, driver_name: str, tmp_path: Path) -> 
 
 @pytest.fixture
 def ns(api_client: Any, driver_name: str) -> Iterator[str]:
-    with namespace(api_client, "mx-" + driver_name.split(".")[0]) as name:
+    with temporary_namespace(api_client, "mx-" + driver_name.split(".")[0]) as name:
         yield name
 
 

@@ -9,67 +9,17 @@ from typing import Any
 import pytest
 
 from controller.kubeapi import KubeApi
+from plugin_helpers import assert_nothing_left, run_example
 from standin import resolve_cdi
 from standin.dra_client import DraCallError
 from standin.node import SimulatedNode
-from standin.workloads import (
-    apply_device_classes,
-    create,
-    create_namespace,
-    delete_pod,
-    for_driver,
-    load_example,
-    pin_to_node,
-    wait_for_scheduled_pod,
-)
+from standin.workloads import delete_pod
 
 pytestmark = pytest.mark.e2e
 
 DYNAMIC_MIG = ([{"model": "H100-80GB", "count": 1}], {"default": {"mig": "dynamic"}})
 MPS_SLOTS = ([{"model": "H100-80GB", "count": 1}],
              {"default": {"wholeGpu": False, "slots": {"count": 2, "strategy": "mps"}}})
-
-
-@pytest.fixture
-def kube(api_client) -> KubeApi:
-    return KubeApi(api_client)
-
-
-@pytest.fixture
-def namespace(kube, driver_name):
-    name = driver_name.split(".")[0] + "-crash"
-    create_namespace(kube, name)
-    apply_device_classes(kube, driver_name)
-    yield name
-    kube.request("DELETE", f"/api/v1/namespaces/{name}")
-
-
-@pytest.fixture
-def node_with(cluster, api_client, driver_name):
-    started: list[SimulatedNode] = []
-
-    def make(gpus: list[dict[str, Any]], policy: dict[str, Any]) -> SimulatedNode:
-        name = driver_name.split(".")[0] + "-crash-node"
-        node = SimulatedNode(cluster, api_client, name=name, driver=driver_name,
-                             fleet={"nodes": [{"name": name, "gpus": gpus, "policy": policy}]})
-        started.append(node)
-        return node.start()
-
-    yield make
-    for node in started:
-        node.stop()
-
-
-def scheduled_example(kube: KubeApi, node: SimulatedNode, namespace: str, folder: str) -> dict[str, Any]:
-    pod_name = None
-    for obj in load_example(folder):
-        obj = for_driver(obj, node.driver)
-        if obj["kind"] == "Pod":
-            obj = pin_to_node(obj, node.name)
-            pod_name = obj["metadata"]["name"]
-        create(kube, namespace, obj)
-    assert pod_name is not None
-    return wait_for_scheduled_pod(kube, namespace, pod_name)
 
 
 def crash_during_prepare(node: SimulatedNode, pod: dict[str, Any], step: str) -> dict[str, Any]:
@@ -101,17 +51,12 @@ def prepare_again_and_clean_up(kube: KubeApi, node: SimulatedNode, namespace: st
 
     delete_pod(kube, namespace, pod["metadata"]["name"])
     assert [r.uid for r in node.kubelet.unprepare_pod(pod)] == [prepared.claims[claim].uid]
-    assert node.cdi_spec_files() == []
-    assert node.checkpoint_claims() == {}
-    assert node.mig_devices() == []
-    metrics = node.metrics()
-    assert metrics["gpu_dra_prepared_claims"] == 0
-    assert metrics["gpu_dra_dynamic_mig_devices"] == 0
+    assert_nothing_left(node)
 
 
-def test_crash_after_mig_created_leaves_an_orphan_that_the_next_start_destroys(kube, namespace, node_with):
-    node = node_with(*DYNAMIC_MIG)
-    pod = scheduled_example(kube, node, namespace, "mig-partition")
+def test_crash_after_mig_created_leaves_an_orphan_that_the_next_start_destroys(kube, namespace, make_node):
+    node = make_node(*DYNAMIC_MIG)
+    pod, = run_example(kube, node, namespace, "mig-partition")
     record = crash_during_prepare(node, pod, "mig-created")
     # The hardware kept the MIG device; the checkpoint never learnt about it.
     [orphan] = node.mig_devices()
@@ -126,9 +71,9 @@ def test_crash_after_mig_created_leaves_an_orphan_that_the_next_start_destroys(k
     prepare_again_and_clean_up(kube, node, namespace, pod, "mig")
 
 
-def test_crash_after_cdi_written_is_rolled_back_and_prepared_again(kube, namespace, node_with):
-    node = node_with(*DYNAMIC_MIG)
-    pod = scheduled_example(kube, node, namespace, "mig-partition")
+def test_crash_after_cdi_written_is_rolled_back_and_prepared_again(kube, namespace, make_node):
+    node = make_node(*DYNAMIC_MIG)
+    pod, = run_example(kube, node, namespace, "mig-partition")
     record = crash_during_prepare(node, pod, "cdi-written")
     [created] = node.mig_devices()
     assert [m["migUuid"] for m in record["undo"]["migDevices"]] == [created.uuid]
@@ -146,9 +91,9 @@ def test_crash_after_cdi_written_is_rolled_back_and_prepared_again(kube, namespa
     (DYNAMIC_MIG, "mig-partition", "mig", "checkpoint-started"),
     (MPS_SLOTS, "mps-slot", "slot", "mps-started"),
 ], ids=["checkpoint-started", "mps-started"])
-def test_crash_at_other_steps_recovers(kube, namespace, node_with, setup, example, claim, step):
-    node = node_with(*setup)
-    pod = scheduled_example(kube, node, namespace, example)
+def test_crash_at_other_steps_recovers(kube, namespace, make_node, setup, example, claim, step):
+    node = make_node(*setup)
+    pod, = run_example(kube, node, namespace, example)
     record = crash_during_prepare(node, pod, step)
     if step == "mps-started":
         assert record["undo"]["mpsDaemons"]        # recorded before the daemon started
@@ -157,8 +102,8 @@ def test_crash_at_other_steps_recovers(kube, namespace, node_with, setup, exampl
     prepare_again_and_clean_up(kube, node, namespace, pod, claim)
 
 
-def test_corrupt_checkpoint_is_moved_aside_with_one_log_line(node_with):
-    node = node_with(*DYNAMIC_MIG)
+def test_corrupt_checkpoint_is_moved_aside_with_one_log_line(make_node):
+    node = make_node(*DYNAMIC_MIG)
     node.plugin.stop()
     checkpoint = node.dirs.state / "checkpoint.json"
     assert checkpoint.exists()

@@ -21,18 +21,17 @@ from typing import Any
 import pytest
 import yaml
 
+from allocation_helpers import claim_with_pod, wait_unschedulable
 from controller.kubeapi import SLICES, ApiError, KubeApi, iter_json_lines
+from plugin_helpers import allocated_device, run_objects
 from standin import resolve_cdi
 from standin.node import REPO, SimulatedNode
 from standin.workloads import (
-    apply_device_classes,
     create,
-    create_namespace,
     delete_pod,
     for_driver,
     get,
     load_example,
-    node_slices,
     pin_to_node,
     slice_devices,
     wait_for_scheduled_pod,
@@ -46,39 +45,6 @@ H100_PAIR = [{"model": "H100-80GB", "count": 2}]
 PARTITIONED = {"default": {"mig": "dynamic", "slots": {"count": 2, "strategy": "time-slicing"}}}
 SETTLE_S = 1.5          # after the expected state: time for any further (unwanted) slice write to show up
 CHART_RBAC = REPO / "deploy" / "helm" / "gpu-dra-driver" / "templates" / "rbac-kubelet-plugin.yaml"
-
-
-@pytest.fixture
-def kube(api_client) -> KubeApi:
-    return KubeApi(api_client)
-
-
-@pytest.fixture
-def namespace(kube, driver_name):
-    name = driver_name.split(".")[0] + "-health"
-    create_namespace(kube, name)
-    apply_device_classes(kube, driver_name)
-    yield name
-    kube.request("DELETE", f"/api/v1/namespaces/{name}")
-
-
-@pytest.fixture
-def make_node(cluster, api_client, driver_name):
-    nodes: list[SimulatedNode] = []
-
-    def make(gpus: list[dict[str, Any]], policy: dict[str, Any] | None = None, *, start: bool = True,
-             **kw: Any) -> SimulatedNode:
-        name = driver_name.split(".")[0] + "-node"
-        spec: dict[str, Any] = {"name": name, "gpus": gpus}
-        if policy is not None:
-            spec["policy"] = policy
-        node = SimulatedNode(cluster, api_client, name=name, driver=driver_name, fleet={"nodes": [spec]}, **kw)
-        nodes.append(node)
-        return node.start() if start else node
-
-    yield make
-    for node in nodes:
-        node.stop()
 
 
 # --- helpers -----------------------------------------------------------------------------------------------
@@ -176,31 +142,9 @@ def health_after(watch: Any, since: float, expected: Any, timeout: float = 20.0)
 
 
 def whole_gpu_claim_and_pod(name: str, driver: str, node: str, cel: str | None = None) -> list[dict[str, Any]]:
-    exactly: dict[str, Any] = {"deviceClassName": driver}
-    if cel:
-        exactly["selectors"] = [{"cel": {"expression": cel}}]
-    claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
-             "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}}
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
-           "spec": {"restartPolicy": "Never", "containers": [{"name": "cuda", "image": "busybox",
-                                                              "resources": {"claims": [{"name": "gpu"}]}}],
-                    "resourceClaims": [{"name": "gpu", "resourceClaimName": name}]}}
+    """A claim for one whole GPU of ``driver`` and a pod on ``node`` whose container ``cuda`` uses it."""
+    claim, pod = claim_with_pod(name, driver, cel, request="gpu", container="cuda")
     return [claim, pin_to_node(pod, node)]
-
-
-def allocated_device(kube: KubeApi, namespace: str, claim: str) -> str:
-    results = get(kube, "ResourceClaim", namespace, claim)["status"]["allocation"]["devices"]["results"]
-    assert len(results) == 1, results
-    return results[0]["device"]
-
-
-def unschedulable(kube: KubeApi, namespace: str, pod: str) -> str | None:
-    """The scheduler's message once it has found the pod unschedulable."""
-    obj = get(kube, "Pod", namespace, pod) or {}
-    for c in (obj.get("status") or {}).get("conditions") or []:
-        if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
-            return c.get("message") or "Unschedulable"
-    return None
 
 
 # --- device health -----------------------------------------------------------------------------------------
@@ -241,7 +185,7 @@ def test_critical_xid_taints_one_gpu_and_the_scheduler_avoids_it(kube, namespace
             if pod == "first":
                 wait_for_scheduled_pod(kube, namespace, "first")
                 assert allocated_device(kube, namespace, "first") == "gpu-0"
-        message = wait_until(lambda: unschedulable(kube, namespace, "second"), 30, "pod second to be unschedulable")
+        message = wait_unschedulable(kube, namespace, "second")
         assert not (get(kube, "ResourceClaim", namespace, "second").get("status") or {}).get("allocation"), message
 
         # The operator declares the GPU healthy: the taints go, and the waiting pod gets gpu-1.
@@ -446,12 +390,9 @@ def our_entries(kube: KubeApi, namespace: str, claim: str, driver: str) -> list[
 
 def schedule_whole_and_mig(kube: KubeApi, namespace: str, node: SimulatedNode) -> list[dict[str, Any]]:
     """A pod with a whole-GPU claim and one with a dynamic MIG partition (the mig-partition example)."""
-    for obj in whole_gpu_claim_and_pod("whole", node.driver, node.name):
-        create(kube, namespace, obj)
-    for obj in load_example("mig-partition"):
-        obj = for_driver(obj, node.driver)
-        create(kube, namespace, pin_to_node(obj, node.name) if obj["kind"] == "Pod" else obj)
-    return [wait_for_scheduled_pod(kube, namespace, p) for p in ("whole", "mig-1g10gb")]
+    objects = whole_gpu_claim_and_pod("whole", node.driver, node.name)
+    objects += [for_driver(obj, node.driver) for obj in load_example("mig-partition")]
+    return run_objects(kube, node, namespace, objects)
 
 
 def test_claim_status_reports_the_prepared_devices(kube, namespace, node_as_plugin_account):

@@ -11,109 +11,13 @@ from typing import Any
 
 import pytest
 
-from controller.kubeapi import KubeApi
-from standin import PodPrepareError, PreparedPod, resolve_cdi
-from standin.node import SimulatedNode
-from standin.workloads import (
-    apply_device_classes,
-    create,
-    create_namespace,
-    delete_pod,
-    for_driver,
-    load_example,
-    pin_to_node,
-    slice_devices,
-    wait_for_scheduled_pod,
-)
+from plugin_helpers import allocated, container_edits, finish, published, run_example
+from standin import PodPrepareError
+from standin.workloads import create, delete_pod, wait_for_scheduled_pod
 
 pytestmark = pytest.mark.e2e
 
 H100 = {"model": "H100-80GB", "count": 2}
-
-
-@pytest.fixture
-def kube(api_client) -> KubeApi:
-    return KubeApi(api_client)
-
-
-@pytest.fixture
-def namespace(kube, driver_name):
-    name = driver_name.split(".")[0] + "-plugin"
-    create_namespace(kube, name)
-    apply_device_classes(kube, driver_name)
-    yield name
-    kube.request("DELETE", f"/api/v1/namespaces/{name}")
-
-
-@pytest.fixture
-def make_node(cluster, api_client, driver_name):
-    """Start a simulated node (own name, own driver) running ``gpu-dra kubelet-plugin`` and a kubelet stand-in."""
-    nodes: list[SimulatedNode] = []
-
-    def make(gpus: list[dict[str, Any]], policy: dict[str, Any] | None = None, **kw: Any) -> SimulatedNode:
-        name = driver_name.split(".")[0] + "-node"
-        node_spec: dict[str, Any] = {"name": name, "gpus": gpus}
-        if policy is not None:
-            node_spec["policy"] = policy
-        node = SimulatedNode(cluster, api_client, name=name, driver=driver_name, fleet={"nodes": [node_spec]}, **kw)
-        nodes.append(node)
-        return node.start()
-
-    yield make
-    for node in nodes:
-        node.stop()
-
-
-def run_example(kube: KubeApi, node: SimulatedNode, namespace: str, folder: str,
-                edit=None) -> list[dict[str, Any]]:
-    """Create an example's objects for the node's driver (pods pinned to the node); return the scheduled pods."""
-    pods = []
-    for obj in load_example(folder):
-        obj = for_driver(obj, node.driver)
-        if edit is not None:
-            obj = edit(obj)
-        if obj["kind"] == "Pod":
-            obj = pin_to_node(obj, node.name)
-            pods.append(obj["metadata"]["name"])
-        create(kube, namespace, obj)
-    return [wait_for_scheduled_pod(kube, namespace, p) for p in pods]
-
-
-def allocated(kube: KubeApi, namespace: str, claim_name: str) -> list[dict[str, Any]]:
-    claim = kube.get(f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{claim_name}")
-    return claim["status"]["allocation"]["devices"]["results"]
-
-
-def published(node: SimulatedNode) -> dict[str, dict[str, Any]]:
-    """Published devices by name, with attributes flattened to plain values."""
-    out = {}
-    for d in slice_devices(node.wait_for_slices()):
-        out[d["name"]] = {k: next(iter(v.values())) for k, v in (d.get("attributes") or {}).items()}
-    return out
-
-
-def container_edits(node: SimulatedNode, prepared: PreparedPod, container: str = "cuda"):
-    ids = prepared.container_cdi_ids[container]
-    assert ids, f"container {container} got no CDI devices"
-    for cdi_id in ids:
-        assert cdi_id.startswith(f"k8s.{node.driver}/claim="), cdi_id
-    return resolve_cdi([node.dirs.cdi], ids)
-
-
-def finish(kube: KubeApi, node: SimulatedNode, namespace: str, pod: dict[str, Any]) -> None:
-    """Delete the pod, unprepare like the kubelet, and check that nothing is left on the node."""
-    delete_pod(kube, namespace, pod["metadata"]["name"])
-    node.kubelet.unprepare_pod(pod)
-    assert_nothing_left(node)
-
-
-def assert_nothing_left(node: SimulatedNode) -> None:
-    assert node.cdi_spec_files() == [], "CDI specs left behind"
-    assert node.checkpoint_claims() == {}, "claims left in the plugin's checkpoint"
-    metrics = node.metrics()
-    assert metrics["gpu_dra_prepared_claims"] == 0
-    assert metrics['gpu_dra_devices{state="prepared"}'] == 0
-    assert node.kubelet.claim_cache == {}
 
 
 def test_whole_gpu(kube, namespace, make_node):
@@ -165,7 +69,7 @@ def test_static_mig(kube, namespace, make_node):
     assert "/dev/nvidia0" in paths
     assert len([p for p in paths if p.startswith("/dev/nvidia-caps/")]) == 2  # GPU-instance and compute-instance caps
 
-    finish(kube, node, namespace, pod)
+    finish(kube, node, namespace, pod, static_mig=True)
     # a static partition is the node's, not the claim's: it is still there and still published
     assert "gpu-0-mig-1g10gb-19-0" in published(node)
 

@@ -3,83 +3,19 @@ checkpoint, answer a repeated prepare identically, and undo everything on unprep
 the plugin's --sim-state file, so like hardware they keep their MIG devices across the restart."""
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
-from controller.kubeapi import KubeApi
+from plugin_helpers import assert_nothing_left, run_example
 from standin import resolve_cdi
-from standin.node import SimulatedNode
-from standin.workloads import (
-    apply_device_classes,
-    create,
-    create_namespace,
-    delete_pod,
-    for_driver,
-    load_example,
-    pin_to_node,
-    wait_for_scheduled_pod,
-)
+from standin.workloads import delete_pod
 
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture
-def kube(api_client) -> KubeApi:
-    return KubeApi(api_client)
-
-
-@pytest.fixture
-def namespace(kube, driver_name):
-    name = driver_name.split(".")[0] + "-restart"
-    create_namespace(kube, name)
-    apply_device_classes(kube, driver_name)
-    yield name
-    kube.request("DELETE", f"/api/v1/namespaces/{name}")
-
-
-@pytest.fixture
-def node_with(cluster, api_client, driver_name):
-    started: list[SimulatedNode] = []
-
-    def make(gpus: list[dict[str, Any]], policy: dict[str, Any]) -> SimulatedNode:
-        name = driver_name.split(".")[0] + "-restart-node"
-        fleet = {"nodes": [{"name": name, "gpus": gpus, "policy": policy}]}
-        node = SimulatedNode(cluster, api_client, name=name, driver=driver_name, fleet=fleet)
-        started.append(node)
-        return node.start()
-
-    yield make
-    for node in started:
-        node.stop()
-
-
-def scheduled_example(kube: KubeApi, node: SimulatedNode, namespace: str, folder: str) -> dict[str, Any]:
-    pod_name = None
-    for obj in load_example(folder):
-        obj = for_driver(obj, node.driver)
-        if obj["kind"] == "Pod":
-            obj = pin_to_node(obj, node.name)
-            pod_name = obj["metadata"]["name"]
-        create(kube, namespace, obj)
-    assert pod_name is not None
-    return wait_for_scheduled_pod(kube, namespace, pod_name)
-
-
-def assert_nothing_left(node: SimulatedNode) -> None:
-    assert node.cdi_spec_files() == []
-    assert node.checkpoint_claims() == {}
-    assert node.mig_devices() == []
-    metrics = node.metrics()
-    assert metrics["gpu_dra_prepared_claims"] == 0
-    assert metrics["gpu_dra_dynamic_mig_devices"] == 0
-    assert metrics['gpu_dra_devices{state="prepared"}'] == 0
-
-
 @pytest.mark.parametrize("crash", [False, True], ids=["sigterm", "sigkill"])
-def test_dynamic_mig_survives_a_plugin_restart(kube, namespace, node_with, crash):
-    node = node_with([{"model": "H100-80GB", "count": 1}], {"default": {"mig": "dynamic"}})
-    pod = scheduled_example(kube, node, namespace, "mig-partition")
+def test_dynamic_mig_survives_a_plugin_restart(kube, namespace, make_node, crash):
+    node = make_node([{"model": "H100-80GB", "count": 1}], {"default": {"mig": "dynamic"}})
+    pod, = run_example(kube, node, namespace, "mig-partition")
     before = node.kubelet.prepare_pod(pod)
     ids = before.container_cdi_ids["cuda"]
     visible = resolve_cdi([node.dirs.cdi], ids).env_map()["NVIDIA_VISIBLE_DEVICES"]
@@ -106,10 +42,10 @@ def test_dynamic_mig_survives_a_plugin_restart(kube, namespace, node_with, crash
     assert_nothing_left(node)
 
 
-def test_mps_slot_after_a_crash(kube, namespace, node_with):
-    node = node_with([{"model": "H100-80GB", "count": 1}],
+def test_mps_slot_after_a_crash(kube, namespace, make_node):
+    node = make_node([{"model": "H100-80GB", "count": 1}],
                      {"default": {"wholeGpu": False, "slots": {"count": 2, "strategy": "mps"}}})
-    pod = scheduled_example(kube, node, namespace, "mps-slot")
+    pod, = run_example(kube, node, namespace, "mps-slot")
     before = node.kubelet.prepare_pod(pod)
     record, = node.checkpoint_claims().values()
     assert record["undo"]["mpsDaemons"]

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from controller.kubeapi import NODES, SLICES, KubeApi
-from e2e_helpers import slices_of, wait_until
+from e2e_helpers import run_publish, slices_of
+from standin.workloads import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -22,12 +23,6 @@ def _fleet(path: Path, prefix: str, h100_count: int = 2, with_l4_node: bool = Tr
     if with_l4_node:
         nodes.append({"name": f"{prefix}-l4", "gpus": [{"model": "L4", "count": 1}]})
     path.write_text(yaml.safe_dump({"nodes": nodes}))
-
-
-def _publish(cluster: Any, fleet: Path, driver: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cli.main", "publish", "--fleet", str(fleet), "--kubeconfig",
-                           str(cluster.kubeconfig), "--driver-name", driver, *extra],
-                          capture_output=True, text=True, timeout=120)
 
 
 def _devices_by_node(api_client: Any, driver: str) -> dict[str, list[str]]:
@@ -42,7 +37,7 @@ def test_publish_once_creates_nodes_and_slices_and_a_rerun_writes_nothing(cluste
     prefix = driver_name.split(".")[0]
     fleet = tmp_path / "fleet.yaml"
     _fleet(fleet, prefix)
-    first = _publish(cluster, fleet, driver_name, "--once", "--create-nodes")
+    first = run_publish(cluster, fleet, driver_name, "--once", "--create-nodes")
     assert first.returncode == 0, first.stderr
     assert "writes: create " in first.stdout
     nodes = {n["metadata"]["name"] for n in KubeApi(api_client).list(NODES)["items"]}
@@ -53,13 +48,13 @@ def test_publish_once_creates_nodes_and_slices_and_a_rerun_writes_nothing(cluste
     assert "gpu-1" in devices[f"{prefix}-hgx"]
     assert any(d.startswith("gpu-0-mig-7g80gb-") for d in devices[f"{prefix}-hgx"])
 
-    again = _publish(cluster, fleet, driver_name, "--once")
+    again = run_publish(cluster, fleet, driver_name, "--once")
     assert again.returncode == 0, again.stderr
     assert "writes: none" in again.stdout
 
     # One node leaves the fleet, the other loses a GPU: its slices go, the rest follows.
     _fleet(fleet, prefix, h100_count=1, with_l4_node=False)
-    third = _publish(cluster, fleet, driver_name, "--once")
+    third = run_publish(cluster, fleet, driver_name, "--once")
     assert third.returncode == 0, third.stderr
     devices = _devices_by_node(api_client, driver_name)
     assert set(devices) == {f"{prefix}-hgx"} and "gpu-1" not in devices[f"{prefix}-hgx"]
@@ -69,12 +64,12 @@ def test_publish_reports_bad_fleet_files_and_unregistered_nodes(cluster: Any, dr
                                                                  tmp_path: Path) -> None:
     fleet = tmp_path / "bad.yaml"
     fleet.write_text(yaml.safe_dump({"nodes": [{"name": "n", "gpus": [{"model": "NoSuchGPU", "count": 1}]}]}))
-    proc = _publish(cluster, fleet, driver_name, "--once")
+    proc = run_publish(cluster, fleet, driver_name, "--once")
     assert proc.returncode == 2
     assert "NoSuchGPU" in proc.stderr
     prefix = driver_name.split(".")[0]
     _fleet(fleet, prefix)
-    proc = _publish(cluster, fleet, driver_name, "--once")
+    proc = run_publish(cluster, fleet, driver_name, "--once")
     assert proc.returncode == 2
     assert f"no Node objects for {prefix}-hgx, {prefix}-l4" in proc.stderr and "--create-nodes" in proc.stderr
 

@@ -17,8 +17,8 @@ from controller.backoff import Backoff
 from controller.kubeapi import SLICES, KubeApi
 from controller.resourceslices import DesiredPool, Owner, ResourceSliceController, slice_name
 from controller.serverversion import fetch_server_minor
-from e2e_helpers import (TcpForwarder, consuming_device, counter_sets, gpu_devices, pool_summary, slices_of,
-                         wait_until)
+from e2e_helpers import TcpForwarder, consuming_device, counter_sets, gpu_devices, pool_summary, slices_of
+from standin.workloads import wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 import logging
 import re
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,14 +18,17 @@ from typing import Any
 import pytest
 import yaml
 
+from allocation_helpers import claim_with_pod, get_pod, wait_allocated
 from api.deviceclasses import device_classes
 from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
+from cli.demo_examples import create_namespace
 from cli.localcluster import ClusterError, LocalCluster, find_binaries, pinned_version
 from cli.publish_cmd import desired_fleet_pools
 from controller.cluster import ClusterController
-from controller.kubeapi import DEVICE_CLASSES, RESOURCE_V1, SLICES, ApiError, KubeApi
+from controller.kubeapi import DEVICE_CLASSES, RESOURCE_V1, KubeApi
 from dra.fleet import load_fleet
 from dra.slices import ApiFeatures
+from e2e_helpers import run_publish, slices_of
 
 pytestmark = pytest.mark.e2e
 
@@ -80,9 +81,7 @@ def old_api(old_cluster: LocalCluster) -> Iterator[Any]:
 
 
 def _publish(cluster: LocalCluster, fleet: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cli.main", "publish", "--fleet", str(fleet), "--kubeconfig",
-                           str(cluster.kubeconfig), "--driver-name", DRIVER, "--once", *extra],
-                          capture_output=True, text=True, timeout=120)
+    return run_publish(cluster, fleet, DRIVER, "--once", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -95,11 +94,6 @@ def fleet_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def first_publish(old_cluster: LocalCluster, fleet_file: Path) -> subprocess.CompletedProcess[str]:
     return _publish(old_cluster, fleet_file, "--create-nodes")
-
-
-def _slices(api: Any) -> list[dict[str, Any]]:
-    return sorted(KubeApi(api).list(SLICES, field_selector=f"spec.driver={DRIVER}")["items"],
-                  key=lambda s: s["metadata"]["name"])
 
 
 def _devices(slices: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -142,7 +136,7 @@ def test_publish_is_accepted_and_offers_only_whole_gpus_and_static_mig(
     assert not [line for line in first_publish.stderr.splitlines() if " ERROR " in line], first_publish.stderr
     assert len(ONE_CLEAR_LINE.findall(first_publish.stderr)) == 1, first_publish.stderr
 
-    slices = _slices(old_api)
+    slices = slices_of(old_api, DRIVER)
     assert slices and not any(s["spec"].get("sharedCounters") for s in slices)
     devices = _devices(slices)
     assert set(devices) == {"skew-hgx", "skew-l4"}
@@ -190,33 +184,12 @@ def test_device_classes_are_accepted_and_written_once(old_api: Any, caplog: pyte
     assert len(lines) == 1 and "Kubernetes 1.34" in lines[0]
 
 
-def _claim_and_pod(name: str, device_class: str, cel: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    exactly: dict[str, Any] = {"deviceClassName": device_class}
-    if cel:
-        exactly["selectors"] = [{"cel": {"expression": cel}}]
-    claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
-             "spec": {"devices": {"requests": [{"name": "dev", "exactly": exactly}]}}}
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
-           "spec": {"restartPolicy": "Never",
-                    "containers": [{"name": "c", "image": "example.invalid/none",
-                                    "resources": {"claims": [{"name": "dev"}]}}],
-                    "resourceClaims": [{"name": "dev", "resourceClaimName": name}]}}
-    return claim, pod
-
-
 def _wait_allocated(kube: KubeApi, name: str, timeout: float = 60.0) -> tuple[dict[str, Any], str]:
-    claims, pods = f"{RESOURCE_V1}/namespaces/{NAMESPACE}/resourceclaims", f"/api/v1/namespaces/{NAMESPACE}/pods"
-    deadline = time.monotonic() + timeout
-    while True:
-        claim, pod = kube.get(f"{claims}/{name}"), kube.get(f"{pods}/{name}")
-        results = ((claim.get("status") or {}).get("allocation") or {}).get("devices", {}).get("results") or []
-        if results and pod["spec"].get("nodeName"):
-            assert len(results) == 1, results
-            return results[0], pod["spec"]["nodeName"]
-        if time.monotonic() > deadline:
-            conditions = (pod.get("status") or {}).get("conditions")
-            raise AssertionError(f"claim {name} not allocated within {timeout}s; pod conditions: {conditions}")
-        time.sleep(0.2)
+    """The claim's one allocation result and the pod's node, once the scheduler has done both."""
+    claim = wait_allocated(kube, NAMESPACE, name, timeout)
+    results = claim["status"]["allocation"]["devices"]["results"]
+    assert len(results) == 1, results
+    return results[0], get_pod(kube, NAMESPACE, name)["spec"]["nodeName"]
 
 
 def test_the_scheduler_allocates_whole_gpu_and_static_mig_claims(
@@ -224,14 +197,10 @@ def test_the_scheduler_allocates_whole_gpu_and_static_mig_claims(
     assert first_publish.returncode == 0, first_publish.stderr
     kube = KubeApi(old_api)
     ClusterController(old_api, DRIVER, device_classes(DRIVER)).run_until_success(30)
-    try:
-        kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
-    except ApiError as exc:
-        if not exc.conflict:
-            raise
+    create_namespace(kube, NAMESPACE)
     claims, pods = f"{RESOURCE_V1}/namespaces/{NAMESPACE}/resourceclaims", f"/api/v1/namespaces/{NAMESPACE}/pods"
-    whole = _claim_and_pod("whole", DRIVER, f"device.attributes['{DRIVER}'].productName.startsWith('NVIDIA H100')")
-    part = _claim_and_pod("static-mig", f"mig.{DRIVER}", f"device.attributes['{DRIVER}'].profile == '3g.40gb'")
+    whole = claim_with_pod("whole", DRIVER, f"device.attributes['{DRIVER}'].productName.startsWith('NVIDIA H100')")
+    part = claim_with_pod("static-mig", f"mig.{DRIVER}", f"device.attributes['{DRIVER}'].profile == '3g.40gb'")
     for claim, pod in (whole, part):
         kube.create(claims, claim)
         kube.create(pods, pod)
@@ -248,12 +217,12 @@ def test_the_scheduler_allocates_whole_gpu_and_static_mig_claims(
 def test_a_restart_writes_nothing(old_cluster: LocalCluster, old_api: Any, fleet_file: Path,
                                   first_publish: subprocess.CompletedProcess[str]) -> None:
     assert first_publish.returncode == 0, first_publish.stderr
-    before = {s["metadata"]["name"]: s["metadata"]["resourceVersion"] for s in _slices(old_api)}
+    before = {s["metadata"]["name"]: s["metadata"]["resourceVersion"] for s in slices_of(old_api, DRIVER)}
     again = _publish(old_cluster, fleet_file)
     assert again.returncode == 0, again.stderr
     assert "writes: none" in again.stdout, again.stdout + again.stderr
     assert len(ONE_CLEAR_LINE.findall(again.stderr)) == 1, again.stderr
-    assert {s["metadata"]["name"]: s["metadata"]["resourceVersion"] for s in _slices(old_api)} == before
+    assert {s["metadata"]["name"]: s["metadata"]["resourceVersion"] for s in slices_of(old_api, DRIVER)} == before
 
     # The cluster controller after a restart: every class is in place, nothing to write.
     for driver, classes in ((DRIVER, device_classes(DRIVER)), (NVIDIA_DRIVER_NAME, device_classes(compat_nvidia=True))):

@@ -1,0 +1,81 @@
+"""The health monitor's XID and ECC taints on disk, so that a plugin restart does not make a broken GPU
+schedulable again.
+
+One JSON file in the plugin's state directory, replaced atomically (temporary file, fsync, rename) whenever a
+taint comes, goes, or gets a newer event. Per device and taint: key, value, effect, ``timeAdded`` (unix
+seconds; what the ResourceSlice shows) and ``lastEvent`` (unix seconds of the latest event behind it: the
+quiet-period clock, which goes on running while the plugin is down). Lost and unmonitored GPUs are not
+stored: every start finds them again. The kernel boot ID is stored too: a reboot resets the GPUs, so taints
+from an earlier boot are dropped (one line). A file that cannot be read is reported once and ignored; the next
+change replaces it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from dra.atomicfile import write_atomic
+from dra.checkpoint import read_boot_id
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+DEFAULT_FILE_NAME = "device-taints.json"
+
+
+@dataclass(frozen=True, order=True)
+class SavedTaint:
+    device: str
+    key: str
+    value: str
+    effect: str
+    time_added: float        # unix seconds the taint was first set
+    last_event: float        # unix seconds of the latest event behind it
+
+
+class TaintStore:
+    """Reads and writes the taint file; errors are logged, never raised (health must keep running)."""
+
+    def __init__(self, path: Path | str, boot_id_path: Path | str | None = None) -> None:
+        self.path = Path(path)
+        self.boot_id = read_boot_id(boot_id_path) if boot_id_path is not None else ""
+
+    def load(self) -> list[SavedTaint]:
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return []
+        except OSError as err:
+            log.error("device taints %s cannot be read (%s); starting without them", self.path, err)
+            return []
+        try:
+            doc = json.loads(raw)
+            out = [SavedTaint(device=str(t["device"]), key=str(t["key"]), value=str(t.get("value", "")),
+                              effect=str(t["effect"]), time_added=float(t["timeAdded"]),
+                              last_event=float(t["lastEvent"]))
+                   for t in doc["taints"]]
+        except (ValueError, KeyError, TypeError) as err:
+            log.error("device taints %s are not valid (%s: %s); starting without them", self.path,
+                      type(err).__name__, err)
+            return []
+        saved_boot = str(doc.get("nodeBootId") or "")
+        if out and saved_boot and self.boot_id and saved_boot != self.boot_id:
+            log.warning("node rebooted since device taints %s were saved (boot ID %s, now %s): the reboot reset the "
+                        "GPUs, dropping %d taint(s)", self.path, saved_boot, self.boot_id, len(out))
+            return []
+        return sorted(out)
+
+    def save(self, taints: Iterable[SavedTaint]) -> bool:
+        """Replace the file; returns whether it was written."""
+        doc = {"schemaVersion": SCHEMA_VERSION, "nodeBootId": self.boot_id, "taints": [
+            {"device": t.device, "key": t.key, "value": t.value, "effect": t.effect, "timeAdded": t.time_added,
+             "lastEvent": t.last_event} for t in sorted(taints)]}
+        try:
+            write_atomic(self.path, json.dumps(doc, indent=2).encode() + b"\n", mode=0o600)
+        except OSError as err:
+            log.error("writing device taints to %s failed (%s); a restart now would forget them", self.path, err)
+            return False
+        return True
