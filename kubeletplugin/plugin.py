@@ -148,7 +148,10 @@ class UnavailableSharingControl(SharingControl):
         return None
 
     def set_compute_mode(self, gpu_uuid: str, mode: str) -> None:
-        self._fail()
+        # Without the tools no compute mode was ever changed, so going back to DEFAULT (an undo) has nothing
+        # to do; failing it would leave the claim's rollback stuck for good.
+        if mode != "DEFAULT":
+            self._fail()
 
     def start_mps_daemon(self, spec: MpsDaemonSpec) -> None:
         self._fail()
