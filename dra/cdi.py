@@ -332,16 +332,16 @@ def common_edits(files: DriverFiles) -> dict[str, Any]:
     hooks: list[dict[str, Any]] = []
     if files.hook is None:
         # No hook to create soname links: show each link's target file at the link's path.
-        mounts += [_mount(link.resolved.host_path, link.container_path, READ_ONLY_BIND) for link in files.library_links]
+        mounts += [_mount(link.resolved.host_path, link.container_path, READ_ONLY_BIND) for link in files.soname_links]
     else:
         prefix = files.hook_args_prefix
-        if files.library_links:
+        if files.soname_links:
             args = prefix + ["create-symlinks"]
-            for link in files.library_links:
+            for link in files.soname_links:
                 args += ["--link", f"{link.target}::{link.container_path}"]
             hooks.append({"hookName": "createContainer", "path": files.hook.host_path, "args": args})
         args = prefix + ["update-ldcache"]
-        for folder in files.library_dirs:
+        for folder in files.lib_folders:
             args += ["--folder", folder]
         hooks.append({"hookName": "createContainer", "path": files.hook.host_path, "args": args})
     mounts += [_mount(b.host_path, b.container_path, READ_ONLY_BIND) for b in files.binaries]

@@ -114,8 +114,8 @@ class DriverFiles:
 
     version: str
     libraries: tuple[RootedPath, ...]
-    library_links: tuple[LibraryLink, ...]
-    library_dirs: tuple[str, ...]             # container dirs holding libraries (for the ldcache hook)
+    soname_links: tuple[LibraryLink, ...]
+    lib_folders: tuple[str, ...]             # container dirs holding libraries (for the ldcache hook)
     binaries: tuple[RootedPath, ...]
     firmware: tuple[RootedPath, ...]          # directories
     hook: RootedPath | None                   # nvidia-cdi-hook / nvidia-ctk, if present
@@ -184,7 +184,7 @@ class DriverRoot:
     def _discover(self) -> DriverFiles:
         libraries: dict[str, RootedPath] = {}
         links: dict[str, LibraryLink] = {}
-        library_dirs: list[str] = []
+        lib_folders: list[str] = []
         seen_dirs: set[str] = set()
         for rel_dir in LIBRARY_DIRS:
             container_dir = self.resolve(rel_dir)
@@ -214,7 +214,7 @@ class DriverRoot:
                     libraries[container_path] = RootedPath(container_path, self.host_path(container_path))
                     found_here = True
             if found_here:
-                library_dirs.append(_join("/", container_dir))
+                lib_folders.append(_join("/", container_dir))
         if not any(PurePosixPath(p).name.startswith("libcuda.so") for p in libraries):
             raise DriverRootError(
                 f"driver root {self.root}: no libcuda.so found in any of {', '.join(LIBRARY_DIRS)}; "
@@ -224,8 +224,8 @@ class DriverRoot:
         return DriverFiles(
             version=version,
             libraries=tuple(libraries[k] for k in sorted(libraries)),
-            library_links=tuple(links[k] for k in sorted(links)),
-            library_dirs=tuple(library_dirs),
+            soname_links=tuple(links[k] for k in sorted(links)),
+            lib_folders=tuple(lib_folders),
             binaries=self._find_binaries(),
             firmware=self._find_firmware(version),
             hook=self._find_hook(),

@@ -165,7 +165,7 @@ class NvidiaSmiSharingControl(SharingControl):
         mps = driver_root.find_binary(MPS_CONTROL)
         if smi is None:
             raise SharingError(f"driver root {driver_root.root}: nvidia-smi not found")
-        lib_dirs = [os.path.join(str(driver_root.root), d.lstrip("/")) for d in driver_root.files().library_dirs]
+        lib_dirs = [os.path.join(str(driver_root.root), d.lstrip("/")) for d in driver_root.files().lib_folders]
         env = {"LD_LIBRARY_PATH": ":".join(lib_dirs)} if lib_dirs else {}
         env.update(kwargs.pop("env", None) or {})
         return cls(smi, mps or MPS_CONTROL, env=env, **kwargs)

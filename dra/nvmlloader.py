@@ -24,7 +24,7 @@ def preload_nvml(driver_root: DriverRoot) -> str | None:
     if str(driver_root.root) in ("/", ""):
         return None
     files = driver_root.files()
-    candidates = [link.resolved.container_path for link in files.library_links
+    candidates = [link.resolved.container_path for link in files.soname_links
                   if PurePosixPath(link.container_path).name == NVML_SONAME]
     candidates += [lib.container_path for lib in files.libraries
                    if PurePosixPath(lib.container_path).name.startswith("libnvidia-ml.so.")]

@@ -29,8 +29,8 @@ class SimulatedDriverRoot(DriverRoot):
             # No driver installed here: containers of a simulated node get the control node only.
             if self._files is None or refresh:
                 ctl = DeviceNodeInfo(path="/dev/nvidiactl", major=NVIDIA_MAJOR, minor=NVIDIACTL_MINOR)
-                self._files = DriverFiles(version=self.driver_version or "", libraries=(), library_links=(),
-                                          library_dirs=(), binaries=(), firmware=(), hook=None,
+                self._files = DriverFiles(version=self.driver_version or "", libraries=(), soname_links=(),
+                                          lib_folders=(), binaries=(), firmware=(), hook=None,
                                           control_nodes=(ctl,))
             return self._files
 

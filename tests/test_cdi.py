@@ -50,10 +50,10 @@ def test_driver_files_pick_compute_libraries_once_through_merged_usr(tree):
                            ("libcuda.so", "libnvidia-ml.so", "libnvidia-ptxjitcompiler.so", "libnvidia-nvvm.so"))
     # /lib -> usr/lib must not produce a second copy of each library.
     assert all(lib.container_path.startswith("/usr/lib/x86_64-linux-gnu/") for lib in files.libraries)
-    assert {Path(link.container_path).name for link in files.library_links} == {
+    assert {Path(link.container_path).name for link in files.soname_links} == {
         "libcuda.so", "libcuda.so.1", "libnvidia-ml.so.1", "libnvidia-ptxjitcompiler.so.1", "libnvidia-nvvm.so.4"}
     assert files.version == tree.version
-    assert files.library_dirs == ("/usr/lib/x86_64-linux-gnu",)
+    assert files.lib_folders == ("/usr/lib/x86_64-linux-gnu",)
     assert [Path(b.container_path).name for b in files.binaries] == [
         "nvidia-smi", "nvidia-cuda-mps-control", "nvidia-cuda-mps-server"]
     assert [f.container_path for f in files.firmware] == [f"/lib/firmware/nvidia/{tree.version}"]
@@ -64,7 +64,7 @@ def test_driver_files_pick_compute_libraries_once_through_merged_usr(tree):
 def test_absolute_links_resolve_inside_the_root(tmp_path):
     tree = build_fake_driver_root(tmp_path / "host", absolute_links=True)
     files = tree.driver_root().files()
-    link = next(lk for lk in files.library_links if lk.container_path.endswith("libcuda.so.1"))
+    link = next(lk for lk in files.soname_links if lk.container_path.endswith("libcuda.so.1"))
     assert link.target == f"/usr/lib/x86_64-linux-gnu/libcuda.so.{tree.version}"
     assert link.resolved.host_path == str(tree.root / "usr/lib/x86_64-linux-gnu" / f"libcuda.so.{tree.version}")
 
