@@ -1,5 +1,5 @@
 """An in-memory stand-in for the API server's ResourceSlice and Node endpoints, with the verbs of
-``controller.kubeapi.KubeApi`` that a reconcile pass uses (list, get, create, replace, delete).
+``kube.client.KubeApi`` that a reconcile pass uses (list, get, create, replace, delete).
 
 It keeps what the server's optimistic concurrency needs (uid, resourceVersion, preconditions, 404/409 as
 ``ApiError``) and field selectors on ``spec.driver``, ``spec.nodeName`` and ``spec.pool.name``. It stores
@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from controller.kubeapi import NODES, SLICES, ApiError
+from kube.client import NODES, SLICES, ApiError
 
 _SELECTABLE = ("spec.driver", "spec.nodeName", "spec.pool.name")
 

@@ -1,5 +1,5 @@
 """Benchmark ``mig``: create/destroy cycles of MIG devices on a simulated H200, through the driver's own MIG
-code (``dra.hardware``), which is what preparing a dynamic-MIG claim does.
+code (``dra.node.migdevices``), which is what preparing a dynamic-MIG claim does.
 
 One cycle: create the MIG device at the next placement (every profile at every valid start, in turn), try to
 create an overlapping one (the simulator's placement check must refuse it), destroy the first. MIG mode is
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from bench.core import Figure, median, spread, timed_runs
 from bench.params import Params
-from dra import hardware
-from dra.fleet import nvml_for_node, parse_fleet
-from dra.inventory import discover
+from dra.node import migdevices as hardware
+from dra.sim.fleet import nvml_for_node, parse_fleet
+from dra.node.inventory import discover
 
 NAME = "mig"
-DESCRIPTION = "fake-NVML MIG create/destroy cycles with placement checks, via dra.hardware"
+DESCRIPTION = "fake-NVML MIG create/destroy cycles with placement checks, via dra.node.migdevices"
 
 
 def run(params: Params) -> list[Figure]:

@@ -28,19 +28,19 @@ import structlog
 from bench.core import Figure, median, spread
 from bench.params import Params
 from bench.simfleet import DRIVER, H200_DYNAMIC_POLICY, h200_node
-from dra import hardware
-from dra.cdi import CdiSpecWriter, ToolkitSpecs
-from dra.checkpoint import CheckpointStore
-from dra.devices import KIND_MIG, build_devices
-from dra.fleet import nvml_for_node
-from dra.hardware_sharing import MpsSupervisor, TimeSlicing
-from dra.hardware_tools import SimulatedSharingControl
-from dra.inventory import discover
-from dra.policy import parse_node_policy
+from dra.node import migdevices as hardware
+from dra.node.cdi import CdiSpecWriter, ToolkitSpecs
+from dra.node.checkpoint import CheckpointStore
+from dra.model.devices import KIND_MIG, build_devices
+from dra.sim.fleet import nvml_for_node
+from dra.node.sharing import MpsSupervisor, TimeSlicing
+from dra.node.sharingtools import SimulatedSharingControl
+from dra.node.inventory import discover
+from dra.model.policy import parse_node_policy
 from kubeletplugin.claims import ClaimRef, DictClaimSource
 from kubeletplugin.driver import Driver
 from kubeletplugin.metrics import PluginMetrics
-from kubeletplugin.simulated import SimulatedDriverRoot
+from dra.sim.driverroot import SimulatedDriverRoot
 
 NAME = "prepare"
 DESCRIPTION = "Driver prepare/unprepare: one claim (whole GPU, dynamic MIG, MPS slot) and 32 claims in parallel"

@@ -18,7 +18,7 @@ from bench.core import Figure, median, spread
 from bench.memapi import InMemorySliceApi
 from bench.params import Params
 from bench.simfleet import DRIVER, bench_fleet, fleet_label, fleet_slices
-from controller.resourceslices import DesiredPool, Owner, ResourceSliceController
+from kube.resourceslices import DesiredPool, Owner, ResourceSliceController
 
 NAME = "reconcile"
 DESCRIPTION = "ResourceSlice controller over the fleet, in-memory API: writes on first sync, resync, restart"
@@ -28,7 +28,7 @@ TAINT = {"key": f"{DRIVER}/unhealthy", "value": "XID-79", "effect": "NoSchedule"
 
 def controller_on(api: InMemorySliceApi) -> ResourceSliceController:
     ctl = ResourceSliceController(None, DRIVER, Owner.cluster())
-    ctl.kube = api  # the in-memory stand-in answers the same verbs as controller.kubeapi.KubeApi
+    ctl.kube = api  # the in-memory stand-in answers the same verbs as kube.client.KubeApi
     return ctl
 
 

@@ -7,7 +7,7 @@ from bench.core import Figure, median, spread, timed_runs
 from bench.params import Params
 from bench.simfleet import H200_NODE_LABEL, SimNode, bench_fleet, device_count, fleet_label, fleet_slices, h200_node, \
     publish
-from dra.slices import validate_pool
+from dra.model.slices import validate_pool
 
 NAME = "validate"
 DESCRIPTION = "validate_pool over the 8×H200 node's slices and over the fleet's"

@@ -28,8 +28,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from api.deviceclasses import device_classes
     from controller.cluster import ClusterController
-    from controller.connect import ConnectError, api_client_from
-    from controller.httpserver import serve_health_and_metrics
+    from kube.connect import ConnectError, api_client_from
+    from kube.httpserver import serve_health_and_metrics
 
     try:
         classes = device_classes(args.driver_name, compat_nvidia=args.compat_nvidia)

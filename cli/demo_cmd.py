@@ -98,8 +98,8 @@ def run(args: argparse.Namespace) -> int:
     from cli.demo_examples import ExampleError, load_examples
     from cli.localcluster import ClusterError, LocalCluster
     from cli.publish_cmd import desired_fleet_pools
-    from dra.fleet import FleetError, load_fleet
-    from dra.slices import ApiFeatures
+    from dra.sim.fleet import FleetError, load_fleet
+    from dra.model.slices import ApiFeatures
 
     driver = args.driver_name
     try:
@@ -169,9 +169,9 @@ def run_demo(ctx: DemoContext, fleet: Any, examples: list[Any], *, timeout: floa
     from cli.demo_examples import apply_objects, create_namespace, describe_pending, wait_for_allocation
     from cli.publish_cmd import SIMULATED_LABEL, desired_fleet_pools
     from controller.cluster import ClusterController
-    from controller.kubeapi import SLICES, ApiError, ApiUnavailable, KubeApi
-    from controller.resourceslices import Owner, PoolSyncError, ResourceSliceController
-    from controller.serverversion import api_features
+    from kube.client import SLICES, ApiError, ApiUnavailable, KubeApi
+    from kube.resourceslices import Owner, PoolSyncError, ResourceSliceController
+    from kube.serverversion import api_features
 
     out, kube, result = ctx.out, KubeApi(ctx.api), DemoResult()
     try:

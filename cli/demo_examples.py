@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from api.names import DEFAULT_DRIVER_NAME
-from controller.kubeapi import RESOURCE_V1, ApiError, KubeApi
+from kube.client import RESOURCE_V1, ApiError, KubeApi
 
 CLAIM_FILE = "claim.yaml"
 NAMESPACES = "/api/v1/namespaces"

@@ -5,8 +5,8 @@ import argparse
 import sys
 from typing import Any
 
-from dra.catalog import family_of
-from dra.gpu import GpuInfo, NodeInventory
+from dra.model.catalog import family_of
+from dra.model.gpu import GpuInfo, NodeInventory
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_local() -> int:
     import pynvml
 
-    from dra.inventory import describe_nvml_error, discover
+    from dra.node.inventory import describe_nvml_error, discover
 
     try:
         pynvml.nvmlInit()
@@ -43,8 +43,8 @@ def _run_local() -> int:
 
 
 def _run_fleet(path: str, node_name: str | None) -> int:
-    from dra.fleet import FleetError, load_fleet, nvml_for_node
-    from dra.inventory import discover
+    from dra.sim.fleet import FleetError, load_fleet, nvml_for_node
+    from dra.node.inventory import discover
 
     try:
         fleet = load_fleet(path)

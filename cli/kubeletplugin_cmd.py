@@ -95,7 +95,7 @@ def options_from_args(args: argparse.Namespace) -> "PluginOptions":  # noqa: F82
 
 
 def run(args: argparse.Namespace) -> int:
-    from controller.connect import ConnectError
+    from kube.connect import ConnectError
     from kubeletplugin.logs import configure_logging
     from kubeletplugin.plugin import KubeletPlugin, PluginConfigError
     from kubeletplugin.sockets import SocketPathError

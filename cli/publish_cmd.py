@@ -43,11 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def desired_fleet_pools(fleet: Any, fleet_path: str, driver: str, features: Any) -> dict[str, Any]:
     """node name -> DesiredPool for every node of the fleet (simulated NVML -> inventory -> slices)."""
-    from controller.resourceslices import DesiredPool
-    from dra.fleet import nvml_for_node
-    from dra.inventory import discover
-    from dra.policy import parse_node_policy
-    from dra.slices import plan_pool
+    from kube.resourceslices import DesiredPool
+    from dra.sim.fleet import nvml_for_node
+    from dra.node.inventory import discover
+    from dra.model.policy import parse_node_policy
+    from dra.model.slices import plan_pool
 
     pools = {}
     for node in fleet.nodes:
@@ -68,7 +68,7 @@ def desired_fleet_pools(fleet: Any, fleet_path: str, driver: str, features: Any)
 
 
 def missing_nodes(api: Any, names: list[str]) -> list[str]:
-    from controller.kubeapi import NODES, KubeApi
+    from kube.client import NODES, KubeApi
 
     existing = {n["metadata"]["name"] for n in KubeApi(api).list(NODES)["items"]}
     return [n for n in names if n not in existing]
@@ -77,7 +77,7 @@ def missing_nodes(api: Any, names: list[str]) -> list[str]:
 def register_missing_nodes(api: Any, names: list[str]) -> list[str]:
     """Creates simulated Node objects for the names that have none; returns the names created."""
     from cli.localcluster import simulated_node
-    from controller.kubeapi import NODES, ApiError, KubeApi
+    from kube.client import NODES, ApiError, KubeApi
 
     kube = KubeApi(api)
     created = []
@@ -97,13 +97,13 @@ def register_missing_nodes(api: Any, names: list[str]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from controller.connect import ConnectError, api_client_from
-    from controller.kubeapi import ApiError, ApiUnavailable
-    from controller.resourceslices import InvalidPoolError, Owner, PoolSyncError, ResourceSliceController
-    from controller.serverversion import api_features
-    from dra.devices import DeviceModelError
-    from dra.fleet import FleetError, load_fleet
-    from dra.policy import PolicyError
+    from kube.connect import ConnectError, api_client_from
+    from kube.client import ApiError, ApiUnavailable
+    from kube.resourceslices import InvalidPoolError, Owner, PoolSyncError, ResourceSliceController
+    from kube.serverversion import api_features
+    from dra.model.devices import DeviceModelError
+    from dra.sim.fleet import FleetError, load_fleet
+    from dra.model.policy import PolicyError
 
     if args.compat_nvidia and args.driver_name and args.driver_name != NVIDIA_DRIVER_NAME:
         print(f"{PROG}: --compat-nvidia publishes as {NVIDIA_DRIVER_NAME}; it cannot be combined with "
@@ -149,8 +149,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, ctl: Any, fleet: Any, driver: str, features: Any) -> int:
-    from controller.httpserver import serve_health_and_metrics
-    from dra.fleet import load_fleet
+    from kube.httpserver import serve_health_and_metrics
+    from dra.sim.fleet import load_fleet
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -39,8 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dra.fakenvml_faults import DEFAULT_LOST_REASON, inject_xid, lose_gpu, recover_gpu
-    from dra.fakenvml_state import SimulatedHardwareState, SimulatedStateError
+    from dra.sim.faults import DEFAULT_LOST_REASON, inject_xid, lose_gpu, recover_gpu
+    from dra.sim.state import SimulatedHardwareState, SimulatedStateError
 
     if not args.sim_state:
         print("gpu-dra simulate: --sim-state (or SIM_STATE) is required", file=sys.stderr)

@@ -44,12 +44,12 @@ class _NoAliases(yaml.SafeDumper):
 
 
 def run(args: argparse.Namespace) -> int:
-    from controller.resourceslices import slice_name
-    from dra.devices import DeviceModelError
-    from dra.fleet import FleetError, load_fleet, nvml_for_node
-    from dra.inventory import discover
-    from dra.policy import PolicyError, parse_node_policy
-    from dra.slices import ApiFeatures, plan_pool, resource_slice_objects, validate_pool
+    from kube.resourceslices import slice_name
+    from dra.model.devices import DeviceModelError
+    from dra.sim.fleet import FleetError, load_fleet, nvml_for_node
+    from dra.node.inventory import discover
+    from dra.model.policy import PolicyError, parse_node_policy
+    from dra.model.slices import ApiFeatures, plan_pool, resource_slice_objects, validate_pool
 
     prog = "gpu-dra slices"
     if args.compat_nvidia and args.driver_name and args.driver_name != NVIDIA_DRIVER_NAME:

@@ -1,0 +1,1 @@
+"""The cluster controller: DeviceClasses, slices of vanished nodes, metrics."""

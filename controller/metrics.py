@@ -1,20 +1,8 @@
-"""Prometheus metrics of the controllers (process-wide; labelled by driver)."""
+"""Prometheus metrics of the cluster controller (process-wide; labelled by driver)."""
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter
 
-SLICE_WRITES = Counter(
-    "gpu_dra_resourceslice_writes",
-    "ResourceSlice writes sent to the API server (create, update, delete).",
-    ["driver", "operation"])
-SLICE_SYNCS = Counter(
-    "gpu_dra_resourceslice_pool_syncs",
-    "Pool reconciliations, by result (ok, error).",
-    ["driver", "result"])
-SLICE_POOLS = Gauge(
-    "gpu_dra_resourceslice_desired_pools",
-    "Pools the ResourceSlice controller currently publishes.",
-    ["driver"])
 DEVICECLASS_WRITES = Counter(
     "gpu_dra_deviceclass_writes",
     "DeviceClass writes (create, update) by the cluster controller.",

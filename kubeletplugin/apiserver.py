@@ -15,9 +15,9 @@ from typing import Any, Callable
 
 import structlog
 
-from controller.backoff import Backoff
-from controller.kubeapi import ApiError, ApiUnavailable
-from dra.slices import ApiFeatures
+from kube.backoff import Backoff
+from kube.client import ApiError, ApiUnavailable
+from dra.model.slices import ApiFeatures
 
 INITIAL_DELAY_S = 0.5
 MAX_DELAY_S = 30.0
@@ -71,7 +71,7 @@ def wait_for_api_features(
     """The API server's ``ApiFeatures`` once it answers; raises StoppedWaiting when ``stop`` is set first.
     ``on_wait`` is told the current reason while waiting (for health checks)."""
     if fetch is None:
-        from controller.serverversion import api_features
+        from kube.serverversion import api_features
 
         def fetch(client: Any) -> ApiFeatures:
             return api_features(client, timeout=0)    # one attempt; the back-off is ours

@@ -84,7 +84,7 @@ class KubernetesClaimStatusWriter:
 
     def __init__(self, api_client: Any, driver_name: str, pool_name: str, *, node_name: str | None = None,
                  timeout_s: float = 5.0) -> None:
-        from controller.kubeapi import KubeApi
+        from kube.client import KubeApi
 
         self.kube = KubeApi(api_client, timeout=timeout_s)
         self.driver = driver_name
@@ -96,7 +96,7 @@ class KubernetesClaimStatusWriter:
         self._apply(ref, [status_entry(self.driver, self.node, d, ready_since) for d in devices])
 
     def withdraw(self, ref: ClaimRef) -> None:
-        from controller.kubeapi import ApiError
+        from kube.client import ApiError
 
         try:
             self._apply(ref, [])
@@ -107,7 +107,7 @@ class KubernetesClaimStatusWriter:
             raise
 
     def _apply(self, ref: ClaimRef, entries: list[dict[str, Any]]) -> None:
-        from controller.kubeapi import RESOURCE_V1, ApiError, ApiUnavailable
+        from kube.client import RESOURCE_V1, ApiError, ApiUnavailable
 
         body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
                 "metadata": {"name": ref.name, "namespace": ref.namespace, "uid": ref.uid},

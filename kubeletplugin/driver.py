@@ -45,9 +45,9 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import structlog
 
-from dra import hardware as mig
-from dra.cdi import CdiSpecWriter, ClaimDevice, MpsMounts
-from dra.checkpoint import (
+from dra.node import migdevices as mig
+from dra.node.cdi import CdiSpecWriter, ClaimDevice, MpsMounts
+from dra.node.checkpoint import (
     PREPARE_COMPLETED,
     PREPARE_STARTED,
     CheckpointStore,
@@ -58,11 +58,11 @@ from dra.checkpoint import (
     TimeSliceUndo,
     UndoInfo,
 )
-from dra.checkpoint import PreparedDevice as CheckpointDevice
-from dra.devices import KIND_GPU, KIND_MIG, Device
-from dra.hardware_sharing import MpsDaemon, MpsDevice, MpsSupervisor, TimeSliceApplied, TimeSlicing, mps_daemon_id
-from dra.hardware_tools import SharingError
-from dra.quantity import MIB
+from dra.node.checkpoint import PreparedDevice as CheckpointDevice
+from dra.model.devices import KIND_GPU, KIND_MIG, Device
+from dra.node.sharing import MpsDaemon, MpsDevice, MpsSupervisor, TimeSliceApplied, TimeSlicing, mps_daemon_id
+from dra.node.sharingtools import SharingError
+from dra.model.quantity import MIB
 from kubeletplugin.claims import ClaimError, ClaimRef, ClaimSource
 from kubeletplugin.claimstatus import ClaimStatusWriter, DeviceStatus
 from kubeletplugin.metrics import PluginMetrics

@@ -14,8 +14,8 @@ from http.server import ThreadingHTTPServer
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from controller.httpserver import HealthCheck, serve_health_and_metrics
-from controller.metrics import SLICE_POOLS, SLICE_SYNCS, SLICE_WRITES
+from kube.httpserver import HealthCheck, serve_health_and_metrics
+from kube.metrics import SLICE_POOLS, SLICE_SYNCS, SLICE_WRITES
 
 NAMESPACE = "gpu_dra"
 # 5 ms .. ~20 s: prepare of a whole GPU is milliseconds, of a dynamic MIG partition up to seconds.

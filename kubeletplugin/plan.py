@@ -19,8 +19,8 @@ from api.config import (
     merge_allocation_configs,
     restore_claim_request_scopes,
 )
-from dra.devices import KIND_GPU, KIND_MIG, KIND_SHARED, KIND_SLOT, Device
-from dra.quantity import MIB, parse_quantity
+from dra.model.devices import KIND_GPU, KIND_MIG, KIND_SHARED, KIND_SLOT, Device
+from dra.model.quantity import MIB, parse_quantity
 from kubeletplugin.claims import AllocatedDevice, ClaimError, allocation_for
 
 TIMESLICE_DEFAULT = "Default"

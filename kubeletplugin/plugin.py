@@ -3,7 +3,7 @@
 Start order (``KubeletPlugin.start``): NVML and discovery → node policy → /metrics and /healthz (when a port
 is set) → the API server's version, waited for with back-off (``kubeletplugin.apiserver``; nothing is served
 to the kubelet before it answers) → devices → driver state recovery (checkpoint, MIG cleanup, rollbacks) →
-slice publishing (each pool checked with ``dra.slices.validate_pool`` first) and health monitoring (taints
+slice publishing (each pool checked with ``dra.model.slices.validate_pool`` first) and health monitoring (taints
 restored from the state directory) → DRA socket → registration socket (last, so the kubelet never dials an
 endpoint that is not listening yet).
 
@@ -31,19 +31,19 @@ import yaml
 from api.generated.pluginregistration.v1 import api_pb2 as reg_pb
 from api.generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
-from dra.cdi import CdiSpecWriter, ToolkitSpecs
-from dra.checkpoint import DEFAULT_BOOT_ID_PATH, CheckpointStore
-from dra.devices import Device, DeviceModel, build_devices
-from dra.driverroot import DriverRoot, DriverRootError
-from dra.hardware_sharing import MpsSupervisor, TimeSlicing
-from dra.hardware_tools import MpsDaemonSpec, NvidiaSmiSharingControl, SharingControl, SharingError, \
+from dra.node.cdi import CdiSpecWriter, ToolkitSpecs
+from dra.node.checkpoint import DEFAULT_BOOT_ID_PATH, CheckpointStore
+from dra.model.devices import Device, DeviceModel, build_devices
+from dra.node.driverroot import DriverRoot, DriverRootError
+from dra.node.sharing import MpsSupervisor, TimeSlicing
+from dra.node.sharingtools import MpsDaemonSpec, NvidiaSmiSharingControl, SharingControl, SharingError, \
     SimulatedSharingControl
-from dra.health import HealthDevice, HealthMonitor, TaintMap
-from dra.health_state import DEFAULT_FILE_NAME as TAINTS_FILE
-from dra.health_state import TaintStore
-from dra.inventory import discover
-from dra.policy import DEFAULT_NODE_POLICY, NodePolicy, PolicyError, parse_node_policy
-from dra.slices import ApiFeatures, apply_features, desired_pool_slices, validate_pool
+from dra.node.health import HealthDevice, HealthMonitor, TaintMap
+from dra.node.taintstore import DEFAULT_FILE_NAME as TAINTS_FILE
+from dra.node.taintstore import TaintStore
+from dra.node.inventory import discover
+from dra.model.policy import DEFAULT_NODE_POLICY, NodePolicy, PolicyError, parse_node_policy
+from dra.model.slices import ApiFeatures, apply_features, desired_pool_slices, validate_pool
 from kubeletplugin.apiserver import StoppedWaiting, wait_for_api_features
 from kubeletplugin.claims import ClaimSource, KubernetesClaimSource
 from kubeletplugin.claimstatus import ClaimStatusWriter, KubernetesClaimStatusWriter
@@ -52,7 +52,7 @@ from kubeletplugin.health import HealthBoard, health_from_taints
 from kubeletplugin.metrics import PluginMetrics
 from kubeletplugin.registration import RegistrationServer, supported_services
 from kubeletplugin.server import DRAServer
-from kubeletplugin.simulated import SimulatedDriverRoot
+from dra.sim.driverroot import SimulatedDriverRoot
 from kubeletplugin.sockets import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR, SocketPaths, socket_paths
 
 log = structlog.get_logger("kubelet-plugin")
@@ -224,8 +224,8 @@ class KubeletPlugin:
         if self._nvml is not None:
             return self._nvml
         if self.options.fleet:
-            from dra.fakenvml_state import SimulatedStateError
-            from dra.fleet import FleetError, load_fleet, nvml_for_node
+            from dra.sim.state import SimulatedStateError
+            from dra.sim.fleet import FleetError, load_fleet, nvml_for_node
 
             try:
                 fleet = load_fleet(self.options.fleet)
@@ -242,7 +242,7 @@ class KubeletPlugin:
         else:
             import pynvml as nvml
 
-            from dra.nvmlloader import NvmlLoadError, preload_nvml
+            from dra.node.nvmlloader import NvmlLoadError, preload_nvml
 
             try:
                 preload_nvml(DriverRoot(self.options.driver_root))
@@ -298,7 +298,7 @@ class KubeletPlugin:
         """Hand the pool to the slice publisher, after checking it against the API server's ResourceSlice
         rules: an invalid pool is not sent (the server would refuse it on every retry), the slices published
         before stay, and the problems are logged once per distinct set."""
-        from controller.resourceslices import DesiredPool, InvalidPoolError
+        from kube.resourceslices import DesiredPool, InvalidPoolError
 
         specs = desired_pool_slices(self.inventory, self.policy, self.options.driver_name, self.options.node_name,
                                     self.features, taints)
@@ -342,7 +342,7 @@ class KubeletPlugin:
         fleet_policy = self.fleet_node.policy if self.fleet_node is not None else None
         self.policy = load_node_policy(o.node_policy, fleet_policy)
         if self._api_client is None and (self.publish or self._claim_source is None):
-            from controller.connect import api_client_from
+            from kube.connect import api_client_from
 
             self._api_client = api_client_from(o.kubeconfig)
         if o.metrics_port:
@@ -396,7 +396,7 @@ class KubeletPlugin:
         self.startup = self.driver.start()
 
         if self.publish:
-            from controller.resourceslices import Owner, ResourceSliceController
+            from kube.resourceslices import Owner, ResourceSliceController
 
             self.slices = ResourceSliceController(self._api_client, o.driver_name, Owner.node(o.node_name)).start()
         self._rebuild()

@@ -18,11 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from dra import hardware as mig
-from dra.cdi import CdiSpecWriter, load_spec
-from dra.checkpoint import PREPARE_COMPLETED, ClaimRecord, MigUndo, UndoInfo
-from dra.checkpoint import PreparedDevice as CheckpointDevice
-from dra.devices import KIND_MIG, Device
+from dra.node import migdevices as mig
+from dra.node.cdi import CdiSpecWriter, load_spec
+from dra.node.checkpoint import PREPARE_COMPLETED, ClaimRecord, MigUndo, UndoInfo
+from dra.node.checkpoint import PreparedDevice as CheckpointDevice
+from dra.model.devices import KIND_MIG, Device
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from dra.gpu import GpuInfo, MigInstance, MigProfile, NodeInventory
+from dra.model.gpu import GpuInfo, MigInstance, MigProfile, NodeInventory
 
 
 def _p(pid, nvml_index, name, c, size, starts, max_i, mib, sms, ce=1, dec=0, enc=0, jpg=0, ofa=0) -> MigProfile:
@@ -105,7 +105,7 @@ def from_catalog(model_name: str, index: int = 0, minor: int | None = None, **kw
     """A GpuInfo for a catalog model, as discovery would report it (MIG disabled unless overridden)."""
     import pynvml
 
-    from dra.catalog import get_model
+    from dra.model.catalog import get_model
 
     m = get_model(model_name)
     arch = next((v for k, v in _ARCH_NAMES.items() if getattr(pynvml, f"NVML_DEVICE_ARCH_{k}") == m.architecture),

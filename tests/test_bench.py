@@ -15,7 +15,7 @@ from bench.core import (Figure, Target, TargetsError, budget_ratio, check, load_
 from bench.memapi import InMemorySliceApi
 from bench.params import TINY
 from bench.prepare import MIG_CHANGING_CALLS, SlowMigNvml
-from controller.kubeapi import SLICES, ApiError
+from kube.client import SLICES, ApiError
 
 # Figures that count things rather than time them: their targets must hold on any machine.
 COUNT_UNITS = {"writes", "problems", "creates"}

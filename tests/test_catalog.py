@@ -4,7 +4,7 @@ from __future__ import annotations
 import pynvml
 import pytest
 
-from dra.catalog import (
+from dra.model.catalog import (
     CATALOG,
     UnknownModelError,
     auto_start,
@@ -166,7 +166,7 @@ def test_model_family(name, family):
 
 
 def test_family_of_importable_from_catalog():
-    from dra.catalog import family_of as f
+    from dra.model.catalog import family_of as f
     assert f(9, 0) == "hopper"
 
 

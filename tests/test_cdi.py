@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dra.cdi import (
+from dra.node.cdi import (
     CDI_VERSIONS,
     CdiSpecError,
     CdiSpecWriter,
@@ -21,7 +21,7 @@ from dra.cdi import (
     required_version,
     validate_spec,
 )
-from dra.driverroot import DriverRoot, DriverRootError
+from dra.node.driverroot import DriverRoot, DriverRootError
 from fixtures.fake_driver_root import CAPS_MAJOR, UVM_MAJOR, build_fake_driver_root
 
 UID = "0b5c3f2a-9d1e-4f7a-8c6b-2e4d1a7f9c30"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dra.checkpoint import (
+from dra.node.checkpoint import (
     PREPARE_COMPLETED,
     PREPARE_STARTED,
     SCHEMA_VERSION,
@@ -21,8 +21,8 @@ from dra.checkpoint import (
     TimeSliceUndo,
     UndoInfo,
 )
-from dra.hardware import MigLive
-from dra.hardware_sharing import MpsDaemon, TimeSliceApplied
+from dra.node.migdevices import MigLive
+from dra.node.sharing import MpsDaemon, TimeSliceApplied
 
 BOOT_A = "7c1f3a52-0a4e-4b55-9f43-2d1f3e6b9a01"
 BOOT_B = "e2b1d9c4-5f6a-4c3b-8e7d-1a2b3c4d5e6f"
@@ -106,7 +106,7 @@ def test_corrupt_file_is_moved_aside_with_one_log_line(tmp_path, boot_file, capl
     store = store_at(tmp_path, boot_file)
     store.path.parent.mkdir(parents=True)
     store.path.write_bytes(content)
-    with caplog.at_level(logging.ERROR, logger="dra.checkpoint"):
+    with caplog.at_level(logging.ERROR, logger="dra.node.checkpoint"):
         result = store.load()
     assert result.claims == 0
     assert result.corrupt_file is not None and result.corrupt_file.name.startswith("checkpoint.json.corrupt-")
@@ -148,7 +148,7 @@ def test_reboot_drops_stale_claims_and_reports_them(tmp_path, boot_file, caplog)
     store.put(full_record("b").model_copy(update={"state": PREPARE_STARTED}))
     boot_file.write_text(BOOT_B)
     reopened = store_at(tmp_path, boot_file)
-    with caplog.at_level(logging.WARNING, logger="dra.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="dra.node.checkpoint"):
         result = reopened.load()
     assert [c.uid for c in result.dropped_claims] == ["a", "b"]
     assert result.dropped_claims[0].undo.mig_devices[0].gi_id == 7

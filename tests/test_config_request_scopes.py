@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 
 from api.config import merge_allocation_configs, restore_claim_request_scopes
-from dra.devices import build_devices
-from dra.fleet import nvml_for_node, parse_fleet
-from dra.inventory import discover
-from dra.policy import parse_node_policy
+from dra.model.devices import build_devices
+from dra.sim.fleet import nvml_for_node, parse_fleet
+from dra.node.inventory import discover
+from dra.model.policy import parse_node_policy
 from kubeletplugin.plan import PlanError, plan_claim
 
 DRIVER = "gpu.nvidia.com"

@@ -11,7 +11,7 @@ import pytest
 from api.deviceclasses import EXTENDED_RESOURCE_MIN_MINOR, classes_for_server, device_classes
 from api.names import NVIDIA_DRIVER_NAME
 from controller.cluster import ClusterController
-from controller.kubeapi import DEVICE_CLASSES, NODES, SLICES, ApiError
+from kube.client import DEVICE_CLASSES, NODES, SLICES, ApiError
 
 
 def _extended(classes: list[dict[str, Any]]) -> dict[str, str]:

@@ -19,7 +19,7 @@ from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
 from cli import deviceclasses_cmd
 from cli.main import build_parser
 from cli.main import main as gpu_dra
-from dra.policy import parse_node_policy
+from dra.model.policy import parse_node_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "deploy" / "helm" / "gpu-dra-driver"
@@ -390,7 +390,7 @@ def test_kubelet_plugin_env_in_chart_is_read_by_the_command() -> None:
 
 def test_kind_values_carry_a_valid_simulated_fleet() -> None:
     """The kind values' fleet must load as the plugin will load it (same parser, same errors)."""
-    from dra.fleet import parse_fleet
+    from dra.sim.fleet import parse_fleet
 
     values = yaml.safe_load((ROOT / "deploy" / "kind" / "values-simulated.yaml").read_text())
     fleet = parse_fleet(values["simulatedFleet"], "deploy/kind/values-simulated.yaml")

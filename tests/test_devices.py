@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dra.devices import (
+from dra.model.devices import (
     DeviceModelError, build_devices, mig_device_name, parse_device_name, profile_slug, semver,
 )
-from dra.mig import can_place, check_layout, maximal_layouts
-from dra.policy import parse_node_policy
+from dra.model.mig import can_place, check_layout, maximal_layouts
+from dra.model.policy import parse_node_policy
 from gpu_fixtures import a30, from_catalog, h100, inventory, l4, with_instances
 
 

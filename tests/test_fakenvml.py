@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dra.fakenvml import FakeNvml, SimulatedGpu
+from dra.sim.fakenvml import FakeNvml, SimulatedGpu
 
 ERR = pynvml
 
@@ -639,7 +639,7 @@ def test_the_state_lock_keeps_other_processes_out(tmp_path):
     path = tmp_path / "gpus.json"
     held = _persistent(path, "H100-80GB")
     script = (
-        "import sys; from dra.fakenvml import FakeNvml, SimulatedGpu\n"
+        "import sys; from dra.sim.fakenvml import FakeNvml, SimulatedGpu\n"
         "n = FakeNvml([SimulatedGpu('H100-80GB', 'GPU-00000000-1111-0000-0000-000000000000', 0, "
         "'00000000:18:00.0')], state_file=sys.argv[1]); n.nvmlInit()\n"
         "n.nvmlDeviceSetMigMode(n.nvmlDeviceGetHandleByIndex(0), 1)\n")
@@ -654,7 +654,7 @@ def test_the_state_lock_keeps_other_processes_out(tmp_path):
 
 
 def test_unusable_state_file_is_a_clear_error_naming_it(tmp_path):
-    from dra.fakenvml_state import SimulatedStateError
+    from dra.sim.state import SimulatedStateError
 
     path = tmp_path / "gpus.json"
     path.write_text("{not json")
@@ -677,7 +677,7 @@ def test_unusable_state_file_is_a_clear_error_naming_it(tmp_path):
 
 
 def test_nvml_for_node_boots_the_fleet_layout_once(tmp_path):
-    from dra.fleet import nvml_for_node, parse_fleet
+    from dra.sim.fleet import nvml_for_node, parse_fleet
 
     node = parse_fleet({"nodes": [{"name": "n", "gpus": [
         {"model": "H100-80GB", "mig": {"enabled": True, "instances": [{"profile": "3g.40gb", "start": 4}]}},

@@ -1,5 +1,5 @@
 """Fault injection through the simulated GPUs' state file: XIDs, lost GPUs and recoveries recorded by one party
-(``gpu-dra simulate``, dra/fakenvml_faults.py) reach the event sets of another simulator over the same file."""
+(``gpu-dra simulate``, dra/sim/faults.py) reach the event sets of another simulator over the same file."""
 from __future__ import annotations
 
 import json
@@ -13,10 +13,10 @@ import pynvml
 import pytest
 
 from cli.main import main
-from dra import fakenvml_faults as faults
-from dra.fakenvml import FILE_POLL_S, FakeNvml
-from dra.fakenvml_state import MAX_EVENTS, SimulatedHardwareState, SimulatedStateError
-from dra.fleet import nvml_for_node, parse_fleet
+from dra.sim import faults
+from dra.sim.fakenvml import FILE_POLL_S, FakeNvml
+from dra.sim.state import MAX_EVENTS, SimulatedHardwareState, SimulatedStateError
+from dra.sim.fleet import nvml_for_node, parse_fleet
 
 REPO = Path(__file__).resolve().parents[1]
 NO_ID = 0xFFFFFFFF

@@ -7,7 +7,7 @@ import pynvml
 import pytest
 import yaml
 
-from dra.fleet import FleetError, gpu_uuid, load_fleet, nvml_for_node, parse_fleet
+from dra.sim.fleet import FleetError, gpu_uuid, load_fleet, nvml_for_node, parse_fleet
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "fleets"
 

@@ -12,10 +12,10 @@ from typing import Any, Callable
 import pynvml
 import pytest
 
-from dra import hardware as mig
-from dra.cdi import ClaimDevice
-from dra.checkpoint import PREPARE_STARTED, ClaimRecord, MigUndo, UndoInfo
-from dra.checkpoint import PreparedDevice as CheckpointDevice
+from dra.node import migdevices as mig
+from dra.node.cdi import ClaimDevice
+from dra.node.checkpoint import PREPARE_STARTED, ClaimRecord, MigUndo, UndoInfo
+from dra.node.checkpoint import PreparedDevice as CheckpointDevice
 from test_kubeletplugin_driver import NODE, Node, gpu_config, ok, opaque
 
 

@@ -10,8 +10,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from dra.fleet import nvml_for_node, parse_fleet
-from dra.slices import ApiFeatures
+from dra.sim.fleet import nvml_for_node, parse_fleet
+from dra.model.slices import ApiFeatures
 from fixtures.fake_driver_root import build_fake_driver_root
 from kubeletplugin.claims import ClaimRef, DictClaimSource
 from kubeletplugin.plugin import KubeletPlugin, PluginOptions, UnavailableSharingControl

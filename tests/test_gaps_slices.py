@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from bench.memapi import InMemorySliceApi
-from controller.backoff import Backoff
-from controller.kubeapi import SLICES
-from controller.resourceslices import DesiredPool, Owner, ResourceSliceController, slice_name
+from kube.backoff import Backoff
+from kube.client import SLICES
+from kube.resourceslices import DesiredPool, Owner, ResourceSliceController, slice_name
 
 DRIVER = "gpu.example.com"
 NODE = "node-a"
@@ -50,7 +50,7 @@ TAINT = {"key": f"{DRIVER}/xid", "value": "79", "effect": "NoSchedule"}
 def test_a_field_the_server_drops_is_logged_once_and_not_rewritten(caplog: pytest.LogCaptureFixture) -> None:
     api = DropsTaints([NODE])
     ctl = controller(api)
-    with caplog.at_level(logging.ERROR, logger="controller.resourceslices"):
+    with caplog.at_level(logging.ERROR, logger="kube.resourceslices"):
         ctl.update({NODE: gpus(2, taints=[TAINT])})
         ctl.run_once(timeout=10)
         for _ in range(3):                        # later passes (resyncs) see the same difference
@@ -68,7 +68,7 @@ def test_a_field_the_server_drops_is_logged_once_and_not_rewritten(caplog: pytes
     for device in changed.slices[0]["devices"]:
         device["attributes"]["productName"] = {"string": "NVIDIA L4"}
     ctl.update({NODE: changed})
-    with caplog.at_level(logging.ERROR, logger="controller.resourceslices"):
+    with caplog.at_level(logging.ERROR, logger="kube.resourceslices"):
         ctl.run_once(timeout=10)
         ctl.run_once(timeout=10)
     assert dict(api.writes) == {"create": 1, "update": 1}
@@ -105,7 +105,7 @@ def test_an_update_conflict_is_re_read_and_synced_again(caplog: pytest.LogCaptur
     ctl.run_once(timeout=10)
     api.armed = True
     ctl.update({NODE: gpus(3)})
-    with caplog.at_level(logging.WARNING, logger="controller.resourceslices"):
+    with caplog.at_level(logging.WARNING, logger="kube.resourceslices"):
         ctl.run_once(timeout=10)
     assert api.conflicts == 1
     assert [d["name"] for d in stored_devices(api)] == ["gpu-0", "gpu-1", "gpu-2"]   # theirs overwritten

@@ -14,9 +14,9 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from dra import hardware
-from dra.fakenvml import FakeNvml, SimulatedGpu
-from dra.hardware import (
+from dra.node import migdevices as hardware
+from dra.sim.fakenvml import FakeNvml, SimulatedGpu
+from dra.node.migdevices import (
     MigError,
     create_mig_device,
     destroy_mig_device,
@@ -24,8 +24,8 @@ from dra.hardware import (
     disable_mig_mode_if_unused,
     list_mig_devices,
 )
-from dra.hardware_sharing import MpsDevice, MpsSupervisor, TimeSliceApplied, TimeSlicing, mps_daemon_id
-from dra.hardware_tools import (
+from dra.node.sharing import MpsDevice, MpsSupervisor, TimeSliceApplied, TimeSlicing, mps_daemon_id
+from dra.node.sharingtools import (
     MpsDaemonSpec,
     NvidiaSmiSharingControl,
     SharingError,
@@ -187,7 +187,7 @@ def test_parallel_creates_on_one_gpu(nvml):
 def test_only_real_pynvml_names_are_used():
     """The modules must work with the real pynvml module, so every nvml.<name> must exist there."""
     root = Path(hardware.__file__).parent
-    for module in ("hardware.py", "health.py"):
+    for module in ("migdevices.py", "health.py", "inventory.py"):
         names = set(re.findall(r"\bnvml\.([A-Za-z_][A-Za-z0-9_]*)", (root / module).read_text()))
         assert names, module
         missing = sorted(n for n in names if not hasattr(pynvml, n))

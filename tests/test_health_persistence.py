@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from dra.fakenvml import FakeNvml, SimulatedGpu
-from dra.health import HealthDevice, HealthMonitor
-from dra.health_state import TaintStore
+from dra.sim.fakenvml import FakeNvml, SimulatedGpu
+from dra.node.health import HealthDevice, HealthMonitor
+from dra.node.taintstore import TaintStore
 
 GPU0 = "GPU-00000000-0000-4000-8000-00000000aaaa"
 GPU1 = "GPU-00000000-0000-4000-8000-00000000bbbb"

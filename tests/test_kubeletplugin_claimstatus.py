@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import pytest
 
-from controller.kubeapi import ApiError, ApiUnavailable
+from kube.client import ApiError, ApiUnavailable
 from kubeletplugin.claims import ClaimRef
 from kubeletplugin.claimstatus import (
     ClaimStatusError,

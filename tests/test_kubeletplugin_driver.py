@@ -11,16 +11,16 @@ from typing import Any
 
 import pytest
 
-from dra import hardware as mig
-from dra.cdi import CdiSpecWriter, load_spec
-from dra.checkpoint import PREPARE_STARTED, CheckpointStore, ClaimRecord, MigUndo, UndoInfo
-from dra.checkpoint import PreparedDevice as CheckpointDevice
-from dra.devices import build_devices
-from dra.fleet import nvml_for_node, parse_fleet
-from dra.hardware_sharing import MpsSupervisor, TimeSlicing
-from dra.hardware_tools import SimulatedSharingControl
-from dra.inventory import discover
-from dra.policy import parse_node_policy
+from dra.node import migdevices as mig
+from dra.node.cdi import CdiSpecWriter, load_spec
+from dra.node.checkpoint import PREPARE_STARTED, CheckpointStore, ClaimRecord, MigUndo, UndoInfo
+from dra.node.checkpoint import PreparedDevice as CheckpointDevice
+from dra.model.devices import build_devices
+from dra.sim.fleet import nvml_for_node, parse_fleet
+from dra.node.sharing import MpsSupervisor, TimeSlicing
+from dra.node.sharingtools import SimulatedSharingControl
+from dra.node.inventory import discover
+from dra.model.policy import parse_node_policy
 from fixtures.fake_driver_root import build_fake_driver_root
 from kubeletplugin.claims import ClaimRef, DictClaimSource
 from kubeletplugin.driver import Driver

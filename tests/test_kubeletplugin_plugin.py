@@ -21,8 +21,8 @@ from api.generated.pluginregistration.v1 import api_pb2 as reg_pb
 from api.generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from cli.main import build_parser
 from cli.kubeletplugin_cmd import options_from_args
-from dra.cdi import load_spec
-from dra.slices import ApiFeatures
+from dra.node.cdi import load_spec
+from dra.model.slices import ApiFeatures
 from kubeletplugin.claims import DictClaimSource
 from kubeletplugin.plugin import KubeletPlugin, PluginConfigError, PluginOptions, load_node_policy
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.backoff import Backoff
-from controller.kubeapi import ApiError, ApiUnavailable
-from dra.slices import ApiFeatures
+from kube.backoff import Backoff
+from kube.client import ApiError, ApiUnavailable
+from dra.model.slices import ApiFeatures
 from kubeletplugin.apiserver import StoppedWaiting, describe_api_failure, wait_for_api_features
 from kubeletplugin.claims import DictClaimSource
 from kubeletplugin.plugin import KubeletPlugin, PluginOptions
@@ -188,7 +188,7 @@ def failing_publisher(driver: str):
     """A real ResourceSlice publisher whose API server is away, after one failed pool sync."""
     from kubernetes import client as kclient
 
-    from controller.resourceslices import DesiredPool, Owner, ResourceSliceController
+    from kube.resourceslices import DesiredPool, Owner, ResourceSliceController
 
     config = kclient.Configuration()
     config.host = f"http://127.0.0.1:{closed_port()}"

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dra.mig import (
+from dra.model.mig import (
     budget_of, can_place, check_layout, fits, full_profile, max_instances_alone, maximal_layouts,
     maximal_multisets, memory_slice_count,
 )
@@ -111,7 +111,7 @@ def test_at_most_one_media_extension_profile_on_a30():
 
 
 def _independent_ok(profiles, layout) -> bool:
-    """Restatement of the NVML rules without dra.mig: valid starts, no overlap, counts, OFA and compute budget."""
+    """Restatement of the NVML rules without dra.model.mig: valid starts, no overlap, counts, OFA and compute budget."""
     by_id = {p.profile_id: p for p in profiles}
     used: set[int] = set()
     for pid, s in layout:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dra.driverroot import DriverRoot
-from dra.nvmlloader import NvmlLoadError, preload_nvml
+from dra.node.driverroot import DriverRoot
+from dra.node.nvmlloader import NvmlLoadError, preload_nvml
 from fixtures.fake_driver_root import DRIVER_VERSION, LIB_DIR, build_fake_driver_root
 
 

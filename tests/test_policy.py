@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from dra.policy import DEFAULT_NODE_POLICY, NodePolicy, PolicyError, parse_node_policy
+from dra.model.policy import DEFAULT_NODE_POLICY, NodePolicy, PolicyError, parse_node_policy
 from gpu_fixtures import a30, h100, l4
 
 EXAMPLE = """
@@ -27,7 +27,7 @@ def parse(data):
 
 
 def test_module_docstring_example_parses():
-    import dra.policy as mod
+    import dra.model.policy as mod
 
     doc = mod.__doc__
     example = doc[doc.index("Example::") + len("Example::"):doc.index("Combinations that")]

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from bench.memapi import InMemorySliceApi, _status
-from controller.kubeapi import SLICES
-from controller.resourceslices import DesiredPool, Owner, PoolSyncError, ResourceSliceController
+from kube.client import SLICES
+from kube.resourceslices import DesiredPool, Owner, PoolSyncError, ResourceSliceController
 
 DRIVER = "gpu.example.com"
 NODES = ("node-a", "node-b")
@@ -53,7 +53,7 @@ def test_pools_are_kept_apart_without_the_pool_selector(caplog: pytest.LogCaptur
     api = OldSliceApi(list(NODES))
     ctl = _controller(api)
     ctl.update(_pools())
-    with caplog.at_level(logging.INFO, logger="controller.resourceslices"):
+    with caplog.at_level(logging.INFO, logger="kube.resourceslices"):
         ctl.run_once(timeout=10)
         ctl.update(_pools(gpus=3))                  # one more GPU on every node: one update per pool
         ctl.run_once(timeout=10)

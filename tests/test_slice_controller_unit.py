@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import controller.serverversion as serverversion
-from controller.backoff import Backoff
-from controller.resourceslices import (DesiredPool, InvalidPoolError, Owner, ResourceSliceController, slice_name,
+import kube.serverversion as serverversion
+from kube.backoff import Backoff
+from kube.resourceslices import (DesiredPool, InvalidPoolError, Owner, ResourceSliceController, slice_name,
                                        validate_pool)
-from controller.slicecompare import normalize_spec
-from dra.quantity import quantity_value
+from kube.slicecompare import normalize_spec
+from dra.model.quantity import quantity_value
 
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
@@ -175,7 +175,7 @@ def test_backoff_doubles_up_to_the_cap_and_resets() -> None:
 def test_old_api_servers_get_one_clear_line(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
                                             minor: int, warned: bool, partitionable: bool) -> None:
     monkeypatch.setattr(serverversion, "fetch_server_minor", lambda api, timeout=0: minor)
-    with caplog.at_level(logging.INFO, logger="controller.serverversion"):
+    with caplog.at_level(logging.INFO, logger="kube.serverversion"):
         features = serverversion.api_features(object())
     lines = [r.getMessage() for r in caplog.records]
     assert features.partitionable is partitionable

@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from dra.devices import build_devices
-from dra.policy import parse_node_policy
-from dra.slices import (
+from dra.model.devices import build_devices
+from dra.model.policy import parse_node_policy
+from dra.model.slices import (
     ApiFeatures, apply_features, build_pool_slices, desired_pool_slices, plan_pool, validate_pool, validate_slice_spec,
 )
 from gpu_fixtures import a30, from_catalog, h100, inventory, l4, with_instances

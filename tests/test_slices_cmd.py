@@ -8,10 +8,10 @@ import pytest
 import yaml
 
 from cli.main import main
-from dra.fleet import nvml_for_node, parse_fleet
-from dra.inventory import discover
-from dra.policy import parse_node_policy
-from dra.slices import ApiFeatures, desired_pool_slices, plan_pool, validate_pool
+from dra.sim.fleet import nvml_for_node, parse_fleet
+from dra.node.inventory import discover
+from dra.model.policy import parse_node_policy
+from dra.model.slices import ApiFeatures, desired_pool_slices, plan_pool, validate_pool
 
 FLEET = textwrap.dedent("""
     nodes:
@@ -160,8 +160,8 @@ def test_cli_device_model_error_names_the_gpu(capsys, tmp_path):
 
 
 def test_cli_exits_1_on_validation_errors(capsys, fleet_file, monkeypatch):
-    import dra.slices
+    import dra.model.slices
 
-    monkeypatch.setattr(dra.slices, "validate_pool", lambda specs: ["device 'x': too long"])
+    monkeypatch.setattr(dra.model.slices, "validate_pool", lambda specs: ["device 'x': too long"])
     rc, out, err = run_cli(capsys, "--fleet", fleet_file, "--node", "node-b")
     assert rc == 1 and "invalid ResourceSlice: device 'x': too long" in err

@@ -16,10 +16,10 @@ from cli.demo_examples import collection, create_namespace, delete_namespace
 from cli.demo_report import device_index
 from cli.publish_cmd import SIMULATED_LABEL, desired_fleet_pools
 from controller.cluster import ClusterController
-from controller.kubeapi import KubeApi
-from controller.resourceslices import DesiredPool, Owner, ResourceSliceController
-from controller.serverversion import api_features
-from dra.fleet import load_fleet
+from kube.client import KubeApi
+from kube.resourceslices import DesiredPool, Owner, ResourceSliceController
+from kube.serverversion import api_features
+from dra.sim.fleet import load_fleet
 from e2e_helpers import slices_of
 
 REPO = Path(__file__).resolve().parents[2]

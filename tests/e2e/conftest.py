@@ -13,7 +13,7 @@ import pytest
 
 from api.deviceclasses import device_classes
 from api.names import NVIDIA_DRIVER_NAME
-from controller.kubeapi import DEVICE_CLASSES, ApiError, KubeApi
+from kube.client import DEVICE_CLASSES, ApiError, KubeApi
 from standin.node import SimulatedNode
 from standin.workloads import apply_device_classes, create_namespace
 

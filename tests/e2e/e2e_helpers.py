@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from controller.kubeapi import SLICES, KubeApi
+from kube.client import SLICES, KubeApi
 
 
 def gpu_devices(prefix: str, count: int, memory: str = "80Gi", product: str = "NVIDIA H100 80GB HBM3") -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from controller.kubeapi import KubeApi
+from kube.client import KubeApi
 from standin import ContainerEdits, PreparedPod, resolve_cdi
 from standin.node import SimulatedNode
 from standin.workloads import (

@@ -16,11 +16,11 @@ import gpu_fixtures as g
 from api.deviceclasses import device_classes
 from cli.localcluster import free_port
 from controller.cluster import DRIVER_LABEL, ClusterController
-from controller.kubeapi import DEVICE_CLASSES, SLICES, ApiError, KubeApi
-from controller.resourceslices import DesiredPool, Owner, ResourceSliceController
-from controller.serverversion import api_features
-from dra.policy import parse_node_policy
-from dra.slices import desired_pool_slices
+from kube.client import DEVICE_CLASSES, SLICES, ApiError, KubeApi
+from kube.resourceslices import DesiredPool, Owner, ResourceSliceController
+from kube.serverversion import api_features
+from dra.model.policy import parse_node_policy
+from dra.model.slices import desired_pool_slices
 from e2e_helpers import gpu_devices, slices_of
 from standin.workloads import wait_until
 

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from api.names import NVIDIA_DRIVER_NAME
-from controller.kubeapi import DEVICE_CLASSES, RESOURCE_V1
+from kube.client import DEVICE_CLASSES, RESOURCE_V1
 from plugin_helpers import container_edits, finish, published, run_objects
 from standin import EXTENDED_RESOURCE_CLAIM, PodPrepareError
 from standin.node import SimulatedNode

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from api.deviceclasses import device_classes
-from controller.kubeapi import KubeApi
+from kube.client import KubeApi
 from kubeletplugin.claims import ClaimError, ClaimRef, KubernetesClaimSource
 from standin.workloads import create
 from test_kubeletplugin_driver import Node, ok

@@ -9,9 +9,9 @@ import pytest
 import yaml
 
 from allocation_helpers import FLEETS, PublishedFleet, renamed_fleet
-from controller.resourceslices import slice_name
-from controller.slicecompare import normalize_spec, spec_differences
-from dra.catalog import family_of, get_model, known_models
+from kube.resourceslices import slice_name
+from kube.slicecompare import normalize_spec, spec_differences
+from dra.model.catalog import family_of, get_model, known_models
 
 pytestmark = pytest.mark.e2e
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from controller.kubeapi import KubeApi
+from kube.client import KubeApi
 from plugin_helpers import assert_nothing_left, run_example
 from standin import resolve_cdi
 from standin.dra_client import DraCallError

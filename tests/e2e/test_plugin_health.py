@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from allocation_helpers import claim_with_pod, wait_unschedulable
-from controller.kubeapi import SLICES, ApiError, KubeApi, iter_json_lines
+from kube.client import SLICES, ApiError, KubeApi, iter_json_lines
 from plugin_helpers import allocated_device, run_objects
 from standin import resolve_cdi
 from standin.node import REPO, SimulatedNode

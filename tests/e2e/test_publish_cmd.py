@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from controller.kubeapi import NODES, SLICES, KubeApi
+from kube.client import NODES, SLICES, KubeApi
 from e2e_helpers import run_publish, slices_of
 from standin.workloads import wait_until
 

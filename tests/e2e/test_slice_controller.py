@@ -13,10 +13,10 @@ from kubernetes import client as kclient
 from prometheus_client import REGISTRY
 
 from cli.localcluster import free_port
-from controller.backoff import Backoff
-from controller.kubeapi import SLICES, KubeApi
-from controller.resourceslices import DesiredPool, Owner, ResourceSliceController, slice_name
-from controller.serverversion import fetch_server_minor
+from kube.backoff import Backoff
+from kube.client import SLICES, KubeApi
+from kube.resourceslices import DesiredPool, Owner, ResourceSliceController, slice_name
+from kube.serverversion import fetch_server_minor
 from e2e_helpers import TcpForwarder, consuming_device, counter_sets, gpu_devices, pool_summary, slices_of
 from standin.workloads import wait_until
 
@@ -186,7 +186,7 @@ def test_unreachable_api_server_is_retried_with_growing_back_off(api_client: Any
     conf.api_key = {"authorization": f"Bearer {cluster.token}"}
     unreachable = kclient.ApiClient(conf)
     forwarder = TcpForwarder(port, cluster.ports["apiserver"])
-    caplog.set_level(logging.WARNING, logger="controller.resourceslices")
+    caplog.set_level(logging.WARNING, logger="kube.resourceslices")
     ctl = controller(unreachable, driver_name, Owner.node(node), backoff=Backoff(initial=0.1, maximum=0.8))
     try:
         with ctl:
@@ -215,7 +215,7 @@ def test_server_minor_version(api_client: Any) -> None:
 
 
 def test_closed_port_fails_fast_with_a_clear_error(cluster: Any) -> None:
-    from controller.kubeapi import ApiUnavailable
+    from kube.client import ApiUnavailable
 
     with socket.socket() as s:   # nothing listens on a port we bound but never listened on
         s.bind(("127.0.0.1", 0))

@@ -25,9 +25,9 @@ from cli.demo_examples import create_namespace
 from cli.localcluster import ClusterError, LocalCluster, find_binaries, pinned_version
 from cli.publish_cmd import desired_fleet_pools
 from controller.cluster import ClusterController
-from controller.kubeapi import DEVICE_CLASSES, RESOURCE_V1, KubeApi
-from dra.fleet import load_fleet
-from dra.slices import ApiFeatures
+from kube.client import DEVICE_CLASSES, RESOURCE_V1, KubeApi
+from dra.sim.fleet import load_fleet
+from dra.model.slices import ApiFeatures
 from e2e_helpers import run_publish, slices_of
 
 pytestmark = pytest.mark.e2e

@@ -188,7 +188,7 @@ class KubeletStandin:
     # --- claims -----------------------------------------------------------------------------------------
 
     def read_claim(self, namespace: str, name: str) -> dict[str, Any]:
-        from controller.kubeapi import RESOURCE_V1, KubeApi
+        from kube.client import RESOURCE_V1, KubeApi
 
         if self.api_client is None:
             raise RuntimeError("KubeletStandin needs an api_client to read ResourceClaims")

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from controller.kubeapi import KubeApi
+from kube.client import KubeApi
 from standin.kubelet import KubeletStandin
 from standin.workloads import complete_pool, node_slices, wait_until
 
@@ -255,15 +255,15 @@ class SimulatedNode:
     def hardware(self) -> Any:
         """The node's simulated GPUs as the plugin left them: a FakeNvml (initialised) over the plugin's
         --sim-state file, so it sees (and may make) the same MIG devices, modes and lost GPUs."""
-        from dra.fleet import load_fleet, nvml_for_node
+        from dra.sim.fleet import load_fleet, nvml_for_node
 
         nvml = nvml_for_node(load_fleet(self.fleet_path).node(self.name), state_file=self.dirs.sim_state)
         nvml.nvmlInit()
         return nvml
 
     def mig_devices(self) -> list[Any]:
-        """Every MIG device on the node's simulated GPUs now (dra.hardware.MigLive)."""
-        from dra import hardware
+        """Every MIG device on the node's simulated GPUs now (dra.node.migdevices.MigLive)."""
+        from dra.node import migdevices as hardware
 
         nvml = self.hardware()
         return [m for uuid in nvml.gpu_uuids for m in hardware.list_mig_devices(nvml, uuid)]

@@ -12,7 +12,7 @@ import yaml
 
 from api.deviceclasses import device_classes
 from api.names import DEFAULT_DRIVER_NAME
-from controller.kubeapi import DEVICE_CLASSES, RESOURCE_V1, ApiError, KubeApi
+from kube.client import DEVICE_CLASSES, RESOURCE_V1, ApiError, KubeApi
 
 T = TypeVar("T")
 

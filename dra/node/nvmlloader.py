@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 from pathlib import PurePosixPath
 
-from dra.driverroot import DriverRoot
+from dra.node.driverroot import DriverRoot
 
 NVML_SONAME = "libnvidia-ml.so.1"
 

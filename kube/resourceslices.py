@@ -34,10 +34,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from controller.backoff import Backoff
-from controller.kubeapi import NODES, SLICES, ApiError, ApiUnavailable, KubeApi, iter_json_lines
-from controller.metrics import SLICE_POOLS, SLICE_SYNCS, SLICE_WRITES
-from controller.slicecompare import normalize_spec, spec_differences
+from kube.backoff import Backoff
+from kube.client import NODES, SLICES, ApiError, ApiUnavailable, KubeApi, iter_json_lines
+from kube.metrics import SLICE_POOLS, SLICE_SYNCS, SLICE_WRITES
+from kube.slicecompare import normalize_spec, spec_differences
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class DesiredPool:
 
     @classmethod
     def from_slice_specs(cls, specs: list[dict[str, Any]], node_name: str | None = None) -> "DesiredPool":
-        """A node-local pool from full ResourceSlice specs as `dra.slices.desired_pool_slices` returns them:
+        """A node-local pool from full ResourceSlice specs as `dra.model.slices.desired_pool_slices` returns them:
         driver, pool and nodeName are dropped from each spec (the controller sets them); every spec must
         name the same node. No specs at all becomes one empty slice ("this node has no devices")."""
         parts: list[dict[str, Any]] = []

@@ -31,7 +31,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
-from dra.atomicfile import write_atomic
+from dra.node.atomicfile import write_atomic
 
 SCHEMA_VERSION = 1
 MAX_EVENTS = 256                 # events kept in the file; a simulator that falls further behind misses some

@@ -160,7 +160,7 @@ class NvidiaSmiSharingControl(SharingControl):
 
     @classmethod
     def from_driver_root(cls, driver_root: Any, **kwargs: Any) -> NvidiaSmiSharingControl:
-        """Use the tools and libraries of a ``dra.driverroot.DriverRoot``."""
+        """Use the tools and libraries of a ``dra.node.driverroot.DriverRoot``."""
         smi = driver_root.find_binary("nvidia-smi")
         mps = driver_root.find_binary(MPS_CONTROL)
         if smi is None:

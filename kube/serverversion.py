@@ -5,8 +5,8 @@ import logging
 import time
 from typing import Any
 
-from controller.backoff import Backoff
-from controller.kubeapi import ApiError, ApiUnavailable, KubeApi
+from kube.backoff import Backoff
+from kube.client import ApiError, ApiUnavailable, KubeApi
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +33,8 @@ def fetch_server_minor(api_client: Any, timeout: float = 120.0, backoff: Backoff
 
 
 def api_features(api_client: Any, timeout: float = 120.0) -> Any:
-    """`dra.slices.ApiFeatures` for the connected API server. Logs one line when it is older than 1.36."""
-    from dra.slices import ApiFeatures
+    """`dra.model.slices.ApiFeatures` for the connected API server. Logs one line when it is older than 1.36."""
+    from dra.model.slices import ApiFeatures
 
     minor = fetch_server_minor(api_client, timeout)
     if minor < FULL_FEATURES_MINOR:

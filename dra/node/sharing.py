@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from dra.hardware_tools import (
+from dra.node.sharingtools import (
     MpsDaemonSpec,
     SharingControl,
     SharingError,

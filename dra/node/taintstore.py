@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from dra.atomicfile import write_atomic
-from dra.checkpoint import read_boot_id
+from dra.node.atomicfile import write_atomic
+from dra.node.checkpoint import read_boot_id
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ Example::
             count: 2
             broken: "fell off the bus"    # these GPUs are lost
             xids: [79]                    # XID events raised at start
-        policy: {...}                     # node policy, see dra/policy.py
+        policy: {...}                     # node policy, see dra/model/policy.py
 
 A MIG instance without ``start`` is placed as NVML places it (``nvmlDeviceCreateGpuInstance``). Every GPU of
 a group gets the same layout.
@@ -24,7 +24,7 @@ GPU index, so they are the same on every start: UUID ``GPU-<uuid5(node/index)>``
 bus ids as on an 8-GPU HGX board, and on nodes with 8 or more GPUs the first half on NUMA node 0 and the second
 half on NUMA node 1 (smaller nodes: all on node 0).
 
-With a ``state_file`` the node's GPUs keep their state there (dra/fakenvml_state.py), like hardware outliving
+With a ``state_file`` the node's GPUs keep their state there (dra/sim/state.py), like hardware outliving
 the process: the fleet's MIG layout and broken GPUs describe the first boot only, when the file does not exist
 yet; later the file says what exists. The fleet's ``xids`` are events and are raised on every start.
 """
@@ -38,8 +38,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from dra.catalog import auto_start, get_model, placement_problem
-from dra.fakenvml import FakeNvml, SimulatedGpu
+from dra.model.catalog import auto_start, get_model, placement_problem
+from dra.sim.fakenvml import FakeNvml, SimulatedGpu
 
 _FLEET_NAMESPACE = uuidlib.UUID("0b7d3c52-8e0a-4a8e-bd7e-3f3b9c1f6a10")
 # PCI bus numbers of the GPUs on an 8-GPU HGX board; further GPUs continue above them.
@@ -245,7 +245,7 @@ def _layout_text(placed: list[Any]) -> str:
 def _check_policy(node: NodeSpec, where: str, source: str) -> None:
     if node.policy is None:
         return
-    from dra.policy import PolicyError, parse_node_policy
+    from dra.model.policy import PolicyError, parse_node_policy
 
     try:
         parse_node_policy(node.policy, source=source)

@@ -29,9 +29,9 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
-from dra.atomicfile import write_atomic
-from dra.hardware import MigLive
-from dra.hardware_sharing import MpsDaemon, TimeSliceApplied
+from dra.node.atomicfile import write_atomic
+from dra.node.migdevices import MigLive
+from dra.node.sharing import MpsDaemon, TimeSliceApplied
 
 log = logging.getLogger(__name__)
 

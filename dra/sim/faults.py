@@ -1,6 +1,6 @@
 """Fault injection into simulated GPUs from outside the process that simulates them.
 
-A simulated node's plugin keeps its GPUs' state in a state file (dra/fakenvml_state.py). These functions
+A simulated node's plugin keeps its GPUs' state in a state file (dra/sim/state.py). These functions
 change that file under its cross-process lock, so the running plugin sees the change on its next NVML call
 (``nvmlEventSetWait`` re-checks the file while it waits):
 
@@ -13,7 +13,7 @@ Every problem raises SimulatedStateError naming the file and what was wrong.
 """
 from __future__ import annotations
 
-from dra.fakenvml_state import (
+from dra.sim.state import (
     EVENT_RECOVER,
     EVENT_XID,
     MAX_XID,

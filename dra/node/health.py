@@ -15,7 +15,7 @@ loop and keeps the current taints of every published device:
 
 Recovery: a lost GPU that answers again loses all its taints (it came back through a reset); XID and ECC
 taints disappear after ``quiet_period_s`` without a new event on the device (None: only ``recover``
-clears them). With a ``store`` (``dra.health_state.TaintStore``) XID and ECC taints outlive a restart of the
+clears them). With a ``store`` (``dra.node.taintstore.TaintStore``) XID and ECC taints outlive a restart of the
 plugin, their quiet-period clock included. ``recover`` is the operator's word that a GPU is healthy again;
 ``recoveries``, when given, is asked every round for GPUs so declared (a simulated node's ``gpu-dra simulate
 recover``). ``on_change`` receives the complete taint map (device name → wire-format taint dicts, empty for
@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
 
-from dra.health_state import SavedTaint, TaintStore
+from dra.node.taintstore import SavedTaint, TaintStore
 
 log = logging.getLogger(__name__)
 

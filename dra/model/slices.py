@@ -17,10 +17,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from dra.devices import KIND_MIG, KIND_SHARED, KIND_SLOT, CounterSet, Device, DeviceModel, build_devices
-from dra.gpu import NodeInventory
-from dra.policy import NodePolicy
-from dra.quantity import quantity_value
+from dra.model.devices import KIND_MIG, KIND_SHARED, KIND_SLOT, CounterSet, Device, DeviceModel, build_devices
+from dra.model.gpu import NodeInventory
+from dra.model.policy import NodePolicy
+from dra.model.quantity import quantity_value
 
 MAX_DEVICES = 128
 MAX_DEVICES_ADVANCED = 64          # once any device uses taints, consumesCounters or list attributes

@@ -10,7 +10,7 @@ placements ``(profile_id, start)``. A placement is valid next to the others when
    the full-GPU profile (the one spanning every memory slice). The OFA budget is what limits a GPU to one
    ``+me`` instance: the full GPU has one OFA and each ``+me`` profile takes it. No profile name is special.
 
-The same rules are encoded as ResourceSlice counters in dra/devices.py; tests check the two agree.
+The same rules are encoded as ResourceSlice counters in dra/model/devices.py; tests check the two agree.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from dra.gpu import MigProfile
+from dra.model.gpu import MigProfile
 
 Placement = tuple[int, int]  # (profile_id, start)
 

@@ -1,6 +1,6 @@
 """MIG actions: create and destroy MIG devices through NVML.
 
-Every function takes the NVML library as ``nvml``: the real ``pynvml`` module or ``dra.fakenvml.FakeNvml``.
+Every function takes the NVML library as ``nvml``: the real ``pynvml`` module or ``dra.sim.fakenvml.FakeNvml``.
 Only pynvml's own function names and constants are used, read from that object, so the code is identical
 in production and in tests.
 
@@ -8,7 +8,7 @@ A "MIG device" here is one GPU instance (GI) at an exact placement with one comp
 spans the whole GI, which is what a DRA MIG device stands for.
 
 Sharing actions that NVML does not cover (time-slice, compute mode, MPS daemons) live in
-``dra.hardware_tools`` (the command seam) and ``dra.hardware_sharing`` (time-slice bookkeeping and the MPS
+``dra.node.sharingtools`` (the command seam) and ``dra.node.sharing`` (time-slice bookkeeping and the MPS
 supervisor).
 """
 from __future__ import annotations

@@ -16,7 +16,7 @@ restarts (and across index shifts when a GPU falls off the bus).
 Mutual exclusion is expressed with counters (partitionable devices). A GPU gets one CounterSet,
 ``gpu-<minor>-counters``, when it publishes devices that exclude each other. With S = slot count (1 without
 slots) and M = MIG memory slices (1 for a GPU without dynamic MIG), it holds ``memory-slice-0..M-1`` with
-value S each, and for dynamic MIG the engine budgets of the placement model (dra/mig.py): ``compute-slices``,
+value S each, and for dynamic MIG the engine budgets of the placement model (dra/model/mig.py): ``compute-slices``,
 ``ofa-engines`` (this is what allows only one ``+me`` partition) and ``instances-<id>`` where a profile's
 instance limit is not already implied by the geometry.
 
@@ -46,11 +46,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from api.names import DEFAULT_DRIVER_NAME
-from dra.catalog import CATALOG, family_of, model_for_product_name
-from dra.gpu import GpuInfo, MigInstance, MigProfile, NodeInventory
-from dra.mig import budget_of, can_place, interval, max_instances_alone, memory_slice_count
-from dra.policy import GpuPolicy, NodePolicy
-from dra.quantity import MIB, format_bytes, format_mib
+from dra.model.catalog import CATALOG, family_of, model_for_product_name
+from dra.model.gpu import GpuInfo, MigInstance, MigProfile, NodeInventory
+from dra.model.mig import budget_of, can_place, interval, max_instances_alone, memory_slice_count
+from dra.model.policy import GpuPolicy, NodePolicy
+from dra.model.quantity import MIB, format_bytes, format_mib
 
 DEFAULT_DRIVER = DEFAULT_DRIVER_NAME
 STANDARD_DOMAIN = "resource.kubernetes.io"

@@ -15,7 +15,7 @@ A GPU policy says what is published for that GPU:
   excludes the whole GPU and every MIG partition; up to N slots coexist.
 * ``memoryShares``: consumable-capacity mode: one device per GPU that many claims may share, each asking for
   an amount of ``memory``. It excludes ``wholeGpu``, ``mig`` and ``slots`` (the scheduler cannot mix
-  consumable capacity with counters on the same memory in a meaningful way, see dra/devices.py).
+  consumable capacity with counters on the same memory in a meaningful way, see dra/model/devices.py).
   ``{minimum: 1Gi, step: 1Gi, default: <minimum>, strategy: mps|time-slicing}``.
 
 Field names are accepted in camelCase (``wholeGpu``, ``memoryShares``) and in snake_case (``whole_gpu``,
@@ -36,7 +36,7 @@ Example::
       memoryShares: {minimum: 2Gi, step: 1Gi}
 
 Combinations that depend on the GPU itself (dynamic MIG on a GPU without MIG, static MIG while MIG mode is
-off) are judged when devices are built (dra/devices.py), where the GPU is known.
+off) are judged when devices are built (dra/model/devices.py), where the GPU is known.
 """
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from dra.gpu import GpuInfo
-from dra.quantity import parse_quantity
+from dra.model.gpu import GpuInfo
+from dra.model.quantity import parse_quantity
 
 MAX_SLOTS = 64
 

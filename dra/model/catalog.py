@@ -1,4 +1,4 @@
-"""Built-in catalog of real NVIDIA GPU models, used to simulate them (dra/fakenvml.py) and to fill in the few
+"""Built-in catalog of real NVIDIA GPU models, used to simulate them (dra/sim/fakenvml.py) and to fill in the few
 facts NVML does not report for a whole GPU (SM and engine counts of GPUs without MIG).
 
 Each model carries what NVML reports for it: product name exactly as ``nvmlDeviceGetName`` returns it, brand

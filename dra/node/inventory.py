@@ -1,7 +1,7 @@
-"""Discovery: read a node's GPUs through NVML into dra/gpu.py records.
+"""Discovery: read a node's GPUs through NVML into dra/model/gpu.py records.
 
 ``discover(nvml)`` takes the NVML library as a parameter: the real ``pynvml`` module in production (after
-``nvmlInit``), a ``dra.fakenvml.FakeNvml`` for simulated GPUs. Both are driven through the same pynvml calls,
+``nvmlInit``), a ``dra.sim.fakenvml.FakeNvml`` for simulated GPUs. Both are driven through the same pynvml calls,
 so the simulated path exercises the production code. Constants and error classes are read from the library
 object too.
 
@@ -20,9 +20,9 @@ from typing import Any
 
 import pynvml
 
-from dra.catalog import model_for_product_name, profile_name_from_memory
-from dra.gpu import GpuInfo, MigInstance, MigProfile, NodeInventory
-from dra.pcie import pcie_root_of
+from dra.model.catalog import model_for_product_name, profile_name_from_memory
+from dra.model.gpu import GpuInfo, MigInstance, MigProfile, NodeInventory
+from dra.node.pcie import pcie_root_of
 
 ARCHITECTURES = {  # NVML spelling, as go-nvlib's GetArchitectureAsString
     pynvml.NVML_DEVICE_ARCH_KEPLER: "Kepler",

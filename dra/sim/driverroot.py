@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dra.driverroot import DeviceNodeInfo, DriverFiles, DriverRoot, DriverRootError
+from dra.node.driverroot import DeviceNodeInfo, DriverFiles, DriverRoot, DriverRootError
 
 NVIDIA_MAJOR = 195          # /dev/nvidia<minor> and /dev/nvidiactl (minor 255)
 NVIDIACTL_MINOR = 255

@@ -14,7 +14,7 @@ Handles are real ctypes pointers (``c_nvmlDevice_t``, ``c_nvmlGpuInstance_t``, .
 that are never dereferenced, so they fit into pynvml structures such as ``c_nvmlEventData_t.device``. As with
 real NVML, compare handles by UUID, not identity.
 
-Hardware rules simulated (see dra/catalog.py for the geometry):
+Hardware rules simulated (see dra/model/catalog.py for the geometry):
 
 * MIG mode: on Ampere ``nvmlDeviceSetMigMode`` only sets the pending mode (activation status
   NVML_ERROR_RESET_REQUIRED) until ``reset_gpu``; Hopper and later switch at once. Disabling MIG while GPU
@@ -45,11 +45,11 @@ Time-slice and MPS state is not NVML state and is not simulated here. All calls 
 in parallel threads.
 
 Persistence (``state_file``): real GPUs keep their MIG mode, GPU/compute instances, compute mode and lost
-state when the process that changed them exits. Given a state file (dra/fakenvml_state.py), the simulator
+state when the process that changed them exits. Given a state file (dra/sim/state.py), the simulator
 loads that state at construction, takes the file's cross-process lock for every call, picks up another
 process's changes before the call (handles of unchanged instances stay valid) and writes the file atomically
 after every change. Without one, the state lives and dies with the object. Events raised in the process
-(``inject_xid``) stay in it; events other processes record in the file's event log (dra/fakenvml_faults.py,
+(``inject_xid``) stay in it; events other processes record in the file's event log (dra/sim/faults.py,
 ``gpu-dra simulate``) are delivered here as they appear, those from before this object existed are not.
 ``nvmlEventSetWait`` re-checks the file every ``FILE_POLL_S`` while it waits, so such an event, a lost GPU or
 a recovery reaches a waiting monitor within that time.
@@ -72,8 +72,8 @@ from typing import Any, TypeVar
 
 import pynvml
 
-from dra.catalog import GpuModel, MigProfileSpec, auto_start, get_model, placement_problem
-from dra.fakenvml_state import (
+from dra.model.catalog import GpuModel, MigProfileSpec, auto_start, get_model, placement_problem
+from dra.sim.state import (
     EVENT_RECOVER,
     EVENT_XID,
     SCHEMA_VERSION,
@@ -111,7 +111,7 @@ def _err(code: int) -> pynvml.NVMLError:
 
 @dataclass(frozen=True)
 class SimulatedGpu:
-    """What one simulated GPU is, as the NVML simulator is built (see dra/fleet.py for the file format)."""
+    """What one simulated GPU is, as the NVML simulator is built (see dra/sim/fleet.py for the file format)."""
 
     model: GpuModel | str
     uuid: str                               # "GPU-..."

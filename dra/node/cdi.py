@@ -37,8 +37,8 @@ from typing import Any, Iterable, Literal, Sequence
 
 import yaml
 
-from dra.atomicfile import leftover_temp_files, remove_file, write_atomic
-from dra.driverroot import DeviceNodeInfo, DriverFiles, DriverRoot
+from dra.node.atomicfile import leftover_temp_files, remove_file, write_atomic
+from dra.node.driverroot import DeviceNodeInfo, DriverFiles, DriverRoot
 
 log = logging.getLogger(__name__)
 
