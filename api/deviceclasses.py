@@ -17,13 +17,13 @@ servers drop fields they do not support; `classes_for_server` leaves those out f
 """
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from api.k8snames import is_dns_subdomain
 from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
 
 DEVICE_CLASS_API_VERSION = "resource.k8s.io/v1"
@@ -36,13 +36,12 @@ EXTENDED_RESOURCE_MIN_MINOR = 36
 # Stands for the driver name in the chart's copy; the chart replaces it with .Values.driverName.
 CHART_DRIVER_PLACEHOLDER = "driver-name.placeholder.invalid"
 
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _PART_OF = {"app.kubernetes.io/part-of": "gpu-dra-driver"}
 
 
 def validate_driver_name(name: str) -> str:
     """A DRA driver name is a lower-case DNS subdomain of at most 63 characters (it is also a CEL domain)."""
-    if not isinstance(name, str) or not name or len(name) > 63 or not _DNS_SUBDOMAIN.match(name):
+    if not is_dns_subdomain(name, 63):
         raise ValueError(f"driver name {name!r} must be a lower-case DNS subdomain of at most 63 characters, "
                          "e.g. gpu.example.com")
     return name

@@ -34,6 +34,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from api.k8snames import is_dns_subdomain
+from dra.model.slices import validate_pool
 from kube.backoff import Backoff
 from kube.client import NODES, SLICES, ApiError, ApiUnavailable, KubeApi, iter_json_lines
 from kube.metrics import SLICE_POOLS, SLICE_SYNCS, SLICE_WRITES
@@ -43,12 +45,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SYNC_DELAY = 30.0      # upstream DefaultSyncDelay
 DEFAULT_RESYNC_PERIOD = 600.0
-MAX_DEVICES_PER_SLICE = 128
-MAX_DEVICES_PER_SLICE_ADVANCED = 64   # when a device uses taints, consumesCounters or list attributes
-MAX_COUNTER_SETS_PER_SLICE = 8
-_LIST_ATTRIBUTE_KINDS = ("ints", "bools", "strings", "versions")
 _POOL_FIELDS = ("driver", "pool", "nodeName", "nodeSelector", "allNodes")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 class InvalidPoolError(ValueError):
@@ -127,11 +124,12 @@ def slice_name(driver: str, pool: str, index: int) -> str:
     return clean + suffix
 
 
-def validate_pool(pool_name: str, pool: DesiredPool, owner: Owner) -> None:
-    """Checks what the API server checks per slice plus what it cannot check across a pool's slices:
-    unique device and counter-set names and existing counter references. Raises InvalidPoolError."""
+def check_desired_pool(driver: str, pool_name: str, pool: DesiredPool, owner: Owner) -> None:
+    """What only the publisher can check (pool name, node selection, owner, generation), then every
+    ResourceSlice limit and pool-wide rule of ``dra.model.slices.validate_pool`` on the slices as they will be
+    written. Raises InvalidPoolError naming the pool and every problem."""
     where = f"pool {pool_name!r}"
-    if not pool_name or len(pool_name) > 253 or not all(_DNS_SUBDOMAIN.match(p) for p in pool_name.split("/")):
+    if not pool_name or len(pool_name) > 253 or not all(is_dns_subdomain(p) for p in pool_name.split("/")):
         raise InvalidPoolError(f"{where}: name must be DNS subdomains joined by '/', at most 253 characters")
     if not isinstance(pool.slices, list) or not pool.slices:
         raise InvalidPoolError(f"{where}: needs at least one slice (an empty one says the pool has no devices)")
@@ -139,6 +137,10 @@ def validate_pool(pool_name: str, pool: DesiredPool, owner: Owner) -> None:
         if not isinstance(part, dict):
             raise InvalidPoolError(f"{where} slice {i}: must be a dict with 'devices' or 'sharedCounters', "
                                    f"got {type(part).__name__}")
+        bad = [k for k in _POOL_FIELDS if k in part]
+        if bad:
+            raise InvalidPoolError(f"{where} slice {i}: {', '.join(bad)} belong to the pool, not to a slice part "
+                                   "(DesiredPool.from_slice_specs converts full specs)")
     per_device = [bool(p.get("perDeviceNodeSelection")) for p in pool.slices]
     selections = [s for s, on in (("node_name", bool(pool.node_name)), ("node_selector", pool.node_selector is not None),
                                   ("all_nodes", pool.all_nodes), ("perDeviceNodeSelection", all(per_device)))
@@ -151,50 +153,22 @@ def validate_pool(pool_name: str, pool: DesiredPool, owner: Owner) -> None:
                                f"but the pool has node_name={pool.node_name!r}")
     if pool.generation < 0:
         raise InvalidPoolError(f"{where}: generation must not be negative")
-    device_names: set[str] = set()
-    counter_sets: dict[str, set[str]] = {}
-    consumers: list[tuple[str, str, dict[str, Any]]] = []
-    for i, part in enumerate(pool.slices):
-        at = f"{where} slice {i}"
-        bad = [k for k in _POOL_FIELDS if k in part]
-        if bad:
-            raise InvalidPoolError(f"{at}: {', '.join(bad)} belong to the pool, not to a slice part "
-                                   "(DesiredPool.from_slice_specs converts full specs)")
-        devices, shared = part.get("devices") or [], part.get("sharedCounters") or []
-        if devices and shared:
-            raise InvalidPoolError(f"{at}: a slice holds either devices or sharedCounters, not both")
-        advanced = any(d.get("taints") or d.get("consumesCounters") or
-                       any(isinstance(a, dict) and any(k in a for k in _LIST_ATTRIBUTE_KINDS)
-                           for a in (d.get("attributes") or {}).values())
-                       for d in devices if isinstance(d, dict))
-        limit = MAX_DEVICES_PER_SLICE_ADVANCED if advanced else MAX_DEVICES_PER_SLICE
-        if len(devices) > limit:
-            raise InvalidPoolError(f"{at}: {len(devices)} devices, at most {limit} allowed"
-                                   + (" when devices use taints, counters or list attributes" if advanced else ""))
-        if len(shared) > MAX_COUNTER_SETS_PER_SLICE:
-            raise InvalidPoolError(f"{at}: {len(shared)} counter sets, at most {MAX_COUNTER_SETS_PER_SLICE} allowed")
-        for cs in shared:
-            name = cs.get("name") if isinstance(cs, dict) else None
-            if not name:
-                raise InvalidPoolError(f"{at}: a counter set without a name")
-            if name in counter_sets:
-                raise InvalidPoolError(f"{at}: counter set {name!r} is defined twice in the pool")
-            counter_sets[name] = set((cs.get("counters") or {}).keys())
-        for d in devices:
-            name = d.get("name") if isinstance(d, dict) else None
-            if not name:
-                raise InvalidPoolError(f"{at}: a device without a name")
-            if name in device_names:
-                raise InvalidPoolError(f"{at}: device {name!r} appears twice in the pool")
-            device_names.add(name)
-            for use in d.get("consumesCounters") or []:
-                consumers.append((f"{at} device {name!r}", use.get("counterSet", ""), use.get("counters") or {}))
-    for at, set_name, counters in consumers:
-        if set_name not in counter_sets:
-            raise InvalidPoolError(f"{at}: consumes from counter set {set_name!r}, which the pool does not define")
-        unknown = sorted(set(counters) - counter_sets[set_name])
-        if unknown:
-            raise InvalidPoolError(f"{at}: counters {unknown} are not in counter set {set_name!r}")
+    problems = validate_pool(_full_specs(driver, pool_name, pool))
+    if problems:
+        raise InvalidPoolError(f"{where}: " + "; ".join(problems))
+
+
+def _full_specs(driver: str, pool_name: str, pool: DesiredPool) -> list[dict[str, Any]]:
+    """The specs as they will be written (generation aside), for validation."""
+    selection: dict[str, Any] = {}
+    if pool.node_name:
+        selection["nodeName"] = pool.node_name
+    elif pool.node_selector is not None:
+        selection["nodeSelector"] = pool.node_selector
+    elif pool.all_nodes:
+        selection["allNodes"] = True
+    head = {"driver": driver, "pool": {"name": pool_name, "generation": 0, "resourceSliceCount": len(pool.slices)}}
+    return [{**head, **selection, **part} for part in pool.slices]
 
 
 def _generation(obj: dict[str, Any]) -> int:
@@ -210,7 +184,7 @@ class ResourceSliceController:
     def __init__(self, api_client: Any, driver_name: str, owner: Owner = Owner.cluster(), *,
                  sync_delay: float = DEFAULT_SYNC_DELAY, resync_period: float = DEFAULT_RESYNC_PERIOD,
                  backoff: Backoff | None = None, watch_timeout: int = 300) -> None:
-        if not driver_name or len(driver_name) > 63 or not _DNS_SUBDOMAIN.match(driver_name):
+        if not is_dns_subdomain(driver_name, 63):
             raise ValueError(f"driver name {driver_name!r} must be a lower-case DNS subdomain of at most 63 characters")
         self.kube = KubeApi(api_client)
         self.driver = driver_name
@@ -266,7 +240,7 @@ class ResourceSliceController:
         """Replaces the whole desired state. Validates every pool first (InvalidPoolError, nothing
         changes); then queues removed and new pools for an immediate sync."""
         for name, pool in pools.items():
-            validate_pool(name, pool, self.owner)
+            check_desired_pool(self.driver, name, pool, self.owner)
         new = {name: copy.deepcopy(pool) for name, pool in pools.items()}
         with self._cond:
             old = self._desired or {}

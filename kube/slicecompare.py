@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dra.model.quantity import quantity_value
+from api.quantity import quantity_value
 
 
 def _qty(v: Any) -> Any:

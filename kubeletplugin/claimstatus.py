@@ -21,8 +21,9 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
+from dra.model.devices import KIND_MIG
 from kubeletplugin.claims import ClaimRef
 
 READY = "Ready"
@@ -120,3 +121,75 @@ class KubernetesClaimStatusWriter:
         except (ApiError, ApiUnavailable) as err:
             action = "writing" if entries else "removing"
             raise ClaimStatusError(f"{action} status.devices of ResourceClaim {ref.describe()}: {err}") from err
+
+
+def status_devices(record: Any, catalog: Mapping[str, Any], pool_name: str) -> list[DeviceStatus]:
+    """The status entries of a prepared claim (a checkpoint ``ClaimRecord``): which GPU or MIG device each of
+    its devices in this pool is."""
+    dynamic = {m.device: m for m in record.undo.mig_devices}
+    out = []
+    for d in record.devices:
+        if d.pool != pool_name:
+            continue
+        data: dict[str, Any] = {}
+        if d.uuid:
+            data["uuid"] = d.uuid
+        dev = catalog.get(d.device)
+        if dev is not None:
+            data["type"] = dev.kind
+            if dev.gpu_uuid != d.uuid:
+                data["parentUUID"] = dev.gpu_uuid
+            data["pciBusID"] = dev.gpu_pci_bus_id
+            if dev.kind == KIND_MIG:
+                data["migProfile"] = dev.mig_profile_name
+                m = dynamic.get(d.device)
+                gi, ci = (m.gi_id, m.ci_id) if m is not None else (dev.mig_gi_id, dev.mig_ci_id)
+                if gi is not None and ci is not None:
+                    data["gpuInstanceID"], data["computeInstanceID"] = gi, ci
+        if d.admin_access:
+            data["adminAccess"] = True
+        out.append(DeviceStatus(pool=d.pool, device=d.device, share_id=d.share_id, data=data))
+    return out
+
+
+class ClaimStatusReporter:
+    """Best-effort ``status.devices`` reporting for the driver: a status the API server does not take is
+    logged and counted, never an error of the prepare or unprepare. ``writer`` None: nothing is reported."""
+
+    def __init__(self, writer: ClaimStatusWriter | None, pool_name: str, devices: Callable[[], Mapping[str, Any]],
+                 metrics: Any = None) -> None:
+        self.writer = writer
+        self.pool_name = pool_name
+        self._devices = devices
+        self.metrics = metrics
+        self._published: set[str] = set()   # claims whose entries this process has written
+
+    def publish(self, ref: ClaimRef, record: Any, log: Any) -> None:
+        """Report a completed claim's devices (``record``: its checkpoint ``ClaimRecord``), once per process."""
+        if self.writer is None or ref.uid in self._published or record is None or not record.completed:
+            return
+        try:
+            self.writer.publish(ref, status_devices(record, self._devices(), self.pool_name),
+                                record.updated or time.time())
+        except Exception as err:  # noqa: BLE001 - the kubelet's answer does not depend on it
+            self._count("publish", "error")
+            log.warning("claim status not written; the claim is prepared all the same", error=str(err))
+            return
+        self._count("publish", "ok")
+        self._published.add(ref.uid)
+
+    def withdraw(self, ref: ClaimRef, log: Any) -> None:
+        self._published.discard(ref.uid)
+        if self.writer is None:
+            return
+        try:
+            self.writer.withdraw(ref)
+        except Exception as err:  # noqa: BLE001 - the unprepare itself succeeded
+            self._count("withdraw", "error")
+            log.warning("claim status entries not removed", error=str(err))
+            return
+        self._count("withdraw", "ok")
+
+    def _count(self, operation: str, result: str) -> None:
+        if self.metrics is not None:
+            self.metrics.claim_status_writes.labels(operation=operation, result=result).inc()

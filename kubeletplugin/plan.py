@@ -20,7 +20,7 @@ from api.config import (
     restore_claim_request_scopes,
 )
 from dra.model.devices import KIND_GPU, KIND_MIG, KIND_SHARED, KIND_SLOT, Device
-from dra.model.quantity import MIB, parse_quantity
+from api.quantity import MIB, parse_quantity
 from kubeletplugin.claims import AllocatedDevice, ClaimError, allocation_for
 
 TIMESLICE_DEFAULT = "Default"

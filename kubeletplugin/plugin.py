@@ -32,12 +32,13 @@ from api.generated.pluginregistration.v1 import api_pb2 as reg_pb
 from api.generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
 from dra.node.cdi import CdiSpecWriter, ToolkitSpecs
-from dra.node.checkpoint import DEFAULT_BOOT_ID_PATH, CheckpointStore
+from dra.node.bootid import DEFAULT_BOOT_ID_PATH
+from dra.node.checkpoint import CheckpointStore
 from dra.model.devices import Device, DeviceModel, build_devices
 from dra.node.driverroot import DriverRoot, DriverRootError
 from dra.node.sharing import MpsSupervisor, TimeSlicing
-from dra.node.sharingtools import MpsDaemonSpec, NvidiaSmiSharingControl, SharingControl, SharingError, \
-    SimulatedSharingControl
+from dra.node.sharingtools import MpsDaemonSpec, NvidiaSmiSharingControl, SharingControl, SharingError
+from dra.sim.sharing import SimulatedSharingControl
 from dra.node.health import HealthDevice, HealthMonitor, TaintMap
 from dra.node.taintstore import DEFAULT_FILE_NAME as TAINTS_FILE
 from dra.node.taintstore import TaintStore
@@ -47,7 +48,8 @@ from dra.model.slices import ApiFeatures, apply_features, desired_pool_slices, v
 from kubeletplugin.apiserver import StoppedWaiting, wait_for_api_features
 from kubeletplugin.claims import ClaimSource, KubernetesClaimSource
 from kubeletplugin.claimstatus import ClaimStatusWriter, KubernetesClaimStatusWriter
-from kubeletplugin.driver import Driver, StartupReport
+from kubeletplugin.driver import Driver
+from kubeletplugin.recovery import StartupReport
 from kubeletplugin.health import HealthBoard, health_from_taints
 from kubeletplugin.metrics import PluginMetrics
 from kubeletplugin.registration import RegistrationServer, supported_services

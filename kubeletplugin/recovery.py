@@ -1,4 +1,13 @@
-"""Prepared claims rebuilt from their CDI specs, for when the checkpoint was lost (moved aside as unreadable).
+"""Bringing the node in line with the checkpoint at start-up, and rebuilding prepared claims from their CDI specs
+when the checkpoint was lost.
+
+At start (``recover_at_start``): claims of an earlier boot are forgotten (their CDI specs deleted); completed
+claims are adopted (their time-slice settings, MPS daemons and MIG devices registered again, before any
+rollback releases a GPU setting they share); half-done prepares are rolled back; MIG devices and CDI specs
+nobody owns are removed — unless state was lost, in which case nothing is destroyed and claims are adopted
+from their CDI specs instead.
+
+Rebuilding from CDI specs (``recover_claims``) — for when the checkpoint was moved aside as unreadable:
 
 A prepared claim leaves two traces the checkpoint does not hold alone:
 
@@ -16,13 +25,137 @@ MIG placement named by more than one claim (an admin-access claim watching it) i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+from dra.model.devices import KIND_MIG, Device
 from dra.node import migdevices as mig
 from dra.node.cdi import CdiSpecWriter, load_spec
-from dra.node.checkpoint import PREPARE_COMPLETED, ClaimRecord, MigUndo, UndoInfo
+from dra.node.checkpoint import PREPARE_COMPLETED, CheckpointStore, ClaimRecord, LoadResult, UndoInfo
 from dra.node.checkpoint import PreparedDevice as CheckpointDevice
-from dra.model.devices import KIND_MIG, Device
+from kubeletplugin.deviceactions import ClaimActions, mig_undo
+
+
+@dataclass(frozen=True)
+class StartupReport:
+    checkpoint: LoadResult
+    rolled_back: tuple[str, ...]          # claims whose half-done prepare was undone
+    rollback_failed: tuple[str, ...]      # claims whose rollback failed (retried on their next prepare/unprepare)
+    mig_destroyed: tuple[str, ...]        # "<parent uuid>/gi<g>/ci<c>" of MIG devices nobody owned
+    cdi_removed: tuple[str, ...]          # claim UIDs whose orphaned CDI specs were removed
+    mps_adopted: int
+    adopted_from_cdi: tuple[str, ...] = ()   # claims rebuilt from their CDI specs (the checkpoint was lost)
+    conservative: bool = False            # state was lost: nothing was destroyed or deleted at this start
+
+
+def recover_at_start(*, checkpoint: CheckpointStore, cdi: CdiSpecWriter, actions: ClaimActions,
+                     rollback: Callable[[ClaimRecord], None], devices: Mapping[str, Device], nvml: Any,
+                     pool_name: str, log: Any) -> StartupReport:
+    """Load the checkpoint and bring the node in line with it (module docstring)."""
+    loaded = checkpoint.load()
+    for record in loaded.dropped_claims:
+        # State from before a reboot: the hardware state is gone; the CDI file may remain on a
+        # persistent spec directory.
+        cdi.delete_claim_spec(record.uid)
+    adopted_from_cdi: list[str] = []
+    if loaded.state_lost:
+        adopted_from_cdi = _adopt_from_cdi_specs(checkpoint, cdi, devices, nvml, pool_name, log)
+    # Completed claims first: their time-slice settings and MPS daemons are registered before any
+    # rollback releases a GPU setting they share.
+    adopted = sum(actions.adopt(r) for r in checkpoint.claims().values() if r.completed)
+    rolled_back, failed = [], []
+    for uid, record in sorted(checkpoint.claims().items()):
+        if record.completed:
+            continue
+        try:
+            rollback(record)
+            rolled_back.append(uid)
+        except Exception as err:  # noqa: BLE001 - keep starting; the record stays for a retry
+            log.error("rolling back half-done prepare failed", claim_uid=uid, error=str(err))
+            failed.append(uid)
+    destroyed: list[mig.MigLive] = []
+    cdi_removed: list[str] = []
+    claims = checkpoint.claims()
+    if loaded.state_lost:
+        _log_conservative_start(loaded, adopted_from_cdi, checkpoint, cdi, actions, nvml, log)
+    else:
+        destroyed = _destroy_unowned_mig(checkpoint, actions, nvml, log)
+        for uid in cdi.list_claim_specs():
+            if uid not in claims:
+                cdi.delete_claim_spec(uid)
+                cdi_removed.append(uid)
+    cdi.remove_leftover_temp_files()
+    if adopted:
+        actions.mps.supervise()  # daemons die with the plugin's container: start them again now
+    report = StartupReport(loaded, tuple(rolled_back), tuple(failed),
+                           tuple(f"{d.parent_uuid}/gi{d.gi_id}/ci{d.ci_id}" for d in destroyed),
+                           tuple(cdi_removed), adopted, tuple(adopted_from_cdi), loaded.state_lost)
+    log.info("driver state recovered", prepared_claims=len(claims), rolled_back=list(rolled_back),
+             rollback_failed=list(failed), mig_destroyed=list(report.mig_destroyed),
+             cdi_removed=cdi_removed, mps_daemons=adopted,
+             dropped_after_reboot=[r.uid for r in loaded.dropped_claims], adopted_from_cdi=adopted_from_cdi,
+             corrupt_checkpoint=str(loaded.corrupt_file) if loaded.corrupt_file else None)
+    return report
+
+
+def _adopt_from_cdi_specs(checkpoint: CheckpointStore, cdi: CdiSpecWriter, devices: Mapping[str, Device],
+                          nvml: Any, pool_name: str, log: Any) -> list[str]:
+    """The checkpoint lost claims: take back every claim whose CDI spec is still here, so its devices stay
+    booked and its unprepare undoes it. Claims whose own record could not be read are adopted the same way."""
+    try:
+        found = recover_claims(cdi, devices, nvml, pool_name, skip=list(checkpoint.claims()))
+    except Exception as err:  # noqa: BLE001 - adopting is a bonus; the start stays conservative anyway
+        log.error("adopting claims from their CDI specs failed", error=str(err))
+        return []
+    for problem in found.problems:
+        log.warning("claim not adopted from its CDI spec", detail=problem)
+    adopted = []
+    for record in found.records:
+        try:
+            checkpoint.put(record)
+        except OSError as err:
+            log.error("recording an adopted claim failed", claim_uid=record.uid, error=str(err))
+            continue
+        adopted.append(record.uid)
+    return adopted
+
+
+def _log_conservative_start(loaded: LoadResult, adopted: list[str], checkpoint: CheckpointStore,
+                            cdi: CdiSpecWriter, actions: ClaimActions, nvml: Any, log: Any) -> None:
+    """One line: why this start destroys nothing, and what it keeps that it would otherwise remove."""
+    claims = checkpoint.claims()
+    owned = {(m.parent_uuid, m.gi_id, m.ci_id) for r in claims.values() for m in r.undo.mig_devices}
+    mig_kept: list[str] = []
+    try:
+        for gpu in sorted(actions.dynamic_mig_gpus()):
+            mig_kept += [f"{m.parent_uuid}/gi{m.gi_id}/ci{m.ci_id}" for m in mig.list_mig_devices(nvml, gpu)
+                         if m.key not in owned]
+    except (mig.MigError, nvml.NVMLError) as err:
+        mig_kept.append(f"(listing failed: {err})")
+    cdi_kept = sorted(uid for uid in cdi.list_claim_specs() if uid not in claims)
+    if loaded.corrupt:
+        reason = (f"the checkpoint could not be read and was moved to {loaded.corrupt_file}"
+                  if loaded.corrupt_file else "the checkpoint could not be read")
+    else:
+        reason = f"the records of claims {', '.join(loaded.unreadable_claims)} could not be read"
+    log.warning(
+        f"prepared-claim state was lost ({reason}): this start destroys no MIG device and deletes no CDI spec; "
+        f"{len(adopted)} claim(s) adopted from their CDI specs (their MPS daemons and time-slice settings are "
+        "not known and stay as they are)",
+        adopted_claims=adopted, unowned_mig_kept=mig_kept, cdi_specs_kept=cdi_kept)
+
+
+def _destroy_unowned_mig(checkpoint: CheckpointStore, actions: ClaimActions, nvml: Any, log: Any) -> list[mig.MigLive]:
+    """MIG devices on dynamic-MIG GPUs that no prepared claim owns are leftovers of a crash (or made by hand,
+    which dynamic MIG forbids): destroy them so the published placements are really free."""
+    gpus = sorted(actions.dynamic_mig_gpus())
+    if not gpus:
+        return []
+    keep = {(m.parent_uuid, m.gi_id, m.ci_id) for r in checkpoint.claims().values() for m in r.undo.mig_devices}
+    try:
+        return mig.destroy_unknown_mig_devices(nvml, keep, gpus=gpus)
+    except (mig.MigError, nvml.NVMLError) as err:
+        log.error("cleaning up unowned MIG devices failed", error=str(err))
+        return []
 
 
 @dataclass(frozen=True)
@@ -107,8 +240,7 @@ def recover_claims(cdi: CdiSpecWriter, devices: Mapping[str, Device], nvml: Any,
                 if m is not None:
                     uuid = m.uuid or None
                     if len(owners[placement]) == 1:
-                        undo.append(MigUndo(device=name, parent_uuid=m.parent_uuid, gi_id=m.gi_id, ci_id=m.ci_id,
-                                            mig_uuid=m.uuid or None, profile_id=m.profile_id, start=m.start))
+                        undo.append(mig_undo(name, m))
                     else:
                         problems.append(f"claim {uid}: MIG device {name} is named by claims "
                                         f"{', '.join(owners[placement])}; not destroyed on their unprepare")

@@ -7,13 +7,12 @@ import pytest
 from dra.model.catalog import (
     CATALOG,
     UnknownModelError,
-    auto_start,
     family_of,
     get_model,
     model_for_product_name,
-    placement_problem,
     profile_name_from_memory,
 )
+from dra.sim.fakenvml import auto_start, place_problem as placement_problem
 
 REQUIRED = ["T4", "L4", "L40S", "A10", "A30", "A100-40GB", "A100-80GB", "H100-80GB", "H100-NVL", "H200-141GB", "B200"]
 SLOTS8_MODELS = ["A100-40GB", "A100-80GB", "H100-80GB", "H100-NVL", "H200-141GB", "B200"]
@@ -205,7 +204,7 @@ def test_auto_start_reproduces_mig_guide_example():
         placed = []
         for pid in ids:
             p = m.profile_by_id(pid)
-            start = auto_start(m, placed, p)
+            start = auto_start(placed, p)
             if start is None or placement_problem(m, placed, p, start):
                 return None
             placed.append((p, start))

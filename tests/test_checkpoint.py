@@ -22,7 +22,7 @@ from dra.node.checkpoint import (
     UndoInfo,
 )
 from dra.node.migdevices import MigLive
-from dra.node.sharing import MpsDaemon, TimeSliceApplied
+from dra.node.sharing import MpsDaemon
 
 BOOT_A = "7c1f3a52-0a4e-4b55-9f43-2d1f3e6b9a01"
 BOOT_B = "e2b1d9c4-5f6a-4c3b-8e7d-1a2b3c4d5e6f"
@@ -244,13 +244,8 @@ def test_parallel_puts_lose_nothing(tmp_path, boot_file):
     assert len(claims) == 60 and all(c.completed for c in claims.values())
 
 
-def test_undo_records_convert_to_and_from_hardware_records():
-    live = MigLive(gi_id=9, ci_id=0, uuid="MIG-9", parent_uuid="GPU-0", profile_id=14, start=2)
-    undo = MigUndo.from_live("gpu-0-mig-2g20gb-14-2", live)
-    assert undo.to_live() == live and undo.device == "gpu-0-mig-2g20gb-14-2"
-    applied = TimeSliceApplied(("GPU-1", "GPU-2"), "Short", "Medium")
-    assert TimeSliceUndo.from_applied(applied).to_applied() == applied
+def test_mps_daemon_converts_to_and_from_its_undo_record():
     daemon = MpsDaemon(daemon_id="c-1234", claim_uid="c", gpu_uuids=("MIG-9",), pipe_dir="/p", log_dir="/l",
                        shm_dir="/s", compute_mode_set=(), active_thread_percentage=20,
                        pinned_memory_limit_mib={"MIG-9": 512})
-    assert MpsUndo.from_daemon(daemon).to_daemon("c") == daemon
+    assert MpsDaemon.from_undo("c", daemon.undo()) == daemon

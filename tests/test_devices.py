@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 from dra.model.devices import (
     DeviceModelError, build_devices, mig_device_name, parse_device_name, profile_slug, semver,
 )
-from dra.model.mig import can_place, check_layout, maximal_layouts
+from dra.model.mig import can_place
 from dra.model.policy import parse_node_policy
 from gpu_fixtures import a30, from_catalog, h100, inventory, l4, with_instances
+from mig_layouts import check_layout, maximal_layouts
 
 
 def policy(data):

@@ -225,14 +225,14 @@ def test_cdi_specs_of_claims_dropped_after_a_reboot_are_deleted(whole):
 
 def test_nvml_error_during_prepare_fails_the_claim_and_undoes_it(dynamic, monkeypatch):
     broken = dynamic.uuids[1]
-    architecture = dynamic.nvml.nvmlDeviceGetArchitecture
+    compute_capability = dynamic.nvml.nvmlDeviceGetCudaComputeCapability
 
-    def get_architecture(handle: Any) -> int:
+    def get_compute_capability(handle: Any) -> tuple[int, int]:
         if dynamic.nvml.nvmlDeviceGetUUID(handle) == broken:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
-        return architecture(handle)
+        return compute_capability(handle)
 
-    monkeypatch.setattr(dynamic.nvml, "nvmlDeviceGetArchitecture", get_architecture)
+    monkeypatch.setattr(dynamic.nvml, "nvmlDeviceGetCudaComputeCapability", get_compute_capability)
     ref = dynamic.add_claim("nvml", [{"request": "m", "device": "gpu-0-mig-1g10gb-19-0"},
                                      {"request": "m", "device": "gpu-1-mig-1g10gb-19-0"}])
     err = dynamic.driver.prepare([ref])[ref.uid].error

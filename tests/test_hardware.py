@@ -24,14 +24,15 @@ from dra.node.migdevices import (
     disable_mig_mode_if_unused,
     list_mig_devices,
 )
-from dra.node.sharing import MpsDevice, MpsSupervisor, TimeSliceApplied, TimeSlicing, mps_daemon_id
+from dra.node.checkpoint import TimeSliceUndo
+from dra.node.sharing import MpsDevice, MpsSupervisor, TimeSlicing, mps_daemon_id
 from dra.node.sharingtools import (
     MpsDaemonSpec,
     NvidiaSmiSharingControl,
     SharingError,
     SharingNotSupported,
-    SimulatedSharingControl,
 )
+from dra.sim.sharing import SimulatedSharingControl
 
 H100 = "GPU-11111111-0000-4000-8000-000000000000"
 H100_B = "GPU-11111111-0000-4000-8000-000000000001"
@@ -247,7 +248,7 @@ def test_time_slicing_shared_gpu_lifecycle(nvml):
     tools = SimulatedSharingControl(nvml=nvml)
     ts = TimeSlicing(tools)
     a = ts.apply("claim-a", [H100], "Medium")
-    assert a == TimeSliceApplied((H100,), "Medium", "Default")
+    assert a == TimeSliceUndo(gpu_uuids=(H100,), interval="Medium", previous="Default")
     b = ts.apply("claim-b", [H100], "Medium")  # joins: no second hardware call
     assert [x for x in tools.actions if x[0] == "set_time_slice"] == [("set_time_slice", H100, "Medium")]
     with pytest.raises(SharingError, match="claim-a|claim-b"):
@@ -273,7 +274,7 @@ def test_time_slicing_adopt_after_restart(nvml):
     tools = SimulatedSharingControl(nvml=nvml)
     tools.set_time_slice(H100, "Long")
     ts = TimeSlicing(tools)
-    applied = TimeSliceApplied((H100,), "Long", "Default")
+    applied = TimeSliceUndo(gpu_uuids=(H100,), interval="Long", previous="Default")
     ts.adopt("claim-a", applied)
     with pytest.raises(SharingError):
         ts.apply("claim-b", [H100], "Short")

@@ -18,7 +18,7 @@ from dra.node.checkpoint import PreparedDevice as CheckpointDevice
 from dra.model.devices import build_devices
 from dra.sim.fleet import nvml_for_node, parse_fleet
 from dra.node.sharing import MpsSupervisor, TimeSlicing
-from dra.node.sharingtools import SimulatedSharingControl
+from dra.sim.sharing import SimulatedSharingControl
 from dra.node.inventory import discover
 from dra.model.policy import parse_node_policy
 from fixtures.fake_driver_root import build_fake_driver_root
@@ -534,7 +534,7 @@ def test_dead_mps_daemon_is_restarted_with_its_limits(dynamic):
 
 def test_whole_gpu_on_dynamic_mig_gpu_needs_mig_mode_off(dynamic):
     handle = dynamic.nvml.nvmlDeviceGetHandleByUUID(dynamic.uuids[0])
-    mig.ensure_mig_enabled(dynamic.nvml, dynamic.uuids[0])       # left on, no MIG device: switched off
+    dynamic.nvml.nvmlDeviceSetMigMode(handle, dynamic.nvml.NVML_DEVICE_MIG_ENABLE)   # left on, no MIG device: switched off
     whole = dynamic.add_claim("whole", [{"request": "g", "device": "gpu-0"}])
     ok(dynamic.driver, whole)
     assert not mig.mig_enabled(dynamic.nvml, handle)

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dra.model.quantity import format_bytes, format_mib, parse_quantity
+from api.quantity import format_bytes, format_mib, parse_quantity
 
 
 @pytest.mark.parametrize("text, value", [("1Gi", 1 << 30), ("512Mi", 512 << 20), ("500M", 500 * 10**6), ("7", 7),

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 import kube.serverversion as serverversion
 from kube.backoff import Backoff
-from kube.resourceslices import (DesiredPool, InvalidPoolError, Owner, ResourceSliceController, slice_name,
-                                       validate_pool)
+from kube.resourceslices import (DesiredPool, InvalidPoolError, Owner, ResourceSliceController, check_desired_pool,
+                                 slice_name)
 from kube.slicecompare import normalize_spec
-from dra.model.quantity import quantity_value
+from api.quantity import quantity_value
 
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
@@ -48,6 +48,7 @@ def test_slice_names_are_always_dns_subdomains(pool: str, index: int) -> None:
 # ---- pool validation ----------------------------------------------------------------------------------
 
 NODE = Owner.node("node-a")
+DRIVER = "gpu.dra-driver.io"
 
 
 def pool(*parts: dict, **kw: object) -> DesiredPool:
@@ -77,16 +78,16 @@ def pool(*parts: dict, **kw: object) -> DesiredPool:
 ])
 def test_invalid_pools_are_rejected_with_the_reason(bad: DesiredPool, message: str) -> None:
     with pytest.raises(InvalidPoolError, match=message):
-        validate_pool("node-a", bad, NODE)
+        check_desired_pool(DRIVER, "node-a", bad, NODE)
 
 
 def test_valid_pools_pass() -> None:
-    validate_pool("node-a", pool({"sharedCounters": [{"name": "cs", "counters": {"memory": {"value": "1Gi"}}}]},
+    check_desired_pool(DRIVER, "node-a", pool({"sharedCounters": [{"name": "cs", "counters": {"memory": {"value": "1Gi"}}}]},
                                  devices("mig", consumesCounters=[{"counterSet": "cs", "counters": {"memory": {"value": "1Gi"}}}]),
                                  {"devices": []}), NODE)
-    validate_pool("shared-pool", DesiredPool(slices=[devices("a")], all_nodes=True), Owner.cluster())
+    check_desired_pool(DRIVER, "shared-pool", DesiredPool(slices=[devices("a")], all_nodes=True), Owner.cluster())
     with pytest.raises(InvalidPoolError, match="name must be DNS subdomains"):
-        validate_pool("Bad_Pool", DesiredPool(slices=[devices("a")], all_nodes=True), Owner.cluster())
+        check_desired_pool(DRIVER, "Bad_Pool", DesiredPool(slices=[devices("a")], all_nodes=True), Owner.cluster())
 
 
 def test_update_is_all_or_nothing() -> None:

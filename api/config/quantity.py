@@ -1,6 +1,6 @@
 """Kubernetes quantities as pydantic field types (bytes as int), with errors that say what was wrong.
 
-Parsing itself is `dra.model.quantity.parse_quantity` (integer quantities: plain ints, Ki..Ei, k..E), so a
+Parsing itself is `api.quantity.parse_quantity` (integer quantities: plain ints, Ki..Ei, k..E), so a
 limit written in a claim means the same number of bytes everywhere in the driver.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pydantic import PlainSerializer, PlainValidator
 from pydantic_core import PydanticCustomError
 
 from api.config.errors import describe
-from dra.model.quantity import MIB, format_bytes, parse_quantity
+from api.quantity import MIB, format_bytes, parse_quantity
 
 
 def quantity_bytes(value: Any) -> int:

@@ -24,41 +24,17 @@ go-nvlib does, and the tests check every catalog name against it.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pynvml
 
-MIB = 1 << 20
-GIB = 1 << 30
+from api.quantity import GIB, MIB
+from dra.model.gpu import MigProfile
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Records
-
-
-@dataclass(frozen=True)
-class MigProfileSpec:
-    """One GPU-instance profile of a model, as NVML reports it."""
-
-    nvml_index: int          # NVML_GPU_INSTANCE_PROFILE_* passed to nvmlDeviceGetGpuInstanceProfileInfo
-    profile_id: int          # info.id: the nvidia-smi profile id (19, 20, 15, 14, 9, 5, 0 on A100/H100)
-    name: str                # "1g.10gb", "1g.10gb+me", "1g.20gb", ...
-    compute_slices: int      # info.sliceCount
-    memory_slices: int       # placement size
-    starts: tuple[int, ...]  # valid placement starts
-    max_instances: int       # info.instanceCount
-    memory_mib: int          # info.memorySizeMB
-    multiprocessors: int
-    copy_engines: int
-    decoders: int
-    encoders: int
-    jpeg_engines: int
-    ofa_engines: int
-
-    def interval(self, start: int) -> range:
-        """Memory slices a placement at ``start`` covers."""
-        return range(start, start + self.memory_slices)
 
 
 @dataclass(frozen=True)
@@ -80,7 +56,7 @@ class GpuModel:
     ofa_engines: int
     mig_memory_slices: int = 0             # 0: not MIG-capable
     mig_compute_slices: int = 0
-    mig_profiles: tuple[MigProfileSpec, ...] = ()
+    mig_profiles: tuple[MigProfile, ...] = ()
 
     @property
     def mig_capable(self) -> bool:
@@ -95,7 +71,7 @@ class GpuModel:
         """The PCI id as NVML's nvmlPciInfo_t.pciDeviceId has it: device id << 16 | vendor id 0x10de."""
         return (self.pci_device_id << 16) | 0x10DE
 
-    def profile(self, name: str) -> MigProfileSpec:
+    def profile(self, name: str) -> MigProfile:
         """The MIG profile with this name (e.g. "3g.40gb"); ValueError listing the model's profiles otherwise."""
         for p in self.mig_profiles:
             if p.name == name:
@@ -105,72 +81,20 @@ class GpuModel:
         known = ", ".join(p.name for p in self.mig_profiles)
         raise ValueError(f"{self.name} has no MIG profile {name!r} (known: {known})")
 
-    def profile_by_id(self, profile_id: int) -> MigProfileSpec | None:
+    def profile_by_id(self, profile_id: int) -> MigProfile | None:
         return next((p for p in self.mig_profiles if p.profile_id == profile_id), None)
 
-    def profile_by_index(self, nvml_index: int) -> MigProfileSpec | None:
+    def profile_by_index(self, nvml_index: int) -> MigProfile | None:
         return next((p for p in self.mig_profiles if p.nvml_index == nvml_index), None)
 
     @property
-    def full_mig_profile(self) -> MigProfileSpec | None:
+    def full_mig_profile(self) -> MigProfile | None:
         """The profile that spans every memory slice (7g, or 4g on A30)."""
         return next((p for p in self.mig_profiles if p.memory_slices == self.mig_memory_slices), None)
 
 
 class UnknownModelError(ValueError):
     """A GPU model name the catalog does not know."""
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Hardware placement rules (shared by the NVML simulator and fleet-file validation)
-
-
-def placement_problem(
-    model: GpuModel,
-    placed: Iterable[tuple[MigProfileSpec, int]],
-    profile: MigProfileSpec,
-    start: int,
-) -> tuple[str, str] | None:
-    """Why ``profile`` cannot be created at ``start`` next to ``placed`` GPU instances, or None if it can.
-
-    Returns ``(kind, reason)``; kind is ``start`` (not a valid start: NVML says INVALID_ARGUMENT) or
-    ``overlap`` / ``count`` / ``engines`` (NVML says INSUFFICIENT_RESOURCES).
-    """
-    placed = list(placed)
-    if start not in profile.starts:
-        valid = ", ".join(map(str, profile.starts))
-        return "start", f"{profile.name} cannot start at memory slice {start} (valid starts: {valid})"
-    new = set(profile.interval(start))
-    for other, other_start in placed:
-        common = sorted(new & set(other.interval(other_start)))
-        if common:
-            slices = f"{common[0]}" if len(common) == 1 else f"{common[0]}-{common[-1]}"
-            return "overlap", f"{profile.name}@{start} overlaps {other.name}@{other_start} (memory slices {slices})"
-    if sum(1 for other, _ in placed if other.profile_id == profile.profile_id) >= profile.max_instances:
-        return "count", f"{profile.name} allows at most {profile.max_instances} instance(s) per GPU"
-    if sum(o.compute_slices for o, _ in placed) + profile.compute_slices > model.mig_compute_slices:
-        return "engines", f"{profile.name}@{start}: not enough compute slices left"
-    full = model.full_mig_profile
-    if profile.ofa_engines and full is not None:
-        if sum(o.ofa_engines for o, _ in placed) + profile.ofa_engines > full.ofa_engines:
-            return "engines", (f"{profile.name}@{start}: the GPU's media extensions (OFA engine) are already "
-                               "taken; at most one +me instance per GPU")
-    return None
-
-
-def auto_start(model: GpuModel, placed: Sequence[tuple[MigProfileSpec, int]], profile: MigProfileSpec) -> int | None:
-    """The start NVML picks when asked to place ``profile`` itself (nvmlDeviceCreateGpuInstance), or None.
-
-    Observed NVML behaviour: one-slice profiles take the lowest free start, larger ones the highest. This
-    reproduces the MIG guide's example where creating 19,19,14,9 fails (the 2g lands on slot 4 and blocks the
-    3g) while 9,19,14,19 succeeds. Only free-interval starts are considered; other limits are left to
-    ``placement_problem``.
-    """
-    used = {s for other, other_start in placed for s in other.interval(other_start)}
-    free = [s for s in profile.starts if not used & set(profile.interval(s))]
-    if not free:
-        return None
-    return min(free) if profile.memory_slices == 1 else max(free)
 
 
 def profile_name_from_memory(compute_slices: int, memory_mib: int, total_memory_mib: int, suffix: str = "") -> str:
@@ -279,7 +203,7 @@ def _profiles(
     mib: dict[str, int],
     sms: dict[str, int],
     engines: dict[str, _Engines],
-) -> tuple[MigProfileSpec, ...]:
+) -> tuple[MigProfile, ...]:
     """Build profile records from a geometry table. ``names`` maps the base kinds to names; ``+me`` kinds are
     named after their base kind."""
     out = []
@@ -287,7 +211,7 @@ def _profiles(
         base, plus, attr = kind.partition("+")
         name = names[base] + (f"+{attr}" if plus else "")
         ce, dec, enc, jpg, ofa = engines[kind]
-        out.append(MigProfileSpec(
+        out.append(MigProfile(
             nvml_index=index, profile_id=pid, name=name, compute_slices=c, memory_slices=size, starts=starts,
             max_instances=max_n, memory_mib=mib[kind], multiprocessors=sms[kind],
             copy_engines=ce, decoders=dec, encoders=enc, jpeg_engines=jpg, ofa_engines=ofa,
@@ -366,10 +290,6 @@ _MODELS: tuple[GpuModel, ...] = (
 )
 
 CATALOG: dict[str, GpuModel] = {m.name: m for m in _MODELS}
-
-
-def known_models() -> list[str]:
-    return list(CATALOG)
 
 
 def get_model(name: str) -> GpuModel:

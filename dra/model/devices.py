@@ -47,10 +47,10 @@ from typing import Any
 
 from api.names import DEFAULT_DRIVER_NAME
 from dra.model.catalog import CATALOG, family_of, model_for_product_name
-from dra.model.gpu import GpuInfo, MigInstance, MigProfile, NodeInventory
+from dra.model.gpu import GpuInfo, MigInstance, MigProfile, NodeInventory, mig_mode_switches_at_runtime
 from dra.model.mig import budget_of, can_place, interval, max_instances_alone, memory_slice_count
 from dra.model.policy import GpuPolicy, NodePolicy
-from dra.model.quantity import MIB, format_bytes, format_mib
+from api.quantity import MIB, format_bytes, format_mib
 
 DEFAULT_DRIVER = DEFAULT_DRIVER_NAME
 STANDARD_DOMAIN = "resource.kubernetes.io"
@@ -324,11 +324,6 @@ def describe_gpu(gpu: GpuInfo) -> str:
     return f"GPU {gpu.index} (minor {gpu.minor}, {gpu.product_name}, {gpu.uuid})"
 
 
-def can_switch_mig_at_runtime(gpu: GpuInfo) -> bool:
-    """Hopper and later switch MIG mode without a GPU reset; Ampere needs a reset (so the driver never does)."""
-    return gpu.cuda_compute_capability >= (9, 0)
-
-
 @dataclass
 class _GpuPlan:
     whole: bool = False
@@ -352,7 +347,7 @@ def _plan(gpu: GpuInfo, pol: GpuPolicy, origin: str, warnings: list[str]) -> _Gp
     if pol.mig in ("static", "dynamic") and not gpu.mig_capable:
         raise DeviceModelError(f"{who}: node policy {origin} asks for mig: {pol.mig}, but this GPU does not support MIG")
     # Can the GPU be used as a whole (whole device, slots) while this policy is in force?
-    whole_usable = not gpu.mig_enabled or (pol.mig == "dynamic" and can_switch_mig_at_runtime(gpu))
+    whole_usable = not gpu.mig_enabled or (pol.mig == "dynamic" and mig_mode_switches_at_runtime(gpu.cuda_compute_capability))
     if pol.mig == "static":
         if not gpu.mig_enabled:
             warnings.append(f"{who}: node policy {origin} asks for mig: static, but MIG mode is disabled; nothing published")
@@ -370,7 +365,7 @@ def _plan(gpu: GpuInfo, pol: GpuPolicy, origin: str, warnings: list[str]) -> _Gp
         plan.static_instances = tuple(kept)
         return plan
     if pol.mig == "dynamic":
-        if gpu.mig_enabled or can_switch_mig_at_runtime(gpu):
+        if gpu.mig_enabled or mig_mode_switches_at_runtime(gpu.cuda_compute_capability):
             # Only profiles that can be placed at all on an empty GPU are worth publishing.
             plan.dynamic_profiles = tuple(
                 p for p in gpu.mig_profiles if any(can_place(gpu.mig_profiles, (), p.profile_id, s) is None for s in p.starts)

@@ -81,3 +81,9 @@ class NodeInventory:
     driver_version: str                   # "580.95.05"
     cuda_driver_version: str              # "13.0"
     gpus: tuple[GpuInfo, ...] = field(default_factory=tuple)
+
+
+def mig_mode_switches_at_runtime(cuda_compute_capability: tuple[int, int]) -> bool:
+    """Hopper (CUDA compute capability 9.0) and later switch MIG mode at once; Ampere needs a GPU reset, which
+    the driver never does. The one copy of this rule: the device model and the MIG actions both ask it."""
+    return tuple(cuda_compute_capability) >= (9, 0)

@@ -10,13 +10,14 @@ placements ``(profile_id, start)``. A placement is valid next to the others when
    the full-GPU profile (the one spanning every memory slice). The OFA budget is what limits a GPU to one
    ``+me`` instance: the full GPU has one OFA and each ``+me`` profile takes it. No profile name is special.
 
-The same rules are encoded as ResourceSlice counters in dra/model/devices.py; tests check the two agree.
+The same rules are encoded as ResourceSlice counters in dra/model/devices.py; tests check the two agree. The
+simulated NVML (dra/sim/fakenvml.py) and fleet-file validation refuse placements through ``placement_problem``.
 """
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from dra.model.gpu import MigProfile
 
@@ -63,44 +64,59 @@ def interval(profile: MigProfile, start: int) -> range:
     return range(start, start + profile.memory_slices)
 
 
-def can_place(profiles: Sequence[MigProfile], state: Iterable[Placement], profile_id: int, start: int) -> str | None:
-    """None if ``profile_id`` can be placed at ``start`` next to the placements in ``state``, else why not."""
+class PlacementProblem(NamedTuple):
+    """Why a GPU instance cannot be placed. ``kind`` says how NVML refuses it: ``start`` (not a valid start:
+    INVALID_ARGUMENT), ``overlap`` / ``count`` / ``engines`` (INSUFFICIENT_RESOURCES), ``unknown`` (a profile
+    the GPU does not have)."""
+
+    kind: str
+    reason: str
+
+
+def placement_problem(profiles: Sequence[MigProfile], state: Iterable[Placement], profile_id: int,
+                      start: int) -> PlacementProblem | None:
+    """The placement rule: None if ``profile_id`` can be placed at ``start`` next to ``state``, else why not.
+
+    The device model's counters, the simulated NVML and fleet-file validation all ask this one function.
+    When several budgets are exceeded at once (a second ``+me``: its instance count and the OFA engine), the
+    first kind is reported with every reason."""
     by_id = profile_by_id(profiles)
     prof = by_id.get(profile_id)
     if prof is None:
-        return f"unknown MIG profile id {profile_id}"
+        return PlacementProblem("unknown", f"unknown MIG profile id {profile_id}")
     if start not in prof.starts:
-        return f"{prof.name} cannot start at memory slice {start} (valid starts: {', '.join(map(str, prof.starts))})"
+        return PlacementProblem("start", f"{prof.name} cannot start at memory slice {start} "
+                                         f"(valid starts: {', '.join(map(str, prof.starts))})")
     placed = list(state)
     new = set(interval(prof, start))
     for pid, s in placed:
         other = by_id[pid]
-        if new & set(interval(other, s)):
-            return f"{prof.name}@{start} overlaps {other.name}@{s}"
+        common = sorted(new & set(interval(other, s)))
+        if common:
+            slices = f"{common[0]}" if len(common) == 1 else f"{common[0]}-{common[-1]}"
+            return PlacementProblem("overlap", f"{prof.name}@{start} overlaps {other.name}@{s} (memory slices {slices})")
+    problems: list[tuple[str, str]] = []
+    if sum(1 for pid, _ in placed if pid == profile_id) + 1 > prof.max_instances:
+        problems.append(("count", f"{prof.name} allows at most {prof.max_instances} instance(s) per GPU"))
     budget = budget_of(profiles)
     if budget.compute_slices is not None:
-        used = sum(by_id[pid].compute_slices for pid, _ in placed) + prof.compute_slices
-        if used > budget.compute_slices:
-            return f"{prof.name}@{start} needs {prof.compute_slices} compute slice(s); only {budget.compute_slices - used + prof.compute_slices} left"
+        used = sum(by_id[pid].compute_slices for pid, _ in placed)
+        if used + prof.compute_slices > budget.compute_slices:
+            problems.append(("engines", f"{prof.name}@{start} needs {prof.compute_slices} compute slice(s); only "
+                                        f"{budget.compute_slices - used} left"))
     if budget.ofa_engines is not None and prof.ofa_engines:
-        used = sum(by_id[pid].ofa_engines for pid, _ in placed) + prof.ofa_engines
-        if used > budget.ofa_engines:
-            return f"{prof.name}@{start} needs an OFA engine (media extensions); the GPU has {budget.ofa_engines} and it is taken"
-    same = sum(1 for pid, _ in placed if pid == profile_id)
-    if same + 1 > prof.max_instances:
-        return f"{prof.name} allows at most {prof.max_instances} instance(s) per GPU"
+        if sum(by_id[pid].ofa_engines for pid, _ in placed) + prof.ofa_engines > budget.ofa_engines:
+            problems.append(("engines", f"{prof.name}@{start} needs an OFA engine (media extensions); the GPU has "
+                                        f"{budget.ofa_engines} and it is taken"))
+    if problems:
+        return PlacementProblem(problems[0][0], "; ".join(reason for _, reason in problems))
     return None
 
 
-def check_layout(profiles: Sequence[MigProfile], layout: Iterable[Placement]) -> str | None:
-    """None if all placements can coexist, else the first reason found."""
-    state: list[Placement] = []
-    for pid, start in layout:
-        reason = can_place(profiles, state, pid, start)
-        if reason is not None:
-            return reason
-        state.append((pid, start))
-    return None
+def can_place(profiles: Sequence[MigProfile], state: Iterable[Placement], profile_id: int, start: int) -> str | None:
+    """None if ``profile_id`` can be placed at ``start`` next to the placements in ``state``, else why not."""
+    problem = placement_problem(profiles, state, profile_id, start)
+    return None if problem is None else problem.reason
 
 
 def fits(
@@ -166,40 +182,6 @@ def fits(
     return f"{names} do not fit together: {why}"
 
 
-def addable(profiles: Sequence[MigProfile], state: Sequence[Placement]) -> list[Placement]:
-    """Every placement that could be added to ``state``."""
-    return [(p.profile_id, s) for p in profiles for s in p.starts if can_place(profiles, state, p.profile_id, s) is None]
-
-
-def maximal_layouts(profiles: Sequence[MigProfile]) -> list[tuple[Placement, ...]]:
-    """Every layout (as a sorted tuple of placements) to which nothing more can be added."""
-    seen: set[tuple[Placement, ...]] = set()
-    result: set[tuple[Placement, ...]] = set()
-
-    def walk(state: tuple[Placement, ...]) -> None:
-        if state in seen:
-            return
-        seen.add(state)
-        options = addable(profiles, state)
-        if not options:
-            result.add(state)
-            return
-        for opt in options:
-            walk(tuple(sorted((*state, opt))))
-
-    walk(())
-    return sorted(result)
-
-
-def maximal_multisets(profiles: Sequence[MigProfile]) -> list[tuple[int, ...]]:
-    """Distinct profile multisets (sorted profile ids) of the maximal layouts.
-
-    A multiset counts once even if several placements realise it. Note that a multiset here is maximal as a
-    layout: for each listed multiset some placement of it leaves no room for any further profile.
-    """
-    return sorted({tuple(sorted(pid for pid, _ in layout)) for layout in maximal_layouts(profiles)})
-
-
 def max_instances_alone(profiles: Sequence[MigProfile], profile_id: int) -> int:
     """How many instances of one profile the geometry and budgets admit, ignoring ``max_instances``."""
     by_id = profile_by_id(profiles)
@@ -214,7 +196,3 @@ def _with_max(p: MigProfile, n: int) -> MigProfile:
     from dataclasses import replace
 
     return replace(p, max_instances=n)
-
-
-def layout_counts(layout: Iterable[Placement]) -> Counter[int]:
-    return Counter(pid for pid, _ in layout)

@@ -46,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.alias_generators import to_camel
 
 from dra.model.gpu import GpuInfo
-from dra.model.quantity import parse_quantity
+from api.quantity import parse_quantity
 
 MAX_SLOTS = 64
 

@@ -17,10 +17,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from api.k8snames import is_dns_label, is_dns_subdomain, is_label_key, is_label_value, is_qualified_name
+from api.quantity import quantity_value
 from dra.model.devices import KIND_MIG, KIND_SHARED, KIND_SLOT, CounterSet, Device, DeviceModel, build_devices
 from dra.model.gpu import NodeInventory
 from dra.model.policy import NodePolicy
-from dra.model.quantity import quantity_value
 
 MAX_DEVICES = 128
 MAX_DEVICES_ADVANCED = 64          # once any device uses taints, consumesCounters or list attributes
@@ -230,43 +231,12 @@ def resource_slice_objects(specs: Sequence[Mapping[str, Any]], names: Sequence[s
 
 # --------------------------------------------------------------------------------------------------- validation
 
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_C_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _QUANTITY = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)(([KMGTPE]i)|[numkMGTPE]|[eE][+-]?\d+)?$")
 _SEMVER = re.compile(
     r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
     r"(?:-((?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(?:\.(?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*))?"
     r"(?:\+([0-9a-zA-Z-]+(?:\.[0-9a-zA-Z-]+)*))?$"
 )
-_LABEL_NAME = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)$")
-_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
-
-
-def _dns_label(v: Any) -> bool:
-    return isinstance(v, str) and len(v) <= 63 and bool(_DNS_LABEL.match(v))
-
-
-def _dns_subdomain(v: Any, max_len: int = 253) -> bool:
-    return isinstance(v, str) and len(v) <= max_len and bool(_DNS_SUBDOMAIN.match(v))
-
-
-def _qualified_name(v: Any) -> bool:
-    if not isinstance(v, str):
-        return False
-    if "/" in v:
-        domain, _, ident = v.partition("/")
-        return _dns_subdomain(domain, 63) and len(ident) <= 32 and bool(_C_IDENT.match(ident))
-    return len(v) <= 32 and bool(_C_IDENT.match(v))
-
-
-def _label_key(v: Any) -> bool:
-    if not isinstance(v, str):
-        return False
-    prefix, _, name = v.rpartition("/")
-    if prefix and not _dns_subdomain(prefix, 253):
-        return False
-    return 0 < len(name) <= 63 and bool(_LABEL_NAME.match(name))
 
 
 def _quantity(v: Any) -> bool:
@@ -372,12 +342,12 @@ def validate_slice_spec(spec: Mapping[str, Any], pool_counter_sets: Mapping[str,
     """
     errors: list[str] = []
     driver = spec.get("driver")
-    if not _dns_subdomain(driver, 63):
+    if not is_dns_subdomain(driver, 63):
         errors.append(f"driver {driver!r}: must be a lower-case DNS subdomain of at most 63 characters")
     pool = spec.get("pool") or {}
     pool_name = pool.get("name")
     if not isinstance(pool_name, str) or not pool_name or len(pool_name) > 253 or not all(
-            _dns_subdomain(part) for part in pool_name.split("/")):
+            is_dns_subdomain(part) for part in pool_name.split("/")):
         errors.append(f"pool.name {pool_name!r}: must be DNS subdomains joined by '/', at most 253 characters")
     if "resourceSliceCount" in pool and (not isinstance(pool["resourceSliceCount"], int) or pool["resourceSliceCount"] < 1):
         errors.append("pool.resourceSliceCount must be a positive integer")
@@ -395,7 +365,7 @@ def validate_slice_spec(spec: Mapping[str, Any], pool_counter_sets: Mapping[str,
         errors.append(f"sharedCounters: {len(shared)} counter sets, at most {MAX_COUNTER_SETS} per slice")
     for cs in shared:
         name = cs.get("name")
-        if not _dns_label(name):
+        if not is_dns_label(name):
             errors.append(f"sharedCounters {name!r}: name must be a DNS label")
         if name in set_names:
             errors.append(f"sharedCounters {name!r}: duplicate name")
@@ -406,7 +376,7 @@ def validate_slice_spec(spec: Mapping[str, Any], pool_counter_sets: Mapping[str,
         if len(counters) > MAX_COUNTERS_PER_SET:
             errors.append(f"sharedCounters {name!r}: {len(counters)} counters, at most {MAX_COUNTERS_PER_SET}")
         for cname, c in counters.items():
-            if not _dns_label(cname):
+            if not is_dns_label(cname):
                 errors.append(f"sharedCounters {name!r}: counter {cname!r} must be a DNS label")
             if not isinstance(c, Mapping) or not _quantity(c.get("value")):
                 errors.append(f"sharedCounters {name!r}: counter {cname!r} needs a quantity value")
@@ -414,12 +384,13 @@ def validate_slice_spec(spec: Mapping[str, Any], pool_counter_sets: Mapping[str,
     devices = spec.get("devices") or []
     limit = MAX_DEVICES_ADVANCED if any(_advanced(d) for d in devices) else MAX_DEVICES
     if len(devices) > limit:
-        errors.append(f"devices: {len(devices)} devices, at most {limit} in this slice")
+        errors.append(f"devices: {len(devices)} devices, at most {limit} allowed"
+                      + (" when devices use taints, counters or list attributes" if limit == MAX_DEVICES_ADVANCED else ""))
     names: set[str] = set()
     for d in devices:
         dname = d.get("name")
         where = f"device {dname!r}"
-        if not _dns_label(dname):
+        if not is_dns_label(dname):
             errors.append(f"{where}: name must be a DNS label (at most 63 characters, [a-z0-9-])")
         if dname in names:
             errors.append(f"{where}: duplicate name")
@@ -430,14 +401,14 @@ def validate_slice_spec(spec: Mapping[str, Any], pool_counter_sets: Mapping[str,
             errors.append(f"{where}: {len(attrs)} attributes + {len(caps)} capacities, at most {MAX_ATTRS_AND_CAPACITY}")
         n_values = 0
         for aname, attr in attrs.items():
-            if not _qualified_name(aname):
+            if not is_qualified_name(aname):
                 errors.append(f"{where}: attribute name {aname!r} is not a qualified name")
             n_values += _check_attribute(where, aname, attr, errors)
         if n_values > MAX_ATTRIBUTE_VALUES:
             errors.append(f"{where}: {n_values} attribute values, at most {MAX_ATTRIBUTE_VALUES}")
         multi = bool(d.get("allowMultipleAllocations"))
         for cname, cap in caps.items():
-            if not _qualified_name(cname):
+            if not is_qualified_name(cname):
                 errors.append(f"{where}: capacity name {cname!r} is not a qualified name")
             _check_capacity(where, cname, cap, multi, errors)
         consumes = d.get("consumesCounters") or []
@@ -449,7 +420,7 @@ def validate_slice_spec(spec: Mapping[str, Any], pool_counter_sets: Mapping[str,
             if set_name in seen_sets:
                 errors.append(f"{where}: consumesCounters names counter set {set_name!r} twice")
             seen_sets.add(set_name)
-            if not _dns_label(set_name):
+            if not is_dns_label(set_name):
                 errors.append(f"{where}: consumesCounters counterSet {set_name!r} must be a DNS label")
             counters = entry.get("counters") or {}
             if not counters:
@@ -461,18 +432,18 @@ def validate_slice_spec(spec: Mapping[str, Any], pool_counter_sets: Mapping[str,
                     errors.append(f"{where}: consumesCounters {set_name}/{cname} needs a quantity value")
             if pool_counter_sets is not None:
                 if set_name not in pool_counter_sets:
-                    errors.append(f"{where}: consumesCounters refers to counter set {set_name!r}, which the pool does not have")
+                    errors.append(f"{where}: consumes from counter set {set_name!r}, which the pool does not define")
                 else:
                     missing = set(counters) - set(pool_counter_sets[set_name])
                     if missing:
-                        errors.append(f"{where}: counter set {set_name!r} has no counter(s) {sorted(missing)}")
+                        errors.append(f"{where}: counters {sorted(missing)} are not in counter set {set_name!r}")
         taints = d.get("taints") or []
         if len(taints) > MAX_TAINTS:
             errors.append(f"{where}: {len(taints)} taints, at most {MAX_TAINTS}")
         for t in taints:
-            if not _label_key(t.get("key")):
+            if not is_label_key(t.get("key")):
                 errors.append(f"{where}: taint key {t.get('key')!r} is not a label name")
-            if "value" in t and (not isinstance(t["value"], str) or len(t["value"]) > 63 or not _LABEL_VALUE.match(t["value"])):
+            if "value" in t and not is_label_value(t["value"]):
                 errors.append(f"{where}: taint value {t.get('value')!r} is not a label value")
             if t.get("effect") not in ("None", "NoSchedule", "NoExecute"):
                 errors.append(f"{where}: taint effect {t.get('effect')!r} must be None, NoSchedule or NoExecute")
@@ -488,7 +459,7 @@ def validate_pool(specs: Sequence[Mapping[str, Any]]) -> list[str]:
     for i, spec in enumerate(specs):
         for cs in spec.get("sharedCounters") or []:
             if cs.get("name") in sets:
-                errors.append(f"slice {i}: counter set {cs.get('name')!r} appears twice in the pool")
+                errors.append(f"slice {i}: counter set {cs.get('name')!r} is defined twice in the pool")
             sets[cs.get("name")] = {k: quantity_value(v["value"]) for k, v in (cs.get("counters") or {}).items()
                                     if isinstance(v, Mapping) and _quantity(v.get("value"))}
     device_names: set[str] = set()

@@ -510,9 +510,3 @@ def load_spec(path: Path | str) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise CdiSpecError([f"{path}: not a CDI spec object"])
     return doc
-
-
-def all_device_ids(spec: dict[str, Any]) -> Iterable[str]:
-    vendor_class = spec["kind"]
-    for device in spec["devices"]:
-        yield f"{vendor_class}={device['name']}"

@@ -30,13 +30,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
 from dra.node.atomicfile import write_atomic
-from dra.node.migdevices import MigLive
-from dra.node.sharing import MpsDaemon, TimeSliceApplied
+from dra.node.bootid import DEFAULT_BOOT_ID_PATH, read_boot_id
 
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
-DEFAULT_BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 
 ClaimState = Literal["PrepareStarted", "PrepareCompleted"]
 PREPARE_STARTED: ClaimState = "PrepareStarted"
@@ -79,30 +77,12 @@ class MigUndo(_Record):
     start: int
 
 
-    @classmethod
-    def from_live(cls, device: str, live: MigLive) -> MigUndo:
-        return cls(device=device, parent_uuid=live.parent_uuid, gi_id=live.gi_id, ci_id=live.ci_id,
-                   mig_uuid=live.uuid or None, profile_id=live.profile_id, start=live.start)
-
-    def to_live(self) -> MigLive:
-        return MigLive(gi_id=self.gi_id, ci_id=self.ci_id, uuid=self.mig_uuid or "", parent_uuid=self.parent_uuid,
-                       profile_id=self.profile_id, start=self.start)
-
-
 class TimeSliceUndo(_Record):
     """A time-slice interval this claim set on whole GPUs; restore ``previous`` on unprepare."""
 
     gpu_uuids: tuple[str, ...]
     interval: str                            # Default | Short | Medium | Long
     previous: str = "Default"
-
-
-    @classmethod
-    def from_applied(cls, applied: TimeSliceApplied) -> TimeSliceUndo:
-        return cls(gpu_uuids=applied.gpu_uuids, interval=applied.interval, previous=applied.previous)
-
-    def to_applied(self) -> TimeSliceApplied:
-        return TimeSliceApplied(gpu_uuids=self.gpu_uuids, interval=self.interval, previous=self.previous)
 
 
 class MpsUndo(_Record):
@@ -116,20 +96,6 @@ class MpsUndo(_Record):
     compute_mode_set: tuple[str, ...] = ()   # whole GPUs switched to EXCLUSIVE_PROCESS for it
     active_thread_percentage: int | None = None
     pinned_memory_limit_mib: dict[str, int] = Field(default_factory=dict)
-
-    @classmethod
-    def from_daemon(cls, daemon: MpsDaemon) -> MpsUndo:
-        return cls(daemon_id=daemon.daemon_id, gpu_uuids=daemon.gpu_uuids, pipe_dir=daemon.pipe_dir,
-                   log_dir=daemon.log_dir, shm_dir=daemon.shm_dir, compute_mode_set=daemon.compute_mode_set,
-                   active_thread_percentage=daemon.active_thread_percentage,
-                   pinned_memory_limit_mib=dict(daemon.pinned_memory_limit_mib))
-
-    def to_daemon(self, claim_uid: str) -> MpsDaemon:
-        return MpsDaemon(daemon_id=self.daemon_id, claim_uid=claim_uid, gpu_uuids=self.gpu_uuids,
-                         pipe_dir=self.pipe_dir, log_dir=self.log_dir, shm_dir=self.shm_dir,
-                         compute_mode_set=self.compute_mode_set,
-                         active_thread_percentage=self.active_thread_percentage,
-                         pinned_memory_limit_mib=dict(self.pinned_memory_limit_mib))
 
 
 class UndoInfo(_Record):
@@ -182,14 +148,6 @@ class LoadResult:
         """Claims prepared on this node may be missing from the checkpoint: their MIG devices and CDI specs
         must not be mistaken for leftovers."""
         return self.corrupt or bool(self.unreadable_claims)
-
-
-def read_boot_id(path: Path | str = DEFAULT_BOOT_ID_PATH) -> str:
-    """The kernel's per-boot random ID, or "" where the file does not exist (then reboots are not detected)."""
-    try:
-        return Path(path).read_text().strip()
-    except OSError:
-        return ""
 
 
 class CheckpointStore:

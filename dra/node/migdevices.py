@@ -19,6 +19,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from dra.model.gpu import mig_mode_switches_at_runtime
+
 log = logging.getLogger(__name__)
 
 # Room for every placement NVML can list for one profile (at most 8 memory slices per GPU today).
@@ -77,9 +79,8 @@ def _gpu_handle(nvml: Any, uuid: str) -> Any:
 
 
 def can_toggle_mig_mode(nvml: Any, handle: Any) -> bool:
-    """Hopper and later switch MIG mode at once; Ampere needs a GPU reset, which the driver never does."""
-    arch = nvml.nvmlDeviceGetArchitecture(handle)
-    return arch != nvml.NVML_DEVICE_ARCH_UNKNOWN and arch >= nvml.NVML_DEVICE_ARCH_HOPPER
+    """Whether this GPU switches MIG mode without a reset (dra.model.gpu)."""
+    return mig_mode_switches_at_runtime(nvml.nvmlDeviceGetCudaComputeCapability(handle))
 
 
 def mig_enabled(nvml: Any, handle: Any) -> bool:
@@ -90,13 +91,6 @@ def mig_enabled(nvml: Any, handle: Any) -> bool:
             return False
         raise
     return current == nvml.NVML_DEVICE_MIG_ENABLE
-
-
-def ensure_mig_enabled(nvml: Any, parent_uuid: str) -> bool:
-    """Turn MIG mode on where that needs no reset. Returns whether the mode was changed."""
-    handle = _gpu_handle(nvml, parent_uuid)
-    with _gpu_lock(parent_uuid):
-        return _ensure_mig_enabled(nvml, handle, parent_uuid)
 
 
 def _ensure_mig_enabled(nvml: Any, handle: Any, uuid: str) -> bool:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from dra.node.checkpoint import MpsUndo, TimeSliceUndo
 from dra.node.sharingtools import (
     MpsDaemonSpec,
     SharingControl,
@@ -34,15 +35,6 @@ log = logging.getLogger(__name__)
 
 
 # ----- time-slicing -----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TimeSliceApplied:
-    """Undo information for one claim's time-slice setting (goes into the checkpoint)."""
-
-    gpu_uuids: tuple[str, ...]
-    interval: str
-    previous: str = "Default"
-
-
 class TimeSlicing:
     """Applies time-slice intervals per claim and resets them when the last claim on a GPU leaves."""
 
@@ -62,7 +54,7 @@ class TimeSlicing:
                 raise SharingError(f"claim {claim_uid}: GPU {uuid} is time-sliced with interval {conflict[1]} "
                                    f"for claim {conflict[0]}; cannot set {interval}")
 
-    def intent(self, claim_uid: str, gpu_uuids: Sequence[str], interval: str) -> TimeSliceApplied:
+    def intent(self, claim_uid: str, gpu_uuids: Sequence[str], interval: str) -> TimeSliceUndo:
         """What ``apply`` would do, without doing it: the undo record to write ahead of the change, so that a
         crash between applying and recording can still be rolled back. Raises what ``apply`` raises for a
         conflict; the caller must hold the GPUs (no other claim may change them in between)."""
@@ -76,9 +68,9 @@ class TimeSlicing:
                     previous = self._previous.get(uuid, previous)
                 else:
                     previous = self.control.get_time_slice(uuid) or "Default"
-            return TimeSliceApplied(gpu_uuids=uuids, interval=interval, previous=previous)
+            return TimeSliceUndo(gpu_uuids=uuids, interval=interval, previous=previous)
 
-    def apply(self, claim_uid: str, gpu_uuids: Sequence[str], interval: str) -> TimeSliceApplied:
+    def apply(self, claim_uid: str, gpu_uuids: Sequence[str], interval: str) -> TimeSliceUndo:
         """Set ``interval`` on whole GPUs for a claim. Raises SharingNotSupported / SharingError cleanly."""
         check_interval(interval)
         uuids = tuple(dict.fromkeys(gpu_uuids))
@@ -103,9 +95,9 @@ class TimeSlicing:
                     if uuid not in done:
                         self._holders.get(uuid, {}).pop(claim_uid, None)
                 raise
-            return TimeSliceApplied(gpu_uuids=uuids, interval=interval, previous=previous)
+            return TimeSliceUndo(gpu_uuids=uuids, interval=interval, previous=previous)
 
-    def release(self, claim_uid: str, applied: TimeSliceApplied) -> None:
+    def release(self, claim_uid: str, applied: TimeSliceUndo) -> None:
         """Undo a claim's setting; the GPU goes back to its previous interval when no claim holds it any more."""
         with self._lock:
             for uuid in applied.gpu_uuids:
@@ -116,7 +108,7 @@ class TimeSlicing:
                 self._holders.pop(uuid, None)
                 self._reset(uuid, self._previous.pop(uuid, applied.previous))
 
-    def adopt(self, claim_uid: str, applied: TimeSliceApplied) -> None:
+    def adopt(self, claim_uid: str, applied: TimeSliceUndo) -> None:
         """Re-register a claim prepared before a plugin restart (the GPU setting is still in place)."""
         with self._lock:
             for uuid in applied.gpu_uuids:
@@ -158,6 +150,20 @@ class MpsDaemon:
     compute_mode_set: tuple[str, ...] = ()
     active_thread_percentage: int | None = None
     pinned_memory_limit_mib: Mapping[str, int] = field(default_factory=dict)
+
+    def undo(self) -> MpsUndo:
+        """The checkpoint's record of this daemon."""
+        return MpsUndo(daemon_id=self.daemon_id, gpu_uuids=self.gpu_uuids, pipe_dir=self.pipe_dir,
+                       log_dir=self.log_dir, shm_dir=self.shm_dir, compute_mode_set=self.compute_mode_set,
+                       active_thread_percentage=self.active_thread_percentage,
+                       pinned_memory_limit_mib=dict(self.pinned_memory_limit_mib))
+
+    @classmethod
+    def from_undo(cls, claim_uid: str, u: MpsUndo) -> MpsDaemon:
+        return cls(daemon_id=u.daemon_id, claim_uid=claim_uid, gpu_uuids=tuple(u.gpu_uuids), pipe_dir=u.pipe_dir,
+                   log_dir=u.log_dir, shm_dir=u.shm_dir, compute_mode_set=tuple(u.compute_mode_set),
+                   active_thread_percentage=u.active_thread_percentage,
+                   pinned_memory_limit_mib=dict(u.pinned_memory_limit_mib))
 
     @property
     def spec(self) -> MpsDaemonSpec:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterable
 
 from dra.node.atomicfile import write_atomic
-from dra.node.checkpoint import read_boot_id
+from dra.node.bootid import read_boot_id
 
 log = logging.getLogger(__name__)
 

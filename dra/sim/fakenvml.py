@@ -72,7 +72,9 @@ from typing import Any, TypeVar
 
 import pynvml
 
-from dra.model.catalog import GpuModel, MigProfileSpec, auto_start, get_model, placement_problem
+from dra.model.catalog import GpuModel, get_model
+from dra.model.gpu import MigProfile
+from dra.model.mig import PlacementProblem, interval, placement_problem
 from dra.sim.state import (
     EVENT_RECOVER,
     EVENT_XID,
@@ -150,7 +152,7 @@ class _Ci:
 class _Gi:
     gpu: _Gpu
     id: int
-    profile: MigProfileSpec
+    profile: MigProfile
     start: int
     addr: int = field(default_factory=lambda: next(_addresses))
     cis: dict[int, _Ci] = field(default_factory=dict)
@@ -224,7 +226,28 @@ def _in_struct(ref: Any, struct_type: type) -> Any:
     return obj
 
 
-def _gi_id(model: GpuModel, profile: MigProfileSpec, start: int) -> int:
+def place_problem(model: GpuModel, placed: Sequence[tuple[MigProfile, int]], profile: MigProfile,
+                  start: int) -> PlacementProblem | None:
+    """The model's placement rule (dra.model.mig) for GPU instances of a catalog model."""
+    return placement_problem(model.mig_profiles, [(p.profile_id, s) for p, s in placed], profile.profile_id, start)
+
+
+def auto_start(placed: Sequence[tuple[MigProfile, int]], profile: MigProfile) -> int | None:
+    """The start NVML picks when asked to place ``profile`` itself (nvmlDeviceCreateGpuInstance), or None.
+
+    Observed NVML behaviour: one-slice profiles take the lowest free start, larger ones the highest. This
+    reproduces the MIG guide's example where creating 19,19,14,9 fails (the 2g lands on slot 4 and blocks the
+    3g) while 9,19,14,19 succeeds. Only free-interval starts are considered; other limits are left to the
+    placement rule.
+    """
+    used = {s for other, other_start in placed for s in interval(other, other_start)}
+    free = [s for s in profile.starts if not used & set(interval(profile, s))]
+    if not free:
+        return None
+    return min(free) if profile.memory_slices == 1 else max(free)
+
+
+def _gi_id(model: GpuModel, profile: MigProfile, start: int) -> int:
     """GPU-instance id as NVML assigns it: the placement's position in a binary tree of memory slices."""
     m = model.mig_memory_slices
     return m // profile.memory_slices - 1 + start // profile.memory_slices
@@ -419,7 +442,7 @@ class FakeNvml:
         if gs.gpu_instances and gs.mig_current != pynvml.NVML_DEVICE_MIG_ENABLE:
             raise SimulatedStateError(f"{at}.gpuInstances: GPU instances exist while MIG mode is off")
         out: dict[int, tuple[_Gi, dict[int, _Ci]]] = {}
-        placed: list[tuple[MigProfileSpec, int]] = []
+        placed: list[tuple[MigProfile, int]] = []
         mig_uuids: set[str] = set()
         for j, gis in enumerate(gs.gpu_instances):
             here = f"{at}.gpuInstances[{j}]"
@@ -427,7 +450,7 @@ class FakeNvml:
             if spec is None:
                 raise SimulatedStateError(f"{here}.profileId: {model.name} has no GPU-instance profile "
                                           f"{gis.profile_id}")
-            problem = placement_problem(model, placed, spec, gis.start)
+            problem = place_problem(model, placed, spec, gis.start)
             if problem is not None:
                 raise SimulatedStateError(f"{here}.start: {problem[1]}")
             if gis.id != _gi_id(model, spec, gis.start) or gis.id in out:
@@ -759,7 +782,7 @@ class FakeNvml:
 
     # -- GPU-instance profiles ---------------------------------------------------------------------------------
 
-    def _profile_for_index(self, gpu: _Gpu, profile: int) -> MigProfileSpec:
+    def _profile_for_index(self, gpu: _Gpu, profile: int) -> MigProfile:
         if not isinstance(profile, int) or not 0 <= profile < pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT:
             raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         spec = gpu.model.profile_by_index(profile)
@@ -767,14 +790,14 @@ class FakeNvml:
             raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return spec
 
-    def _profile_for_id(self, gpu: _Gpu, profile_id: int) -> MigProfileSpec:
+    def _profile_for_id(self, gpu: _Gpu, profile_id: int) -> MigProfile:
         spec = gpu.model.profile_by_id(profile_id) if isinstance(profile_id, int) else None
         if spec is None:
             raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return spec
 
     @staticmethod
-    def _fill_gi_profile_info(spec: MigProfileSpec, version: int) -> Any:
+    def _fill_gi_profile_info(spec: MigProfile, version: int) -> Any:
         if version == 2:
             info = pynvml.c_nvmlGpuInstanceProfileInfo_v2_t()
             info.name = f"MIG {spec.name}".encode()
@@ -828,7 +851,7 @@ class FakeNvml:
         count.value = len(spec.starts)
         return pynvml.NVML_SUCCESS
 
-    def _placed(self, gpu: _Gpu) -> list[tuple[MigProfileSpec, int]]:
+    def _placed(self, gpu: _Gpu) -> list[tuple[MigProfile, int]]:
         return [(gi.profile, gi.start) for gi in gpu.gis.values()]
 
     @_api
@@ -838,16 +861,16 @@ class FakeNvml:
         placed = self._placed(gpu)
         n = 0
         while True:  # greedy is exact here: placements of one profile are aligned and equal-sized
-            start = auto_start(gpu.model, placed, spec)
-            if start is None or placement_problem(gpu.model, placed, spec, start) is not None:
+            start = auto_start(placed, spec)
+            if start is None or place_problem(gpu.model, placed, spec, start) is not None:
                 return n
             placed.append((spec, start))
             n += 1
 
     # -- GPU instances -----------------------------------------------------------------------------------------
 
-    def _create_gi(self, gpu: _Gpu, spec: MigProfileSpec, start: int) -> Any:
-        problem = placement_problem(gpu.model, self._placed(gpu), spec, start)
+    def _create_gi(self, gpu: _Gpu, spec: MigProfile, start: int) -> Any:
+        problem = place_problem(gpu.model, self._placed(gpu), spec, start)
         if problem is not None:
             kind, _reason = problem
             raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT if kind == "start"
@@ -861,7 +884,7 @@ class FakeNvml:
     def nvmlDeviceCreateGpuInstance(self, device: Any, profileId: int) -> Any:
         gpu = self._mig_gpu(device, need_enabled=True)
         spec = self._profile_for_id(gpu, profileId)
-        start = auto_start(gpu.model, self._placed(gpu), spec)
+        start = auto_start(self._placed(gpu), spec)
         if start is None:
             raise _err(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
         return self._create_gi(gpu, spec, start)

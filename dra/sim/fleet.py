@@ -38,13 +38,13 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from dra.model.catalog import auto_start, get_model, placement_problem
-from dra.sim.fakenvml import FakeNvml, SimulatedGpu
+from api.k8snames import is_dns_subdomain
+from dra.model.catalog import get_model
+from dra.sim.fakenvml import FakeNvml, SimulatedGpu, auto_start, place_problem
 
 _FLEET_NAMESPACE = uuidlib.UUID("0b7d3c52-8e0a-4a8e-bd7e-3f3b9c1f6a10")
 # PCI bus numbers of the GPUs on an 8-GPU HGX board; further GPUs continue above them.
 _HGX_BUSES = (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)
-_NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _DRIVER_VERSION = re.compile(r"^\d+\.\d+(\.\d+)?$")
 _CUDA_VERSION = re.compile(r"^(\d+)\.(\d)$")
 
@@ -106,7 +106,7 @@ class NodeSpec(_Strict):
     @field_validator("name")
     @classmethod
     def _dns_name(cls, value: str) -> str:
-        if len(value) > 253 or not _NODE_NAME.match(value):
+        if not is_dns_subdomain(value):
             raise ValueError("must be a lower-case DNS name (RFC 1123), e.g. node-a")
         return value
 
@@ -228,11 +228,11 @@ def _check_mig(group: GpuGroupSpec, where: str) -> None:
             profile = model.profile(inst.profile)
         except ValueError as exc:
             raise FleetError(f"{at}.profile: {exc}") from None
-        start = inst.start if inst.start is not None else auto_start(model, placed, profile)
+        start = inst.start if inst.start is not None else auto_start(placed, profile)
         if start is None:
             raise FleetError(f"{at}: no free placement left for {profile.name} "
                              f"(layout so far: {_layout_text(placed)})")
-        problem = placement_problem(model, placed, profile, start)
+        problem = place_problem(model, placed, profile, start)
         if problem is not None:
             raise FleetError(f"{at}{'.start' if problem[0] == 'start' else ''}: {problem[1]}")
         placed.append((profile, start))

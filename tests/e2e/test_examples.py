@@ -19,7 +19,7 @@ from cli.demo_cmd import DemoContext, prepare_one_claim, report, run_demo
 from cli.demo_examples import (PodClaim, apply_objects, delete_namespace, load_example, load_examples,
                                wait_for_allocation)
 from kube.client import KubeApi
-from dra.model.quantity import quantity_value
+from api.quantity import quantity_value
 from dra.sim.fleet import load_fleet
 
 pytestmark = pytest.mark.e2e

@@ -11,7 +11,7 @@ import yaml
 from allocation_helpers import FLEETS, PublishedFleet, renamed_fleet
 from kube.resourceslices import slice_name
 from kube.slicecompare import normalize_spec, spec_differences
-from dra.model.catalog import family_of, get_model, known_models
+from dra.model.catalog import CATALOG, family_of, get_model
 
 pytestmark = pytest.mark.e2e
 
@@ -21,7 +21,7 @@ def catalog_fleet() -> dict[str, Any]:
     beside four MPS slots and the whole GPU where MIG can be switched at runtime (Hopper and later), dynamic
     MIG on MIG-enabled GPUs for Ampere (switching there needs a reset), four time-slicing slots otherwise."""
     nodes = []
-    for name in known_models():
+    for name in CATALOG:
         model = get_model(name)
         group: dict[str, Any] = {"model": name, "count": 2}
         if not model.mig_capable:
@@ -88,9 +88,9 @@ def test_a_fleet_with_every_catalog_model_is_accepted(cluster: Any, api_client: 
         assert fleet.controller is not None and not fleet.controller.errors
         assert_stored_as_sent(fleet)
         text = describe(cluster, fleet)
-        for name in known_models():
+        for name in CATALOG:
             assert f"String:  {get_model(name).product_name}" in text, name
-        for family in {family_of(*get_model(name).compute_capability) for name in known_models()}:
+        for family in {family_of(*get_model(name).compute_capability) for name in CATALOG}:
             assert f"String:  {family}" in text, family
         for needle in ("Type:", "String:  gpu", "String:  slot", "String:  mig", "Sharing:", "String:  mps",
                        "String:  time-slicing", "Profile:", "Parent UUID:", "resource.kubernetes.io/pciBusID:"):

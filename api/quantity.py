@@ -17,6 +17,7 @@ _DECIMAL = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
 _QUANTITY_RE = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
 
 MIB = 1 << 20
+GIB = 1 << 30
 
 
 def parse_quantity(text: str | int) -> int:

@@ -1,0 +1,285 @@
+"""What preparing a claim does to the node besides its CDI spec, and how it is undone.
+
+The steps, in order: create dynamic MIG devices at the allocated placement (or make sure a whole GPU is out of
+MIG mode), apply time-slice intervals, start MPS daemons. Each step's undo information goes into the claim's
+checkpoint record as soon as the step is done — before it, where a crash right after the change would
+otherwise leave a change nobody knows of (time-slices and MPS) — so that a failure or a crash at any point is
+rolled back exactly. ``undo`` works from a checkpoint record alone and drops each undo entry as it completes,
+so an undo that fails half-way resumes where it stopped.
+
+The caller holds the GPU locks of the claim around ``apply`` and ``undo``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol
+
+from api.quantity import MIB
+from dra.model.devices import KIND_GPU, KIND_MIG, Device
+from dra.node import migdevices as mig
+from dra.node.cdi import MpsMounts
+from dra.node.checkpoint import CheckpointStore, ClaimRecord, MigUndo, TimeSliceUndo, UndoInfo
+from dra.node.sharing import MpsDaemon, MpsDevice, MpsSupervisor, TimeSlicing, mps_daemon_id
+from kubeletplugin.claims import ClaimRef
+from kubeletplugin.plan import DevicePlan
+
+DeviceCatalog = Callable[[], Mapping[str, Device]]
+MigIdentity = tuple[str, int, int]         # (MIG uuid, GI id, CI id)
+
+
+class PrepareError(Exception):
+    """Preparing a claim failed; the message is what the kubelet shows in the pod's events."""
+
+
+class MigListener(Protocol):
+    """Told when a dynamic MIG device comes into existence or goes away (the health monitor routes its
+    events by GPU-instance id)."""
+
+    def bind_mig(self, name: str, gpu_uuid: str, gi_id: int, ci_id: int) -> None: ...
+
+    def unbind_mig(self, name: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What the hardware steps produced, for the CDI spec: MIG identities by plan index, MPS directories by
+    device UUID."""
+
+    mig_ids: dict[int, MigIdentity] = field(default_factory=dict)
+    mps_mounts: dict[str, MpsMounts] = field(default_factory=dict)
+
+
+def mig_undo(device: str, live: mig.MigLive) -> MigUndo:
+    """The undo record of a MIG device that realises ``device``."""
+    return MigUndo(device=device, parent_uuid=live.parent_uuid, gi_id=live.gi_id, ci_id=live.ci_id,
+                   mig_uuid=live.uuid or None, profile_id=live.profile_id, start=live.start)
+
+
+@dataclass
+class _MpsGroup:
+    """One MPS daemon of a claim: the devices of one physical GPU."""
+
+    parent_uuid: str
+    devices: dict[str, bool]              # device uuid -> exclusive (whole GPU)
+    threads: int | None
+    limits_mib: dict[str, int]
+    unlimited_threads: bool = False
+
+
+class ClaimActions:
+    """The hardware side of prepare and unprepare. ``crash_point`` is the driver's test hook."""
+
+    def __init__(self, *, checkpoint: CheckpointStore, nvml: Any, mps: MpsSupervisor, time_slicing: TimeSlicing,
+                 devices: DeviceCatalog, mig_listener: MigListener | None,
+                 crash_point: Callable[[str], None], log: Any) -> None:
+        self.checkpoint = checkpoint
+        self.nvml = nvml
+        self.mps = mps
+        self.time_slicing = time_slicing
+        self._devices = devices
+        self.mig_listener = mig_listener
+        self._crash_point = crash_point
+        self.log = log
+
+    # ----- prepare -------------------------------------------------------------------------------------------
+    def apply(self, ref: ClaimRef, plans: list[DevicePlan], log: Any) -> Applied:
+        mig_ids = self._realize_mig(ref.uid, plans, log)
+        self._apply_time_slices(ref, plans, log)
+        mounts = self._start_mps(ref.uid, plans, mig_ids, log)
+        return Applied(mig_ids, mounts)
+
+    def _realize_mig(self, uid: str, plans: list[DevicePlan], log: Any) -> dict[int, MigIdentity]:
+        """Create dynamic MIG devices; returns the identity per plan index of every MIG device."""
+        dynamic_gpus = self.dynamic_mig_gpus()
+        mig_ids: dict[int, MigIdentity] = {}
+        for i, p in enumerate(plans):
+            d = p.device
+            if d.kind != KIND_MIG:
+                if d.gpu_uuid in dynamic_gpus and not p.result.admin_access:
+                    # Used whole (or by slots/shares): MIG mode must be off for CUDA to see all of the GPU.
+                    self._ensure_whole_gpu(d)
+                continue
+            if d.mig_dynamic and p.result.admin_access:
+                mig_ids[i] = self._existing_dynamic_mig(d)
+            elif d.mig_dynamic:
+                assert d.mig_profile_id is not None and d.mig_start is not None
+                live = mig.create_mig_device(self.nvml, d.gpu_uuid, d.mig_profile_id, d.mig_start)
+                self._crash_point("mig-created")
+                self.add_undo(uid, mig_devices=[mig_undo(d.name, live)])
+                log.info("created MIG device", device=d.name, mig_uuid=live.uuid, gi=live.gi_id, ci=live.ci_id)
+                if self.mig_listener is not None:
+                    self.mig_listener.bind_mig(d.name, d.gpu_uuid, live.gi_id, live.ci_id)
+                mig_ids[i] = (live.uuid, live.gi_id, live.ci_id)
+            elif d.mig_uuid is None or d.mig_gi_id is None or d.mig_ci_id is None:
+                raise PrepareError(f"device {d.name}: static MIG device without GI/CI identity")
+            else:
+                mig_ids[i] = (d.mig_uuid, d.mig_gi_id, d.mig_ci_id)
+        return mig_ids
+
+    def _apply_time_slices(self, ref: ClaimRef, plans: list[DevicePlan], log: Any) -> None:
+        """One interval per GPU for this claim; the GPU-wide setting is shared with other claims on it."""
+        intervals: dict[str, str] = {}
+        for p in plans:
+            if p.timeslice is None:
+                continue
+            prev = intervals.setdefault(p.device.gpu_uuid, p.timeslice)
+            if prev != p.timeslice:
+                raise PrepareError(f"claim {ref.describe()}: GPU {p.device.gpu_uuid} would get time-slice intervals "
+                                   f"{prev} and {p.timeslice} from different requests; use one interval per GPU")
+        for gpu_uuid, interval in sorted(intervals.items()):
+            # Write-ahead: the undo record (with the interval to go back to) is checkpointed before the GPU is
+            # changed, so a crash right after the change is rolled back at the next start. Undoing an intent
+            # that never reached the GPU only sets the interval it already has.
+            intent = self.time_slicing.intent(ref.uid, [gpu_uuid], interval)
+            self.add_undo(ref.uid, time_slices=[intent])
+            try:
+                applied = self.time_slicing.apply(ref.uid, [gpu_uuid], interval)
+            except BaseException:
+                # apply() changes all or nothing: no intent is left for the rollback to undo.
+                self._drop_undo(ref.uid, time_slice=intent.gpu_uuids)
+                raise
+            self._crash_point("timeslice-applied")
+            if applied != intent:   # cannot happen while we hold the GPU; keep the record true if it does
+                self._set_time_slice_undo(ref.uid, applied)
+            log.info("time-slice applied", gpu=gpu_uuid, interval=interval)
+
+    def _set_time_slice_undo(self, uid: str, applied: TimeSliceUndo) -> None:
+        def change(r: ClaimRecord) -> ClaimRecord:
+            kept = tuple(t for t in r.undo.time_slices if tuple(t.gpu_uuids) != tuple(applied.gpu_uuids))
+            return r.model_copy(update={"undo": r.undo.model_copy(update={"time_slices": kept + (applied,)})})
+        self.checkpoint.update(uid, change)
+
+    def _start_mps(self, uid: str, plans: list[DevicePlan], mig_ids: dict[int, MigIdentity],
+                   log: Any) -> dict[str, MpsMounts]:
+        """One MPS daemon per physical GPU of the claim, serving the claim's devices there (a GPU UUID, or MIG
+        UUIDs). Limits of several devices on one GPU add up. Returns the daemon directories per device UUID."""
+        groups: dict[str, _MpsGroup] = {}
+        for i, p in enumerate(plans):
+            if p.mps is None:
+                continue
+            d = p.device
+            uuid = mig_ids[i][0] if i in mig_ids else d.gpu_uuid
+            g = groups.setdefault(d.gpu_uuid, _MpsGroup(d.gpu_uuid, {}, None, {}))
+            g.devices[uuid] = g.devices.get(uuid, False) or d.kind == KIND_GPU
+            if p.mps.thread_percentage is None:
+                g.unlimited_threads = True
+            else:
+                g.threads = min(100, (g.threads or 0) + p.mps.thread_percentage)
+            if p.mps.pinned_memory_limit_bytes is not None:
+                mib = max(1, p.mps.pinned_memory_limit_bytes // MIB)
+                g.limits_mib[uuid] = g.limits_mib.get(uuid, 0) + mib
+        mounts: dict[str, MpsMounts] = {}
+        for _parent, g in sorted(groups.items()):
+            devices = [MpsDevice(uuid=u, exclusive=ex) for u, ex in g.devices.items()]
+            threads = None if g.unlimited_threads else g.threads
+            daemon_id = mps_daemon_id(uid, [d.uuid for d in devices])
+            base = self.mps.root / daemon_id
+            # Recorded before it starts: a crash right after the start must still find it to stop.
+            intent = MpsDaemon(daemon_id=daemon_id, claim_uid=uid, gpu_uuids=tuple(d.uuid for d in devices),
+                               pipe_dir=str(base / "pipe"), log_dir=str(base / "log"), shm_dir=str(base / "shm"),
+                               compute_mode_set=tuple(d.uuid for d in devices
+                                                      if d.exclusive and not d.uuid.startswith("MIG-")),
+                               active_thread_percentage=threads, pinned_memory_limit_mib=dict(g.limits_mib))
+            self.add_undo(uid, mps_daemons=[intent.undo()])
+            daemon = self.mps.start(uid, devices, active_thread_percentage=threads,
+                                    pinned_memory_limit_mib=g.limits_mib)
+            self._crash_point("mps-started")
+            if daemon.pipe_dir != intent.pipe_dir:
+                raise PrepareError(f"MPS daemon {daemon.daemon_id}: started with unexpected directories")
+            log.info("MPS daemon started", daemon_id=daemon.daemon_id, devices=list(daemon.gpu_uuids),
+                     active_thread_percentage=threads, pinned_memory_limit_mib=dict(g.limits_mib))
+            for u in daemon.gpu_uuids:
+                mounts[u] = MpsMounts(pipe_dir=daemon.pipe_dir, log_dir=daemon.log_dir, shm_dir=daemon.shm_dir)
+        return mounts
+
+    def _existing_dynamic_mig(self, d: Device) -> MigIdentity:
+        """Admin access to a dynamic MIG placement: only meaningful while a claim has it created."""
+        for r in self.checkpoint.claims().values():
+            for m in r.undo.mig_devices:
+                if m.device == d.name and m.mig_uuid:
+                    return (m.mig_uuid, m.gi_id, m.ci_id)
+        raise PrepareError(f"device {d.name}: admin access to a dynamic MIG placement needs a claim that has it "
+                           "created; none has")
+
+    def _ensure_whole_gpu(self, d: Device) -> None:
+        try:
+            mig.disable_mig_mode_if_unused(self.nvml, d.gpu_uuid)
+            handle = self.nvml.nvmlDeviceGetHandleByUUID(d.gpu_uuid)
+            enabled = mig.mig_enabled(self.nvml, handle)
+        except self.nvml.NVMLError as err:
+            raise PrepareError(f"device {d.name}: reading MIG mode of GPU {d.gpu_uuid} failed: {err}") from err
+        if enabled:
+            raise PrepareError(f"device {d.name}: GPU {d.gpu_uuid} is in MIG mode with MIG devices present, so it "
+                               "cannot be used whole")
+
+    # ----- undo ----------------------------------------------------------------------------------------------
+    def gpus_of(self, record: ClaimRecord) -> list[str]:
+        """The physical GPUs a record touches: the ones to lock while it is undone."""
+        by_name = self._devices()
+        uuids = {by_name[d.device].gpu_uuid for d in record.devices if d.device in by_name}
+        uuids |= {m.parent_uuid for m in record.undo.mig_devices}
+        uuids |= {u for t in record.undo.time_slices for u in t.gpu_uuids}
+        return sorted(uuids)
+
+    def undo(self, record: ClaimRecord) -> None:
+        """Stop MPS daemons (they use the MIG devices), destroy MIG devices, release time-slices; each step is
+        checkpointed as it completes so a failure resumes where it stopped."""
+        uid = record.uid
+        for daemon in record.undo.mps_daemons:
+            self.mps.stop(MpsDaemon.from_undo(uid, daemon))
+            self._drop_undo(uid, mps_daemon=daemon.daemon_id)
+        parents = set()
+        for m in record.undo.mig_devices:
+            mig.destroy_mig_device(self.nvml, m.parent_uuid, m.gi_id, m.ci_id, m.mig_uuid)
+            parents.add(m.parent_uuid)
+            if self.mig_listener is not None:
+                self.mig_listener.unbind_mig(m.device)
+            self._drop_undo(uid, mig=(m.parent_uuid, m.gi_id, m.ci_id))
+        for parent in sorted(parents):
+            try:
+                mig.disable_mig_mode_if_unused(self.nvml, parent)
+            except mig.MigError as err:
+                self.log.warning("could not switch MIG mode off after the last MIG device", gpu=parent,
+                                 error=str(err))
+        for ts in record.undo.time_slices:
+            self.time_slicing.release(uid, ts)
+            self._drop_undo(uid, time_slice=tuple(ts.gpu_uuids))
+
+    def adopt(self, record: ClaimRecord) -> int:
+        """Register what a completed claim holds (from a restart or another plugin process) without touching
+        the hardware: its time-slice settings, MPS daemons and MIG devices. Returns the MPS daemons adopted."""
+        for ts in record.undo.time_slices:
+            self.time_slicing.adopt(record.uid, ts)
+        for daemon in record.undo.mps_daemons:
+            self.mps.adopt(MpsDaemon.from_undo(record.uid, daemon))
+        if self.mig_listener is not None:
+            for m in record.undo.mig_devices:
+                self.mig_listener.bind_mig(m.device, m.parent_uuid, m.gi_id, m.ci_id)
+        return len(record.undo.mps_daemons)
+
+    def dynamic_mig_gpus(self) -> set[str]:
+        return {d.gpu_uuid for d in self._devices().values() if d.kind == KIND_MIG and d.mig_dynamic}
+
+    # ----- undo records --------------------------------------------------------------------------------------
+    def add_undo(self, uid: str, **items: Any) -> None:
+        def change(r: ClaimRecord) -> ClaimRecord:
+            u = r.undo
+            undo = UndoInfo(mig_devices=u.mig_devices + tuple(items.get("mig_devices", ())),
+                            time_slices=u.time_slices + tuple(items.get("time_slices", ())),
+                            mps_daemons=u.mps_daemons + tuple(items.get("mps_daemons", ())))
+            return r.model_copy(update={"undo": undo})
+        self.checkpoint.update(uid, change)
+
+    def _drop_undo(self, uid: str, *, mps_daemon: str | None = None, mig: tuple[str, int, int] | None = None,
+                   time_slice: tuple[str, ...] | None = None) -> None:
+        if self.checkpoint.get(uid) is None:
+            return
+
+        def change(r: ClaimRecord) -> ClaimRecord:
+            u = r.undo
+            return r.model_copy(update={"undo": UndoInfo(
+                mps_daemons=tuple(d for d in u.mps_daemons if d.daemon_id != mps_daemon),
+                mig_devices=tuple(m for m in u.mig_devices if (m.parent_uuid, m.gi_id, m.ci_id) != mig),
+                time_slices=tuple(t for t in u.time_slices if tuple(t.gpu_uuids) != time_slice),
+            )})
+        self.checkpoint.update(uid, change)
