@@ -1,4 +1,5 @@
-"""Reading ResourceClaims: where a claim comes from, and which parts of its allocation are ours.
+"""Claims as the driver sees them: what the kubelet names (``ClaimRef``), what the driver answers
+(``PrepareResult``, independent of the DRA API version), and where the allocation is read from.
 
 The kubelet passes only (namespace, name, uid) over gRPC; the allocation itself is read from the API
 server. ``ClaimSource`` hides that read so the prepare/unprepare driver can be exercised with plain dicts.
@@ -184,3 +185,49 @@ def allocation_for(claim: dict[str, Any], driver_name: str, pool_name: str) -> C
                                          requests=tuple(c.get("requests") or ()),
                                          parameters=opaque.get("parameters"), index=i))
     return ClaimAllocation(devices=tuple(results), configs=tuple(configs))
+
+
+# ----- what prepare/unprepare hand back to the gRPC layer -----------------------------------------------------
+@dataclass(frozen=True)
+class PreparedDevice:
+    """One device of a prepared claim, as the kubelet needs it (kubelet Device message)."""
+
+    request_names: tuple[str, ...]     # base request names (sub-request suffix stripped)
+    pool_name: str
+    device_name: str
+    cdi_device_ids: tuple[str, ...]
+    share_id: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"requestNames": list(self.request_names), "poolName": self.pool_name,
+                             "deviceName": self.device_name, "cdiDeviceIDs": list(self.cdi_device_ids)}
+        if self.share_id:
+            d["shareID"] = self.share_id
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "PreparedDevice":
+        return cls(request_names=tuple(d.get("requestNames") or ()), pool_name=d["poolName"],
+                   device_name=d["deviceName"], cdi_device_ids=tuple(d.get("cdiDeviceIDs") or ()),
+                   share_id=d.get("shareID") or None)
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    devices: tuple[PreparedDevice, ...] = ()
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class UnprepareResult:
+    error: str = ""
+
+
+class NodeDriver(Protocol):
+    """What the DRA gRPC service needs from the driver."""
+
+    def prepare(self, claims: list[ClaimRef]) -> dict[str, PrepareResult]:
+        ...
+
+    def unprepare(self, claims: list[ClaimRef]) -> dict[str, UnprepareResult]:
+        ...

@@ -58,7 +58,7 @@ from kubeletplugin.deviceactions import Applied, ClaimActions, DeviceCatalog, Mi
 from kubeletplugin.metrics import PluginMetrics
 from kubeletplugin.plan import DevicePlan, PlanError, plan_claim
 from kubeletplugin.recovery import StartupReport, recover_at_start
-from kubeletplugin.results import PreparedDevice, PrepareResult, UnprepareResult
+from kubeletplugin.claims import PreparedDevice, PrepareResult, UnprepareResult
 
 FAULT_ENV = "GPU_DRA_FAULT"
 CRASH_STEPS = ("checkpoint-started", "mig-created", "timeslice-applied", "mps-started", "cdi-written")

@@ -26,7 +26,7 @@ from api.generated.dra_health.v1alpha1 import api_pb2_grpc as health_v1alpha1_gr
 from kubeletplugin.claims import ClaimRef
 from kubeletplugin.health import MAX_MESSAGE, HealthBoard
 from kubeletplugin.metrics import PluginMetrics
-from kubeletplugin.results import NodeDriver
+from kubeletplugin.claims import NodeDriver
 from kubeletplugin.unixserver import UnixGrpcServer
 
 

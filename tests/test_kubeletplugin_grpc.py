@@ -25,7 +25,7 @@ from api.generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from kubeletplugin.claims import ClaimRef
 from kubeletplugin.health import DeviceHealth, HealthBoard, health_from_taints
 from kubeletplugin.registration import RegistrationServer, supported_services
-from kubeletplugin.results import PreparedDevice, PrepareResult, UnprepareResult
+from kubeletplugin.claims import PreparedDevice, PrepareResult, UnprepareResult
 from kubeletplugin.server import DRAServer
 from kubeletplugin.sockets import MAX_UNIX_PATH, SocketPathError, socket_paths
 

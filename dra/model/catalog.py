@@ -10,9 +10,12 @@ Geometry comes from two tables:
 * ``slots8`` (A100, H100, H200, B200): 8 memory slices, 7 compute slices.
 * ``slots4_a30`` (A30): 4 memory slices, 4 compute slices.
 
-Placements and instance counts are the captured ``nvidia-smi mig -lgipp`` tables; for H200 and B200 they are
-inferred from identical fractions and counts. Profile memory (MiB) and SMs are captured values where a capture
-exists (A100-40GB, H100-80GB, H100-NVL, A30). Elsewhere they are derived, and marked so below:
+Placements and instance counts are the captured ``nvidia-smi mig -lgipp`` tables; for H200 and B200 no
+placement capture is public, so they are inferred from identical fractions and counts. Profile memory (MiB),
+SMs and engines are captured values (``nvidia-smi mig -lgip``, whose memory column is memorySizeMB / 1024 with
+two decimals, so the MiB below are exact) where a public capture exists; each model names its source. MIG
+memory per profile differs slightly between driver releases; the captures are of 5xx drivers. Values without
+a capture are derived, and marked so:
 
 * memory: the H100-80GB capture's fraction of total memory for the same number of memory slices, applied to
   the model's total and rounded down to 256 MiB (NVML sizes MIG memory in such steps);
@@ -170,10 +173,12 @@ _ENGINES_GH100: dict[str, _Engines] = {
     "1g": (1, 1, 0, 1, 0), "1g+me": (1, 1, 0, 1, 1), "1g.2m": (1, 1, 0, 1, 0),
     "2g": (2, 2, 0, 2, 0), "3g": (3, 3, 0, 3, 0), "4g": (4, 4, 0, 4, 0), "7g": (8, 7, 0, 7, 1),
 }
-# B200 copy engines from the MIG guide (2, 2, 3, 6, 8, 16); decoders/JPEG per slice as on GH100 (derived).
+# B200: 1g, 1g+me, 1g.2m and 2g captured (NVIDIA/mig-parted PR #187; the 2g has 4 copy engines where the MIG
+# guide says 3). 3g/4g/7g: copy engines from the MIG guide (6, 8, 16), decoders/JPEG per slice as on GH100
+# (derived, no capture).
 _ENGINES_GB100: dict[str, _Engines] = {
     "1g": (2, 1, 0, 1, 0), "1g+me": (2, 1, 0, 1, 1), "1g.2m": (2, 1, 0, 1, 0),
-    "2g": (3, 2, 0, 2, 0), "3g": (6, 3, 0, 3, 0), "4g": (8, 4, 0, 4, 0), "7g": (16, 7, 0, 7, 1),
+    "2g": (4, 2, 0, 2, 0), "3g": (6, 3, 0, 3, 0), "4g": (8, 4, 0, 4, 0), "7g": (16, 7, 0, 7, 1),
 }
 _ENGINES_A30: dict[str, _Engines] = {
     "1g": (1, 0, 0, 0, 0), "1g+me": (1, 1, 0, 1, 1), "2g": (2, 2, 0, 0, 0), "2g+me": (2, 2, 0, 1, 1),
@@ -246,8 +251,9 @@ def _names8(one: str, two: str, four: str, seven: str) -> dict[str, str]:
 _A, _H, _B = _P.NVML_DEVICE_ARCH_AMPERE, _P.NVML_DEVICE_ARCH_HOPPER, _P.NVML_DEVICE_ARCH_BLACKWELL
 _GA100_SMS = _per_slice_sms(14, SLOTS8)
 
-# Whole-GPU engine counts of the models without MIG are datasheet values (copy, NVDEC, NVENC, NVJPG, OFA);
-# NVML reports engine counts only for MIG devices.
+# Whole-GPU engine counts of the models without MIG are datasheet values (copy, NVDEC, NVENC, NVJPG, OFA): NVML
+# reports engine counts only for MIG devices, so no capture of them exists (CUDA's deviceQuery agrees on the
+# copy engines and SMs of T4, L4, L40S and A10).
 _MODELS: tuple[GpuModel, ...] = (
     _plain_model("T4", "Tesla T4", _P.NVML_BRAND_TESLA, _P.NVML_DEVICE_ARCH_TURING, (7, 5), 15360, 40, 0x1EB8,
                  (3, 2, 1, 0, 1)),
@@ -271,9 +277,12 @@ _MODELS: tuple[GpuModel, ...] = (
     _slots8_model("A100-40GB", "NVIDIA A100-SXM4-40GB", (8, 0), 40960, 108, 0x20B0, _A, _names8("5", "10", "20", "40"),
                   {"1g": 4864, "1g+me": 4864, "1g.2m": 9984, "2g": 9984, "3g": 20096, "4g": 20096, "7g": 40320},
                   _GA100_SMS, _ENGINES_GA100),
-    # derived memory (no capture); SMs as on A100-40GB (same GA100 die)
+    # captured (-lgip, driver 515.86.01, A100 80GB PCIe; 570.148.08 agrees on 1g/2g/3g): 9.50 / 19.50 / 39.25 /
+    # 79.00 GiB; 1g.20gb is not listed there: no capture, given the 2g's memory (same two memory slices).
+    # SMs as on A100-40GB (same GA100 die, agrees with the capture's 14/28/42/56/98).
     _slots8_model("A100-80GB", "NVIDIA A100-SXM4-80GB", (8, 0), 81920, 108, 0x20B2, _A, _names8("10", "20", "40", "80"),
-                  _derived_mib(81920), _GA100_SMS, _ENGINES_GA100),
+                  {"1g": 9728, "1g+me": 9728, "1g.2m": 19968, "2g": 19968, "3g": 40192, "4g": 40192, "7g": 80896},
+                  _GA100_SMS, _ENGINES_GA100),
     # captured: 9.75 / 19.62 / 19.62 / 39.50 / 39.50 / 79.25 GiB; 16/26/32/60/64/132 SMs
     _slots8_model("H100-80GB", "NVIDIA H100 80GB HBM3", (9, 0), _H100_TOTAL_MIB, 132, 0x2330, _H,
                   _names8("10", "20", "40", "80"), dict(_H100_MIB), _SMS_GH100, _ENGINES_GH100),
@@ -281,12 +290,19 @@ _MODELS: tuple[GpuModel, ...] = (
     _slots8_model("H100-NVL", "NVIDIA H100 NVL", (9, 0), 95830, 132, 0x2321, _H, _names8("12", "24", "47", "94"),
                   {"1g": 11008, "1g+me": 11008, "1g.2m": 22144, "2g": 22144, "3g": 47488, "4g": 47488, "7g": 95360},
                   _SMS_GH100, _ENGINES_GH100),
-    # derived memory; SMs as on H100 (same GH100 die)
+    # captured (-lgip of an H200 141GB, NVIDIA/mig-parted issue #120): 16.00 / 32.25 / 32.25 / 69.50 / 69.50 /
+    # 139.75 GiB, SMs 16/26/32/60/64/132 and engines as on H100 (same GH100 die); total 143771 MiB, 132 SMs.
     _slots8_model("H200-141GB", "NVIDIA H200", (9, 0), 143771, 132, 0x2335, _H, _names8("18", "35", "71", "141"),
-                  _derived_mib(143771), _SMS_GH100, _ENGINES_GH100),
-    # derived memory; derived SMs (21 per compute slice of 148)
+                  {"1g": 16384, "1g+me": 16384, "1g.2m": 33024, "2g": 33024, "3g": 71168, "4g": 71168, "7g": 143104},
+                  _SMS_GH100, _ENGINES_GH100),
+    # B200: total 183359 MiB and 148 SMs as nvidia-smi reports them. 1g, 1g+me, 1g.45gb and 2g captured (-lgip in
+    # NVIDIA/mig-parted PR #187, March 2025 driver: 20.50 / 44.25 / 44.25 GiB, 18/18/30/36 SMs, engines below;
+    # the January 2025 driver of PR #166 said 22.00 GiB for 1g). No public capture of 3g, 4g, 7g: memory
+    # derived (H100 fractions), SMs derived (4g = 4 x 18 like 2g = 2 x 18; 3g scaled from H100's 60 by 148/132;
+    # 7g = the whole GPU).
     _slots8_model("B200", "NVIDIA B200", (10, 0), 183359, 148, 0x2901, _B, _names8("23", "45", "90", "180"),
-                  _derived_mib(183359), _per_slice_sms(21, SLOTS8), _ENGINES_GB100),
+                  {**_derived_mib(183359), "1g": 20992, "1g+me": 20992, "1g.2m": 45312, "2g": 45312},
+                  {"1g": 18, "1g+me": 18, "1g.2m": 30, "2g": 36, "3g": 67, "4g": 72, "7g": 148}, _ENGINES_GB100),
 )
 
 CATALOG: dict[str, GpuModel] = {m.name: m for m in _MODELS}
