@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # K8S_VERSION (the target release), K8S_SKEW_VERSION (the oldest supported one), ETCD_VERSION.
 include hack/versions.env
 
-.PHONY: demo test unit e2e bench control-plane control-plane-target control-plane-skew protos clean
+.PHONY: demo test unit e2e bench control-plane control-plane-target control-plane-skew node-binaries protos clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,17 +26,23 @@ control-plane-target:
 control-plane-skew:
 	K8S_VERSION=$(K8S_SKEW_VERSION) ETCD_VERSION=$(ETCD_VERSION) bash hack/build-control-plane.sh
 
+# Builds (or reuses) what a real node runs: kubelet (next to the control plane of the target release, from
+# its go.mod), containerd, ctr, containerd-shim-runc-v2 and runc (CONTAINERD_VERSION, RUNC_VERSION) and the
+# pause and busybox test images as OCI archives, linked together in ~/.cache/gpu-dra/node/<versions>/.
+node-binaries: control-plane-target
+	K8S_VERSION=$(K8S_VERSION) CONTAINERD_VERSION=$(CONTAINERD_VERSION) RUNC_VERSION=$(RUNC_VERSION) bash hack/build-node.sh
+
 # The demo runs on the target release only.
-demo: $(STAMP) control-plane-target
+demo: $(STAMP) control-plane-target node-binaries
 	$(VENV)/bin/gpu-dra demo
 
-test: $(STAMP) control-plane
+test: $(STAMP) control-plane node-binaries
 	$(PY) -m pytest
 
 unit: $(STAMP)
 	$(PY) -m pytest -m 'not e2e'
 
-e2e: $(STAMP) control-plane
+e2e: $(STAMP) control-plane node-binaries
 	$(PY) -m pytest -m e2e
 
 bench: $(STAMP)
