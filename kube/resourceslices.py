@@ -15,11 +15,13 @@ It follows the algorithm of the upstream Go helper (k8s.io/dynamic-resource-allo
 * nothing is written when the server already holds the desired state, so a restart with unchanged
   hardware writes nothing.
 
-Differences from upstream, for simplicity: slice names are deterministic (`<pool>-<driver>-<index>`)
-rather than generated, and each pool sync reads the pool's slices with a fresh LIST (field selectors on
-driver and pool) instead of an informer cache, which makes a mutation cache unnecessary. API servers that
-cannot select by `spec.pool.name` (Kubernetes 1.34) answer 400; from then on the pool's slices are picked
-out of the driver's (and node's) slices here.
+Differences from upstream, for simplicity: slice names are deterministic (`<pool>-<driver>-<index>`, the index
+zero-padded so that name order, which kube-scheduler follows, is pool order) rather than generated, and each
+pool sync reads the pool's slices with a fresh LIST (field selectors on driver and pool) instead of an
+informer cache, which makes a mutation cache unnecessary. API servers that cannot select by `spec.pool.name`
+(Kubernetes 1.34) answer 400; from then on the pool's slices are picked out of the driver's (and node's)
+slices here. Slices under names this publisher no longer gives (e.g. the unpadded `-2` of older releases) are
+obsolete: they are deleted and the pool is written anew under the current names with the next generation.
 """
 from __future__ import annotations
 
@@ -108,16 +110,25 @@ class DesiredPool:
         return cls(slices=parts or [{"devices": []}], node_name=nodes.pop())
 
 
+# Slice names end in the index zero-padded to this many digits: kube-scheduler visits a pool's slices in name
+# order, so names must sort like the indexes (unpadded, `-10` sorts before `-2`) for the device order to hold.
+SLICE_INDEX_DIGITS = 4
+MAX_POOL_SLICES = 10 ** SLICE_INDEX_DIGITS
+
+
 def slice_name(driver: str, pool: str, index: int) -> str:
-    """Stable ResourceSlice name `<pool>-<driver>-<index>`, made a valid DNS subdomain.
+    """Stable ResourceSlice name `<pool>-<driver>-<index>` with the index zero-padded to SLICE_INDEX_DIGITS
+    digits (so name order is pool order), made a valid DNS subdomain.
 
     When the pool name had to be changed (upper case, '/', too long) a short hash of the original is
     added so that two pools never share names."""
+    if not 0 <= index < MAX_POOL_SLICES:
+        raise ValueError(f"slice index {index} out of range: a pool has at most {MAX_POOL_SLICES} slices")
     base = f"{pool}-{driver}".lower()
     clean = re.sub(r"[^a-z0-9.-]+", "-", base)
     clean = re.sub(r"-*\.-*", ".", clean)          # no '-' next to '.'
     clean = re.sub(r"\.{2,}", ".", clean).strip(".-") or "pool"
-    suffix = f"-{index}"
+    suffix = f"-{index:0{SLICE_INDEX_DIGITS}d}"
     if clean != base or len(clean) + len(suffix) > 253:
         digest = hashlib.sha256(pool.encode()).hexdigest()[:8]
         clean = clean[: 253 - len(suffix) - 9].rstrip(".-") + "-" + digest
@@ -133,6 +144,9 @@ def check_desired_pool(driver: str, pool_name: str, pool: DesiredPool, owner: Ow
         raise InvalidPoolError(f"{where}: name must be DNS subdomains joined by '/', at most 253 characters")
     if not isinstance(pool.slices, list) or not pool.slices:
         raise InvalidPoolError(f"{where}: needs at least one slice (an empty one says the pool has no devices)")
+    if len(pool.slices) > MAX_POOL_SLICES:
+        raise InvalidPoolError(f"{where}: {len(pool.slices)} slices, at most {MAX_POOL_SLICES} (slice names carry "
+                               f"a {SLICE_INDEX_DIGITS}-digit index)")
     for i, part in enumerate(pool.slices):
         if not isinstance(part, dict):
             raise InvalidPoolError(f"{where} slice {i}: must be a dict with 'devices' or 'sharedCounters', "

@@ -212,7 +212,7 @@ def test_pick_claim_prefers_a_mig_partition() -> None:
 
 
 DESCRIBE = """\
-Name:         node-b-gpu.dra-driver.io-1
+Name:         node-b-gpu.dra-driver.io-0001
 Kind:         ResourceSlice
 Spec:
   Devices:

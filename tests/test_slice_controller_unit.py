@@ -10,9 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kube.serverversion as serverversion
+from bench.memapi import InMemorySliceApi
+from kube.client import SLICES
 from kube.backoff import Backoff
-from kube.resourceslices import (DesiredPool, InvalidPoolError, Owner, ResourceSliceController, check_desired_pool,
-                                 slice_name)
+from kube.resourceslices import (MAX_POOL_SLICES, DesiredPool, InvalidPoolError, Owner, ResourceSliceController,
+                                 check_desired_pool, slice_name)
 from kube.slicecompare import normalize_spec
 from api.quantity import quantity_value
 
@@ -26,15 +28,32 @@ def devices(*names: str, **extra: object) -> dict:
 # ---- names ------------------------------------------------------------------------------------------
 
 def test_slice_names_are_readable_and_stable() -> None:
-    assert slice_name("gpu.dra-driver.io", "node-a", 0) == "node-a-gpu.dra-driver.io-0"
-    assert slice_name("gpu.dra-driver.io", "node-a", 11) == "node-a-gpu.dra-driver.io-11"
+    assert slice_name("gpu.dra-driver.io", "node-a", 0) == "node-a-gpu.dra-driver.io-0000"
+    assert slice_name("gpu.dra-driver.io", "node-a", 11) == "node-a-gpu.dra-driver.io-0011"
+
+
+@settings(max_examples=60, deadline=None)
+@given(pool=st.text(alphabet="abcXYZ019.-/_", min_size=1, max_size=300),
+       indexes=st.lists(st.integers(0, MAX_POOL_SLICES - 1), min_size=2, max_size=20, unique=True))
+def test_slice_names_sort_in_pool_order(pool: str, indexes: list[int]) -> None:
+    """kube-scheduler visits a pool's slices in name order: that must be the order of their indexes."""
+    names = {slice_name("gpu.dra-driver.io", pool, i): i for i in indexes}
+    assert [names[n] for n in sorted(names)] == sorted(indexes)
+
+
+def test_a_pool_has_at_most_as_many_slices_as_the_names_can_order() -> None:
+    assert slice_name(DRIVER, "node-a", MAX_POOL_SLICES - 1).endswith("-9999")
+    with pytest.raises(ValueError, match="at most 10000 slices"):
+        slice_name(DRIVER, "node-a", MAX_POOL_SLICES)
+    with pytest.raises(InvalidPoolError, match="10001 slices, at most 10000"):
+        check_desired_pool(DRIVER, "node-a", pool(*[{"devices": []}] * (MAX_POOL_SLICES + 1)), NODE)
 
 
 def test_pool_names_that_need_changes_get_a_hash_and_stay_distinct() -> None:
     a = slice_name("gpu.example.com", "rack/a", 0)
     b = slice_name("gpu.example.com", "rack-a", 0)
     assert a != b and DNS_SUBDOMAIN.match(a)
-    assert b == "rack-a-gpu.example.com-0"
+    assert b == "rack-a-gpu.example.com-0000"
 
 
 @settings(max_examples=60, deadline=None)
@@ -42,7 +61,7 @@ def test_pool_names_that_need_changes_get_a_hash_and_stay_distinct() -> None:
 def test_slice_names_are_always_dns_subdomains(pool: str, index: int) -> None:
     name = slice_name("gpu.dra-driver.io", pool, index)
     assert len(name) <= 253 and DNS_SUBDOMAIN.match(name), name
-    assert name.endswith(f"-{index}")
+    assert name.endswith(f"-{index:04d}")
 
 
 # ---- pool validation ----------------------------------------------------------------------------------
@@ -114,6 +133,30 @@ def test_full_specs_from_the_slice_builder_become_a_pool() -> None:
     assert DesiredPool.from_slice_specs([], "node-b").slices == [{"devices": []}]
     with pytest.raises(InvalidPoolError, match="exactly one node"):
         DesiredPool.from_slice_specs([{**specs[0], "nodeName": "node-b"}, specs[1]])
+
+
+def test_slices_under_the_unpadded_names_of_older_releases_are_replaced_cleanly() -> None:
+    """An upgrade: the server holds the pool under the old names (`-0` .. `-11`). One sync deletes every one of
+    them and writes the pool under the new names with the next generation; the sync after that writes nothing."""
+    api = InMemorySliceApi(["node-a"])
+    old = pool(*[devices(f"gpu-{i}") for i in range(12)])
+    for i, part in enumerate(old.slices):
+        api.create(SLICES, {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+                            "metadata": {"name": f"node-a-{DRIVER}-{i}"},
+                            "spec": {"driver": DRIVER, "nodeName": "node-a", **part,
+                                     "pool": {"name": "node-a", "generation": 3, "resourceSliceCount": 12}}})
+    api.writes.clear()
+    ctl = ResourceSliceController(object(), DRIVER, NODE)
+    ctl.kube = api  # type: ignore[assignment]
+    ctl.update({"node-a": old})
+    ctl.run_once(timeout=10)
+    assert dict(api.writes) == {"delete": 12, "create": 12}
+    stored = sorted(api.list(SLICES, f"spec.driver={DRIVER}")["items"], key=lambda o: o["metadata"]["name"])
+    assert [o["metadata"]["name"] for o in stored] == [slice_name(DRIVER, "node-a", i) for i in range(12)]
+    assert [o["spec"]["devices"][0]["name"] for o in stored] == [f"gpu-{i}" for i in range(12)]
+    assert {o["spec"]["pool"]["generation"] for o in stored} == {4}
+    ctl.run_once(timeout=10)
+    assert dict(api.writes) == {"delete": 12, "create": 12}
 
 
 # ---- comparison ---------------------------------------------------------------------------------------

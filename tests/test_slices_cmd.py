@@ -109,7 +109,7 @@ def test_cli_prints_full_resourceslice_objects(capsys, fleet_file):
     assert rc == 0, err
     objs = list(yaml.safe_load_all(out))
     assert [o["metadata"]["name"] for o in objs] == [
-        "node-a-gpu.dra-driver.io-0", "node-a-gpu.dra-driver.io-1", "node-b-gpu.dra-driver.io-0"]
+        "node-a-gpu.dra-driver.io-0000", "node-a-gpu.dra-driver.io-0001", "node-b-gpu.dra-driver.io-0000"]
     for o in objs:
         assert o["apiVersion"] == "resource.k8s.io/v1" and o["kind"] == "ResourceSlice"
         assert o["spec"]["pool"]["generation"] == 1
@@ -122,7 +122,7 @@ def test_cli_compat_nvidia_and_node_filter(capsys, fleet_file):
     rc, out, _ = run_cli(capsys, "--fleet", fleet_file, "--node", "node-b", "--compat-nvidia")
     assert rc == 0
     objs = list(yaml.safe_load_all(out))
-    assert [o["metadata"]["name"] for o in objs] == ["node-b-gpu.nvidia.com-0"]
+    assert [o["metadata"]["name"] for o in objs] == ["node-b-gpu.nvidia.com-0000"]
     assert objs[0]["spec"]["driver"] == "gpu.nvidia.com"
 
 

@@ -218,7 +218,7 @@ def test_gpu_dra_demo_command_end_to_end(tmp_path: Path) -> None:
     out = proc.stdout
     for example in CHECKS:
         assert f"\n{example} " in out, example
-    assert "### kubectl describe resourceslice node-b-gpu.dra-driver.io-1" in out
+    assert "### kubectl describe resourceslice node-b-gpu.dra-driver.io-0001" in out
     assert "String:  time-slicing" in out           # real kubectl describe output
     listing = out.split("### kubectl get resourceslices\n", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
     assert len(listing) > 1 and all(line.startswith("node-") for line in listing), listing
