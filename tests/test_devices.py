@@ -15,6 +15,8 @@ from dra.model.devices import (
 )
 from dra.model.mig import can_place
 from dra.model.policy import parse_node_policy
+from dra.node.inventory import discover
+from dra.sim.fleet import nvml_for_node, parse_fleet
 from gpu_fixtures import a30, from_catalog, h100, inventory, l4, with_instances
 from mig_layouts import check_layout, maximal_layouts
 
@@ -392,12 +394,42 @@ def test_memory_share_minimum_above_gpu_memory_is_an_error():
 def test_unhealthy_gpu_taints_all_its_devices():
     sick = replace(h100(1), healthy=False, health_reason="XID 79: GPU has fallen off the bus")
     model = build_devices(inventory(h100(0), sick), dynamic_with_slots(2), driver="gpu.example.com")
+    assert [d.name for d in model.devices if d.gpu_minor == 1] == ["gpu-1"]   # its policy is not applied
     for d in model.devices:
         if d.gpu_minor == 1:
             assert d.taints == ({"key": "gpu.example.com/unhealthy", "value": "XID-79-GPU-has-fallen-off-the-bus",
                                  "effect": "NoSchedule"},)
         else:
             assert d.taints == ()
+
+
+@pytest.mark.parametrize("rule", [
+    {"slots": {"count": 4, "strategy": "time-slicing"}},
+    {"wholeGpu": False, "slots": {"count": 8, "strategy": "mps"}},
+    {"memoryShares": {"minimum": "1Gi"}},
+    {"mig": "dynamic", "slots": {"count": 2}},
+    {"wholeGpu": False, "mig": "static"},
+])
+def test_a_lost_gpu_is_one_tainted_whole_gpu_whatever_rule_matches(rule):
+    """Discovered through the simulated NVML: a lost GPU answers only its identity (no memory, no MIG profiles)."""
+    fleet = parse_fleet({"nodes": [{"name": "n", "gpus": [
+        {"model": "H100-80GB"}, {"model": "H100-80GB", "broken": "fell off the bus"}]}]})
+    nvml = nvml_for_node(fleet.nodes[0])
+    nvml.nvmlInit()
+    try:
+        inv = discover(nvml)
+    finally:
+        nvml.nvmlShutdown()
+    assert [g.healthy for g in inv.gpus] == [True, False]
+    model = build_devices(inv, policy({"rules": [{"match": {"index": 1}, **rule}]}), driver="gpu.example.com")
+    assert [d.name for d in model.devices] == ["gpu-0", "gpu-1"]
+    lost = model.by_name()["gpu-1"]
+    assert lost.kind == "gpu" and lost.attributes["type"] == {"string": "gpu"}
+    [taint] = lost.taints
+    assert taint["key"] == "gpu.example.com/unhealthy" and taint["effect"] == "NoSchedule"
+    assert "GPU-is-lost" in taint["value"]
+    assert model.by_name()["gpu-0"].taints == () and model.counter_sets == ()
+    assert any("GPU 1" in w and "unhealthy" in w and "rules[0]" in w for w in model.warnings), model.warnings
 
 
 def test_monitor_taints_whole_gpu_name_spreads_other_names_do_not():

@@ -509,7 +509,8 @@ def build_devices(
 
     ``taints`` (from the health monitor) maps device names to DeviceTaints; a taint on a whole-GPU name
     (``gpu-<minor>``) applies to every device of that GPU, because the fault is in the physical GPU. GPUs
-    that discovery found unhealthy get ``<driver>/unhealthy=<reason>:NoSchedule`` on all their devices.
+    that discovery found unhealthy are published as one whole GPU device, whatever the policy, with
+    ``<driver>/unhealthy=<reason>:NoSchedule``.
     ``model_name_of`` gives the model name for rules that match on ``model`` (default: the catalog's).
     """
     if model_name_of is None:
@@ -520,14 +521,14 @@ def build_devices(
     counter_sets: list[CounterSet] = []
     for gpu in sorted(inventory.gpus, key=lambda g: g.minor):
         origin, pol = policy.select(gpu, model_name_of(gpu))
-        try:
+        if gpu.healthy:
             plan = _plan(gpu, pol, origin, warnings)
-        except DeviceModelError as exc:
-            if gpu.healthy:
-                raise
-            # A lost GPU reports too little to apply its policy (no MIG profiles, no name). Keep it visible
-            # as a tainted whole GPU rather than failing the node's whole pool.
-            warnings.append(f"{exc}; the GPU is unhealthy ({gpu.health_reason}), publishing it as a whole GPU")
+        else:
+            # An unhealthy (e.g. lost) GPU reports too little to apply any policy: no memory, no MIG profiles,
+            # perhaps no name, so slots would come out with 0 memory and MIG would fail the node's whole pool.
+            # Whatever rule matches, it is published as one whole GPU carrying the taint.
+            warnings.append(f"{describe_gpu(gpu)} is unhealthy ({gpu.health_reason}): published as one tainted "
+                            f"whole GPU instead of what node policy {origin} asks for")
             plan = _GpuPlan(whole=True)
         if plan.shares:
             gpu_devices, cs = [_shared_device(gpu, inventory, pol)], None
