@@ -11,6 +11,7 @@ _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9
 _C_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)$")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+_UID = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_]{0,126}[A-Za-z0-9])?$")
 
 
 def is_dns_label(v: Any, max_len: int = 63) -> bool:
@@ -46,3 +47,9 @@ def is_label_key(v: Any) -> bool:
 def is_label_value(v: Any) -> bool:
     """A label or taint value: empty, or at most 63 alphanumerics with '-', '_', '.' inside."""
     return isinstance(v, str) and len(v) <= 63 and bool(_LABEL_VALUE.match(v))
+
+
+def is_uid(v: Any) -> bool:
+    """An object UID as the API server assigns it (a UUID), or one of the same safe shape: letters, digits,
+    '-' and '_', at most 128; never '/', '.' or anything else a path could be built from."""
+    return isinstance(v, str) and bool(_UID.match(v))

@@ -24,7 +24,7 @@ class ApiError(Exception):
     """The API server answered with an error status (reason and message from its Status object)."""
 
     def __init__(self, method: str, path: str, status: int, body: str) -> None:
-        self.method, self.path, self.status = method, path, status
+        self.method, self.path, self.status, self.body = method, path, status, body
         try:
             doc = json.loads(body)
         except ValueError:

@@ -9,12 +9,20 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from api.k8snames import is_dns_label, is_dns_subdomain, is_uid
+
 
 class ClaimError(Exception):
-    """A claim that cannot be prepared as it is (gone, replaced, not allocated, bad allocation)."""
+    """A claim that cannot be prepared as it is (gone, replaced, not allocated, bad allocation) or cannot be
+    read now. ``reason`` is the kind, for metrics: claim, not_found, unavailable, forbidden, api, plan."""
+
+    def __init__(self, message: str, reason: str = "claim") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -27,6 +35,18 @@ class ClaimRef:
 
     def describe(self) -> str:
         return f"{self.namespace}/{self.name} ({self.uid})"
+
+
+def claim_ref_problem(ref: ClaimRef) -> str | None:
+    """Why a claim named by the kubelet is not a valid Kubernetes claim reference (it goes into API paths and
+    file names), or None."""
+    if not is_uid(ref.uid):
+        return f"claim uid {ref.uid[:80]!r}: not a Kubernetes UID"
+    if not is_dns_label(ref.namespace):
+        return f"claim {ref.uid}: namespace {ref.namespace[:80]!r} is not a Kubernetes namespace name"
+    if not is_dns_subdomain(ref.name):
+        return f"claim {ref.uid}: name {ref.name[:260]!r} is not a Kubernetes object name"
+    return None
 
 
 class ClaimSource(Protocol):
@@ -77,46 +97,63 @@ class KubernetesClaimSource:
     """Reads claims from the API server as raw JSON (the typed client models drop fields they do not know).
 
     Tries ``resource.k8s.io/v1`` first and falls back to older served versions when the API server does
-    not serve v1 at all (the claim status shape we read is the same in v1beta1/v1beta2)."""
+    not serve v1 at all (the claim status shape we read is the same in v1beta1/v1beta2). API failures become
+    ClaimErrors by kind (``unavailable``, ``forbidden``, ``not_found``, ``api``) with a one-line message: the
+    kubelet retries, and no traceback is logged for what is not a bug."""
 
     API_VERSIONS = ("v1", "v1beta2", "v1beta1")
 
     def __init__(self, api_client: Any, timeout_s: float = 10.0):
-        self._api = api_client
-        self._timeout = timeout_s
+        from kube.client import KubeApi
+
+        self._kube = KubeApi(api_client, timeout=timeout_s)
         self._version: str | None = None
 
-    def _read(self, version: str, namespace: str, name: str) -> tuple[int, dict[str, Any]]:
-        path = f"/apis/resource.k8s.io/{version}/namespaces/{namespace}/resourceclaims/{name}"
-        method, url, headers, body, post = self._api.param_serialize(
-            "GET", path, header_params={"Accept": "application/json"}, auth_settings=["BearerToken"])
-        resp = self._api.call_api(method, url, header_params=headers, body=body, post_params=post,
-                                  _request_timeout=self._timeout)
-        raw = resp.read()
-        try:
-            data = json.loads(raw or b"{}")
-        except ValueError:
-            data = {"message": raw[:200].decode(errors="replace") if isinstance(raw, bytes) else str(raw)[:200]}
-        return resp.status, data if isinstance(data, dict) else {}
-
     def get_claim(self, namespace: str, name: str, uid: str) -> dict[str, Any]:
+        from kube.client import ApiError, ApiUnavailable
+
+        what = f"ResourceClaim {namespace}/{name}"
         versions = [self._version] if self._version else list(self.API_VERSIONS)
         last = ""
         for version in versions:
-            status, body = self._read(version, namespace, name)
-            if status == 200:
-                self._version = version
-                check_claim_identity(body, ClaimRef(namespace, uid, name))
-                return body
-            details = body.get("details") or {}
-            if status == 404 and details.get("name") == name:
-                raise ClaimError(f"ResourceClaim {namespace}/{name} not found")
-            if status == 404:
-                last = f"resource.k8s.io/{version} not served"
-                continue  # this API version is not served; try the next
-            raise ClaimError(f"reading ResourceClaim {namespace}/{name}: HTTP {status}: "
-                             f"{body.get('message') or body}")
-        raise ClaimError(f"reading ResourceClaim {namespace}/{name}: {last or 'no API version answered'}")
+            path = (f"/apis/resource.k8s.io/{version}/namespaces/{urllib.parse.quote(namespace, safe='')}"
+                    f"/resourceclaims/{urllib.parse.quote(name, safe='')}")
+            try:
+                body = self._kube.get(path)
+            except ApiUnavailable as err:
+                raise ClaimError(f"reading {what}: the API server is unavailable ({_first_line(err)}); "
+                                 "the kubelet retries", reason="unavailable") from None
+            except ApiError as err:
+                details = _details(err)
+                if err.status == 404 and details.get("name") == name:
+                    raise ClaimError(f"{what} not found", reason="not_found") from None
+                if err.status == 404:
+                    last = f"resource.k8s.io/{version} not served"
+                    continue  # this API version is not served; try the next
+                if err.status in (401, 403):
+                    raise ClaimError(f"reading {what}: forbidden (HTTP {err.status}): {err.message}; check the "
+                                     "plugin's RBAC", reason="forbidden") from None
+                raise ClaimError(f"reading {what}: HTTP {err.status} {err.reason}: {err.message}",
+                                 reason="api") from None
+            if not isinstance(body, dict):
+                raise ClaimError(f"reading {what}: the API server sent no object", reason="api")
+            self._version = version
+            check_claim_identity(body, ClaimRef(namespace, uid, name))
+            return body
+        raise ClaimError(f"reading {what}: {last or 'no API version answered'}", reason="api")
+
+
+def _details(err: Any) -> dict[str, Any]:
+    try:
+        doc = json.loads(err.body) if getattr(err, "body", None) else {}
+    except ValueError:
+        return {}
+    details = doc.get("details") if isinstance(doc, dict) else None
+    return details if isinstance(details, dict) else {}
+
+
+def _first_line(err: Exception) -> str:
+    return (str(err).splitlines() or [type(err).__name__])[0][:300]
 
 
 @dataclass(frozen=True)
@@ -158,33 +195,58 @@ def allocation_for(claim: dict[str, Any], driver_name: str, pool_name: str) -> C
     A claim may hold results of other drivers (handled by their plugins) and, for network-attached pools,
     of other pools; those are skipped. A claim with no allocation is an error: the kubelet only asks for
     allocated, reserved claims, so this means the claim was deallocated meanwhile."""
-    meta = claim.get("metadata") or {}
+    meta = claim.get("metadata") if isinstance(claim.get("metadata"), dict) else {}
     where = f"ResourceClaim {meta.get('namespace', '?')}/{meta.get('name', '?')}"
-    allocation = (claim.get("status") or {}).get("allocation")
+    status = claim.get("status")
+    allocation = status.get("allocation") if isinstance(status, dict) else None
     if not allocation:
         raise ClaimError(f"{where} is not allocated")
-    devs = allocation.get("devices") or {}
+    devs = _field(allocation, "devices", dict, f"{where}: status.allocation") or {}
     results: list[AllocatedDevice] = []
-    for i, r in enumerate(devs.get("results") or []):
+    for i, r in enumerate(_field(devs, "results", list, f"{where}: status.allocation.devices") or []):
+        at = f"{where}: status.allocation.devices.results[{i}]"
+        if not isinstance(r, dict):
+            raise ClaimError(f"{at}: must be an object, got {type(r).__name__}")
         if r.get("driver") != driver_name or r.get("pool") != pool_name:
             continue
-        if not r.get("request") or not r.get("device"):
-            raise ClaimError(f"{where}: status.allocation.devices.results[{i}] lacks request or device")
+        if not isinstance(r.get("request"), str) or not r["request"] or not isinstance(r.get("device"), str) \
+                or not r["device"]:
+            raise ClaimError(f"{at} lacks request or device")
+        share = r.get("shareID")
         results.append(AllocatedDevice(
             request=r["request"], pool=r["pool"], device=r["device"],
-            admin_access=bool(r.get("adminAccess")),
-            share_id=r.get("shareID") or None,
-            consumed_capacity={str(k): str(v) for k, v in (r.get("consumedCapacity") or {}).items()},
+            admin_access=r.get("adminAccess") is True,
+            share_id=share if isinstance(share, str) and share else None,
+            consumed_capacity={str(k): str(v) for k, v in
+                               (_field(r, "consumedCapacity", dict, at) or {}).items()},
         ))
     configs: list[OpaqueConfigEntry] = []
-    for i, c in enumerate(devs.get("config") or []):
+    for i, c in enumerate(_field(devs, "config", list, f"{where}: status.allocation.devices") or []):
+        at = f"{where}: status.allocation.devices.config[{i}]"
+        if not isinstance(c, dict):
+            raise ClaimError(f"{at}: must be an object, got {type(c).__name__}")
         opaque = c.get("opaque")
-        if not opaque or opaque.get("driver") != driver_name:
+        if not opaque:
             continue
-        configs.append(OpaqueConfigEntry(source=c.get("source", "FromClaim"),
-                                         requests=tuple(c.get("requests") or ()),
+        if not isinstance(opaque, dict):
+            raise ClaimError(f"{at}.opaque: must be an object, got {type(opaque).__name__}")
+        if opaque.get("driver") != driver_name:
+            continue
+        requests = _field(c, "requests", list, at) or []
+        if not all(isinstance(r, str) for r in requests):
+            raise ClaimError(f"{at}.requests: must be a list of request names")
+        configs.append(OpaqueConfigEntry(source=str(c.get("source", "FromClaim")), requests=tuple(requests),
                                          parameters=opaque.get("parameters"), index=i))
     return ClaimAllocation(devices=tuple(results), configs=tuple(configs))
+
+
+def _field(obj: dict[str, Any], key: str, kind: type, where: str) -> Any:
+    """obj[key] if it is a ``kind`` (or absent/null); a ClaimError naming the field otherwise."""
+    value = obj.get(key)
+    if value is not None and not isinstance(value, kind):
+        raise ClaimError(f"{where}.{key}: must be {'a list' if kind is list else 'an object'}, "
+                         f"got {type(value).__name__}")
+    return value
 
 
 # ----- what prepare/unprepare hand back to the gRPC layer -----------------------------------------------------

@@ -19,6 +19,7 @@ Failures are the caller's to log: the kubelet's contract is the gRPC answer, whi
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence
@@ -153,43 +154,140 @@ def status_devices(record: Any, catalog: Mapping[str, Any], pool_name: str) -> l
 
 
 class ClaimStatusReporter:
-    """Best-effort ``status.devices`` reporting for the driver: a status the API server does not take is
-    logged and counted, never an error of the prepare or unprepare. ``writer`` None: nothing is reported."""
+    """``status.devices`` reporting for the driver, off the kubelet's call path: ``publish`` and ``withdraw``
+    only queue the write and return; worker threads write it, retrying failures with growing delays. A
+    status the API server never takes is logged and counted, never an error of the prepare or unprepare.
+
+    Writes of one claim happen in the order asked, and a newer request replaces one still waiting (an
+    unprepare right after a prepare sends only the withdrawal). ``writer`` None: nothing is reported."""
+
+    RETRY_DELAYS = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 
     def __init__(self, writer: ClaimStatusWriter | None, pool_name: str, devices: Callable[[], Mapping[str, Any]],
-                 metrics: Any = None) -> None:
+                 metrics: Any = None, *, workers: int = 4, retry_delays: Sequence[float] = RETRY_DELAYS) -> None:
         self.writer = writer
         self.pool_name = pool_name
         self._devices = devices
         self.metrics = metrics
-        self._published: set[str] = set()   # claims whose entries this process has written
+        self.retry_delays = tuple(retry_delays)
+        self._workers = workers
+        self._published: set[str] = set()     # claims whose entries this process has written
+        self._cv = threading.Condition()
+        self._pending: dict[str, _StatusWrite] = {}
+        self._inflight: set[str] = set()
+        self._threads: list[threading.Thread] = []
+        self._stopping = False
 
     def publish(self, ref: ClaimRef, record: Any, log: Any) -> None:
         """Report a completed claim's devices (``record``: its checkpoint ``ClaimRecord``), once per process."""
-        if self.writer is None or ref.uid in self._published or record is None or not record.completed:
+        if self.writer is None or record is None or not record.completed:
             return
-        try:
-            self.writer.publish(ref, status_devices(record, self._devices(), self.pool_name),
-                                record.updated or time.time())
-        except Exception as err:  # noqa: BLE001 - the kubelet's answer does not depend on it
-            self._count("publish", "error")
-            log.warning("claim status not written; the claim is prepared all the same", error=str(err))
-            return
-        self._count("publish", "ok")
-        self._published.add(ref.uid)
+        with self._cv:
+            if ref.uid in self._published:
+                return
+        entries = status_devices(record, self._devices(), self.pool_name)
+        self._queue(_StatusWrite("publish", ref, entries, record.updated or time.time(), log))
 
     def withdraw(self, ref: ClaimRef, log: Any) -> None:
-        self._published.discard(ref.uid)
-        if self.writer is None:
+        with self._cv:
+            self._published.discard(ref.uid)
+        if self.writer is not None:
+            self._queue(_StatusWrite("withdraw", ref, (), 0.0, log))
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued write is done or given up. Returns False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._pending or self._inflight:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(min(left, 0.1))
+        return True
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Finish what is queued (up to ``timeout``), then stop the workers."""
+        self.flush(timeout)
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=1.0)
+
+    def _queue(self, write: _StatusWrite) -> None:
+        with self._cv:
+            self._pending[write.ref.uid] = write
+            if len(self._threads) < self._workers and len(self._threads) < len(self._pending) + len(self._inflight):
+                thread = threading.Thread(target=self._run, name="claim-status", daemon=True)
+                self._threads.append(thread)
+                thread.start()
+            self._cv.notify()
+
+    def _next(self) -> _StatusWrite | None:
+        """The next due write of a claim not being written now; None when stopping."""
+        with self._cv:
+            while True:
+                if self._stopping:
+                    return None
+                now = time.monotonic()
+                due = [w for uid, w in self._pending.items() if uid not in self._inflight and w.not_before <= now]
+                if due:
+                    write = min(due, key=lambda w: w.not_before)
+                    del self._pending[write.ref.uid]
+                    self._inflight.add(write.ref.uid)
+                    return write
+                waits = [w.not_before - now for uid, w in self._pending.items() if uid not in self._inflight]
+                self._cv.wait(min(waits) if waits else 1.0)
+
+    def _run(self) -> None:
+        while (write := self._next()) is not None:
+            try:
+                self._attempt(write)
+            finally:
+                with self._cv:
+                    self._inflight.discard(write.ref.uid)
+                    self._cv.notify_all()
+
+    def _attempt(self, write: _StatusWrite) -> None:
+        writer = self.writer
+        if writer is None:
             return
         try:
-            self.writer.withdraw(ref)
-        except Exception as err:  # noqa: BLE001 - the unprepare itself succeeded
-            self._count("withdraw", "error")
-            log.warning("claim status entries not removed", error=str(err))
+            if write.op == "publish":
+                writer.publish(write.ref, write.entries, write.ready_since)
+            else:
+                writer.withdraw(write.ref)
+        except Exception as err:  # noqa: BLE001 - the kubelet's answer does not depend on it
+            self._count(write.op, "error")
+            with self._cv:
+                if write.ref.uid in self._pending:     # superseded by a newer request: drop this one
+                    return
+                if write.attempt < len(self.retry_delays):
+                    write.not_before = time.monotonic() + self.retry_delays[write.attempt]
+                    write.attempt += 1
+                    self._pending[write.ref.uid] = write
+                    return
+            what = ("claim status not written; the claim is prepared all the same" if write.op == "publish"
+                    else "claim status entries not removed")
+            write.log.warning(what, error=str(err), attempts=write.attempt + 1)
             return
-        self._count("withdraw", "ok")
+        self._count(write.op, "ok")
+        if write.op == "publish":
+            with self._cv:
+                if write.ref.uid not in self._pending:
+                    self._published.add(write.ref.uid)
 
     def _count(self, operation: str, result: str) -> None:
         if self.metrics is not None:
             self.metrics.claim_status_writes.labels(operation=operation, result=result).inc()
+
+
+@dataclass
+class _StatusWrite:
+    op: str                              # "publish" or "withdraw"
+    ref: ClaimRef
+    entries: Sequence[DeviceStatus]
+    ready_since: float
+    log: Any
+    attempt: int = 0
+    not_before: float = 0.0

@@ -82,6 +82,12 @@ class ClaimActions:
         self.log = log
 
     # ----- prepare -------------------------------------------------------------------------------------------
+    def changes_hardware(self, plans: list[DevicePlan]) -> bool:
+        """Whether ``apply`` makes a change that needs an undo record written ahead of it."""
+        return any(p.mps is not None or p.timeslice is not None
+                   or (p.device.kind == KIND_MIG and p.device.mig_dynamic and not p.result.admin_access)
+                   for p in plans)
+
     def apply(self, ref: ClaimRef, plans: list[DevicePlan], log: Any) -> Applied:
         mig_ids = self._realize_mig(ref.uid, plans, log)
         self._apply_time_slices(ref, plans, log)

@@ -36,27 +36,26 @@ from __future__ import annotations
 import fcntl
 import os
 import sys
-import threading
 import time
-from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping
 
 import structlog
 
 from dra.node import migdevices as mig
 from dra.node.cdi import CdiSpecWriter, ClaimDevice
-from dra.node.checkpoint import PREPARE_COMPLETED, PREPARE_STARTED, CheckpointStore, ClaimRecord
+from dra.node.checkpoint import PREPARE_COMPLETED, PREPARE_STARTED, CheckpointStore, ClaimRecord, DeviceHeld
 from dra.node.checkpoint import PreparedDevice as CheckpointDevice
 from dra.node.sharing import MpsSupervisor, TimeSlicing
 from dra.node.sharingtools import SharingError
 from kubeletplugin.claims import ClaimError, ClaimRef, ClaimSource
 from kubeletplugin.claimstatus import ClaimStatusReporter, ClaimStatusWriter
+from kubeletplugin.keyedlocks import KeyedLocks
 from kubeletplugin.deviceactions import Applied, ClaimActions, DeviceCatalog, MigListener, PrepareError
 from kubeletplugin.metrics import PluginMetrics
-from kubeletplugin.plan import DevicePlan, PlanError, plan_claim
+from kubeletplugin.plan import DevicePlan, plan_claim
 from kubeletplugin.recovery import StartupReport, recover_at_start
 from kubeletplugin.claims import PreparedDevice, PrepareResult, UnprepareResult
 
@@ -111,7 +110,7 @@ class Driver:
         time_slicing: TimeSlicing,
         compat_nvidia: bool = False,
         metrics: PluginMetrics | None = None,
-        max_parallel: int = 8,
+        max_parallel: int = 64,
         serialize_lock: Path | str | None = None,
         mig_listener: MigListener | None = None,
         on_change: Callable[[], None] | None = None,
@@ -136,11 +135,11 @@ class Driver:
                                     devices=devices, mig_listener=mig_listener, crash_point=self._crash_point,
                                     log=self.log)
         self.reporter = ClaimStatusReporter(status, pool_name, devices, metrics)
+        # Claims are I/O-bound (API read, file writes, NVML calls): one call's claims run side by side, each
+        # waiting only for the GPUs it shares with another claim.
         self._pool = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="claim")
-        self._locks_guard = threading.Lock()
-        self._claim_locks: dict[str, threading.Lock] = {}
-        self._gpu_locks: dict[str, threading.Lock] = defaultdict(threading.Lock)
-        self._booking = threading.Lock()
+        self._claim_locks = KeyedLocks()    # one claim at a time per UID (prepare and unprepare alike)
+        self._gpu_locks = KeyedLocks()      # hardware steps of claims sharing a GPU, one at a time
         self._crash_after = crash_step_from_env()
         if self._crash_after:
             self.log.warning("test hook armed: the process exits during prepare",
@@ -183,6 +182,7 @@ class Driver:
     def close(self) -> None:
         """Stop accepting work. Prepared claims, their MIG devices and MPS daemons stay as they are."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self.reporter.close()
 
     # ----- gRPC entry points ---------------------------------------------------------------------------------
     def prepare(self, claims: list[ClaimRef]) -> dict[str, PrepareResult]:
@@ -223,9 +223,10 @@ class Driver:
             os.close(fd)  # closing releases the lock
 
     def _reload(self) -> None:
-        """Take over what another plugin process (rolling update) did: re-read the checkpoint and rebuild the
-        in-memory sharing bookkeeping from it."""
-        self.checkpoint.load()
+        """Take over what another plugin process (rolling update) did, if it did anything: re-read the
+        checkpoint and rebuild the in-memory sharing bookkeeping from it."""
+        if not self.checkpoint.refresh():
+            return
         self.actions.time_slicing = TimeSlicing(self.actions.time_slicing.control)
         self.actions.mps = MpsSupervisor(self.mps.control, self.mps.root.parent)
         for record in self.checkpoint.claims().values():
@@ -247,20 +248,6 @@ class Driver:
             self.metrics.prepared_claims.set(sum(1 for r in records if r.completed))
             self.metrics.dynamic_mig_devices.set(sum(len(r.undo.mig_devices) for r in records))
 
-    def _claim_lock(self, uid: str) -> threading.Lock:
-        with self._locks_guard:
-            return self._claim_locks.setdefault(uid, threading.Lock())
-
-    @contextmanager
-    def _gpus_locked(self, uuids: Sequence[str]) -> Iterator[None]:
-        # A fixed order (sorted UUIDs) so two claims on the same GPUs cannot deadlock.
-        with ExitStack() as stack:
-            for uuid in sorted(set(uuids)):
-                with self._locks_guard:
-                    lock = self._gpu_locks[uuid]
-                stack.enter_context(lock)
-            yield
-
     # ----- prepare -------------------------------------------------------------------------------------------
     def _prepare_timed(self, ref: ClaimRef) -> PrepareResult:
         log = self.log.bind(claim_uid=ref.uid, claim_namespace=ref.namespace, claim_name=ref.name)
@@ -269,12 +256,10 @@ class Driver:
             try:
                 devices = self._prepare_claim(ref, log)
             except (ClaimError, PrepareError) as err:
-                if isinstance(err, PlanError):
-                    reason = "plan"              # allocation or opaque config not usable
-                elif isinstance(err, ClaimError):
-                    reason = "claim"             # claim missing, replaced or not allocated
-                else:
-                    reason = "prepare_devices"   # hardware, sharing or CDI step failed
+                # plan: allocation or opaque config not usable; claim / not_found: claim missing, replaced or
+                # not allocated; unavailable / forbidden / api: the claim could not be read now;
+                # prepare_devices: a hardware, sharing or CDI step failed.
+                reason = err.reason if isinstance(err, ClaimError) else "prepare_devices"
                 if self.metrics:
                     self.metrics.error("prepare", reason)
                 log.error("prepare failed", error=str(err), reason=reason)
@@ -287,7 +272,7 @@ class Driver:
         return PrepareResult(devices=tuple(devices))
 
     def _prepare_claim(self, ref: ClaimRef, log: Any) -> list[PreparedDevice]:
-        with self._claim_lock(ref.uid):
+        with self._claim_locks.hold(ref.uid):
             devices = self._prepare_locked(ref, log)
             if devices:
                 self.reporter.publish(ref, self.checkpoint.get(ref.uid), log)
@@ -318,7 +303,7 @@ class Driver:
         self._crash_point("checkpoint-started")
         started = time.monotonic()
         try:
-            with self._gpus_locked([p.device.gpu_uuid for p in plans]):
+            with self._gpu_locks.hold_all(p.device.gpu_uuid for p in plans):
                 devices = self._apply(ref, plans, log)
         except BaseException as err:
             self._undo_after_failure(ref, log)
@@ -358,28 +343,22 @@ class Driver:
         return [_from_checkpoint(d) for d in devices]
 
     def _book(self, ref: ClaimRef, plans: list[DevicePlan]) -> None:
-        """Refuse devices another prepared (or preparing) claim holds, then write PrepareStarted."""
-        with self._booking:
-            held: dict[str, str] = {}
-            for uid, r in self.checkpoint.claims().items():
-                if uid == ref.uid:
-                    continue
-                for d in r.devices:
-                    if d.pool == self.pool_name and not d.admin_access:
-                        who = f"{r.namespace}/{r.name} ({uid})" if r.name else f"with UID {uid}"
-                        held.setdefault(d.device, who)
-            for p in plans:
-                if p.result.admin_access or p.device.allow_multiple_allocations:
-                    continue
-                other = held.get(p.device.name)
-                if other is not None:
-                    raise PrepareError(f"device {p.device.name} (request {p.result.base_request!r}) is already "
-                                       f"prepared for claim {other}; refusing to hand it out twice")
-            planned = tuple(CheckpointDevice(device=p.device.name, pool=p.result.pool,
-                                             requests=(p.result.base_request,), share_id=p.result.share_id)
-                            for p in plans if not p.result.admin_access)
+        """Record PrepareStarted, refusing devices another prepared (or preparing) claim holds in the same step
+        (the last line of defence against double allocation). Written ahead only when the prepare changes the
+        hardware: otherwise a crash leaves at most a CDI spec, which the next start removes as an orphan."""
+        planned = tuple(CheckpointDevice(device=p.device.name, pool=p.result.pool,
+                                         requests=(p.result.base_request,), share_id=p.result.share_id)
+                        for p in plans if not p.result.admin_access)
+        exclusive = [(p.result.pool, p.device.name) for p in plans
+                     if not p.result.admin_access and not p.device.allow_multiple_allocations]
+        try:
             self.checkpoint.put(ClaimRecord(uid=ref.uid, namespace=ref.namespace, name=ref.name,
-                                            state=PREPARE_STARTED, devices=planned))
+                                            state=PREPARE_STARTED, devices=planned),
+                                exclusive=exclusive, durable=self.actions.changes_hardware(plans))
+        except DeviceHeld as held:
+            request = next(p.result.base_request for p in plans if p.device.name == held.device)
+            raise PrepareError(f"device {held.device} (request {request!r}) is already prepared for claim "
+                               f"{held.who}; refusing to hand it out twice") from None
 
     def _apply(self, ref: ClaimRef, plans: list[DevicePlan], log: Any) -> list[PreparedDevice]:
         applied = self.actions.apply(ref, plans, log)
@@ -422,7 +401,7 @@ class Driver:
 
     def _rollback(self, record: ClaimRecord) -> None:
         """Undo everything a record says was done, then forget it."""
-        with self._gpus_locked(self.actions.gpus_of(record)):
+        with self._gpu_locks.hold_all(self.actions.gpus_of(record)):
             self.actions.undo(record)
         self.cdi.delete_claim_spec(record.uid)
         self.checkpoint.remove(record.uid)
@@ -433,7 +412,7 @@ class Driver:
         ctx = self.metrics.timed("unprepare") if self.metrics else _null()
         with ctx:
             try:
-                with self._claim_lock(ref.uid):
+                with self._claim_locks.hold(ref.uid):
                     record = self.checkpoint.get(ref.uid)
                     if record is None:
                         # Never prepared here, or already unprepared: success. A stray CDI file goes too.
@@ -443,8 +422,6 @@ class Driver:
                     self._rollback(record)
                     if record.completed:   # only a completed prepare has status entries to remove
                         self.reporter.withdraw(ref, log)
-                with self._locks_guard:
-                    self._claim_locks.pop(ref.uid, None)
             except Exception as err:  # noqa: BLE001 - reported to the kubelet, which retries
                 if self.metrics:
                     self.metrics.error("unprepare", type(err).__name__)

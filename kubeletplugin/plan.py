@@ -29,6 +29,9 @@ TIMESLICE_DEFAULT = "Default"
 class PlanError(ClaimError):
     """The claim's allocation or configuration cannot be prepared on this node."""
 
+    def __init__(self, message: str) -> None:
+        super().__init__(message, reason="plan")
+
 
 @dataclass(frozen=True)
 class MpsPlan:
@@ -136,16 +139,31 @@ def _device_plan(result: AllocatedDevice, device: Device, index: int, config: De
     return DevicePlan(result=result, device=device, config_key=key, timeslice=timeslice, mps=mps)
 
 
+def _path(obj: Any, *keys: str) -> list[Any]:
+    """The list at ``obj[k1][k2]...``, or [] where any step is missing or of another type."""
+    for key in keys:
+        obj = obj.get(key) if isinstance(obj, Mapping) else None
+    return obj if isinstance(obj, list) else []
+
+
 def plan_claim(claim: dict[str, Any], *, driver_name: str, pool_name: str, devices: Mapping[str, Device],
                compat_nvidia: bool = False) -> list[DevicePlan]:
     """The prepare plan of this driver's devices in ``claim`` (allocation order).
 
     ``devices`` are the devices this node publishes, by name."""
     alloc = allocation_for(claim, driver_name, pool_name)
-    raw_configs = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("config") or []
+    raw_configs = _path(claim, "status", "allocation", "devices", "config")   # shapes checked by allocation_for
     # The user's request scoping decides which config applies, and whether a kind mismatch is an error.
-    raw_configs = restore_claim_request_scopes(
-        raw_configs, ((claim.get("spec") or {}).get("devices") or {}).get("config") or [])
+    spec_configs = [c for c in _path(claim, "spec", "devices", "config") if isinstance(c, Mapping)]
+    raw_configs = restore_claim_request_scopes(raw_configs, spec_configs)
+    # Every entry for this driver must decode, whether or not it ends up applying to a device: an entry for all
+    # requests with a misspelt kind would otherwise be skipped in silence and the defaults used instead.
+    for entry in alloc.configs:
+        try:
+            decode_opaque_config(entry.parameters, compat_nvidia=compat_nvidia)
+        except ConfigError as exc:
+            raise PlanError(exc.with_prefix(f"status.allocation.devices.config[{entry.index}].opaque.parameters")
+                            ) from None
     plans: list[DevicePlan] = []
     seen: set[tuple[str, str | None]] = set()
     for index, result in enumerate(alloc.devices):

@@ -23,7 +23,7 @@ from api.generated.dra_health.v1 import api_pb2 as health_v1_pb
 from api.generated.dra_health.v1 import api_pb2_grpc as health_v1_grpc
 from api.generated.dra_health.v1alpha1 import api_pb2 as health_v1alpha1_pb
 from api.generated.dra_health.v1alpha1 import api_pb2_grpc as health_v1alpha1_grpc
-from kubeletplugin.claims import ClaimRef
+from kubeletplugin.claims import ClaimRef, claim_ref_problem
 from kubeletplugin.health import MAX_MESSAGE, HealthBoard
 from kubeletplugin.metrics import PluginMetrics
 from kubeletplugin.claims import NodeDriver
@@ -42,29 +42,44 @@ class DRAService:
     def _claims(request: Any) -> list[ClaimRef]:
         return [ClaimRef(namespace=c.namespace, uid=c.uid, name=c.name) for c in request.claims]
 
-    def _check(self, claims: list[ClaimRef], context: grpc.ServicerContext) -> None:
+    def _check(self, claims: list[ClaimRef], context: grpc.ServicerContext) -> tuple[list[ClaimRef], dict[str, str]]:
+        """(claims to hand to the driver, errors of claims that are not). A claim without UID cannot even be
+        answered (answers are keyed by UID): that fails the call. Any other bad name fails its claim only,
+        before it reaches an API path or a file name."""
+        valid: list[ClaimRef] = []
+        errors: dict[str, str] = {}
         for c in claims:
-            if not c.uid or not c.namespace or not c.name:
+            if not c.uid:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"claim {c.namespace!r}/{c.name!r} uid {c.uid!r}: namespace, uid and name are required")
+                              f"claim {c.namespace!r}/{c.name!r}: uid is required")
+            problem = claim_ref_problem(c)
+            if problem:
+                errors[c.uid] = problem
+            elif c.uid not in errors and all(v.uid != c.uid for v in valid):
+                valid.append(c)
+        return valid, errors
 
     def prepare(self, pb: ModuleType, version: str, request: Any, context: grpc.ServicerContext) -> Any:
         claims = self._claims(request)
         if self.metrics:
             self.metrics.requests.labels(method="NodePrepareResources", version=version).inc()
-        self._check(claims, context)
-        results = self.driver.prepare(claims) if claims else {}
+        valid, errors = self._check(claims, context)
+        results = self.driver.prepare(valid) if valid else {}
         response = pb.NodePrepareResourcesResponse()
         with_share_id = version == "v1"
         for claim in claims:
             result = results.get(claim.uid)
             entry = response.claims[claim.uid]
+            if claim.uid in errors:
+                entry.error = errors[claim.uid]
+                continue
             if result is None:
                 entry.error = "internal error: driver returned no result for this claim"
                 continue
             if result.error:
                 entry.error = result.error
                 continue
+            del entry.devices[:]
             for d in result.devices:
                 dev = entry.devices.add(request_names=list(d.request_names), pool_name=d.pool_name,
                                         device_name=d.device_name, cdi_device_ids=list(d.cdi_device_ids))
@@ -76,13 +91,15 @@ class DRAService:
         claims = self._claims(request)
         if self.metrics:
             self.metrics.requests.labels(method="NodeUnprepareResources", version=version).inc()
-        self._check(claims, context)
-        results = self.driver.unprepare(claims) if claims else {}
+        valid, errors = self._check(claims, context)
+        results = self.driver.unprepare(valid) if valid else {}
         response = pb.NodeUnprepareResourcesResponse()
         for claim in claims:
             result = results.get(claim.uid)
             entry = response.claims[claim.uid]
-            if result is None:
+            if claim.uid in errors:
+                entry.error = errors[claim.uid]
+            elif result is None:
                 entry.error = "internal error: driver returned no result for this claim"
             elif result.error:
                 entry.error = result.error

@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 from dra.node.checkpoint import (
+    CheckpointTooNew,
+    CheckpointUnusable,
+    DeviceHeld,
     PREPARE_COMPLETED,
     PREPARE_STARTED,
     SCHEMA_VERSION,
@@ -87,17 +90,35 @@ def test_unknown_fields_are_tolerated(tmp_path, boot_file):
     store = store_at(tmp_path, boot_file)
     store.load()
     store.put(full_record())
+    store.compact()
     raw = json.loads(store.path.read_text())
     raw["futureTopLevel"] = {"x": 1}
     raw["claims"]["uid-1"]["futureField"] = [1, 2]
     raw["claims"]["uid-1"]["devices"][0]["metadata"] = {"k": "v"}
-    raw["schemaVersion"] = SCHEMA_VERSION + 1
     store.path.write_text(json.dumps(raw))
     reopened = store_at(tmp_path, boot_file)
     assert reopened.load().claims == 1
     assert reopened.get("uid-1").devices[0].uuid == "MIG-1234"
-    # Rewritten in this version's schema.
     assert json.loads(store.path.read_text())["schemaVersion"] == SCHEMA_VERSION
+
+
+@pytest.mark.parametrize("where", ["snapshot", "journal"])
+def test_a_newer_plugins_checkpoint_is_refused_and_left_untouched(tmp_path, boot_file, where):
+    store = store_at(tmp_path, boot_file)
+    store.load()
+    store.put(full_record())
+    if where == "snapshot":
+        store.compact()
+        raw = json.loads(store.path.read_text())
+        raw["schemaVersion"] = SCHEMA_VERSION + 1
+        store.path.write_text(json.dumps(raw))
+    else:
+        with open(store.journal_path, "a") as journal:
+            journal.write(json.dumps({"schemaVersion": SCHEMA_VERSION + 1}) + "\n")
+    before = {p.name: p.read_bytes() for p in store.path.parent.iterdir()}
+    with pytest.raises(CheckpointTooNew, match="newer plugin"):
+        store_at(tmp_path, boot_file).load()
+    assert {p.name: p.read_bytes() for p in store.path.parent.iterdir()} == before
 
 
 @pytest.mark.parametrize("content", [b"{not json", b"", b"\xff\xfe\x00", b"[1, 2]", b'{"claims": {}}',
@@ -132,6 +153,7 @@ def test_one_unreadable_claim_does_not_cost_the_others(tmp_path, boot_file):
     store.load()
     store.put(full_record("good"))
     store.put(full_record("bad"))
+    store.compact()
     raw = json.loads(store.path.read_text())
     raw["claims"]["bad"]["state"] = "SomethingNew"
     store.path.write_text(json.dumps(raw))
@@ -194,22 +216,26 @@ def test_update_remove_and_idempotence(tmp_path, boot_file):
         store.update("u", lambda r: r)
 
 
-def test_failed_write_keeps_memory_equal_to_disk(tmp_path, boot_file, monkeypatch):
+@pytest.mark.parametrize("failing", ["write", "fsync"])
+def test_failed_write_keeps_memory_equal_to_disk(tmp_path, boot_file, monkeypatch, failing):
     store = store_at(tmp_path, boot_file)
     store.load()
     store.put(full_record("keep"))
 
-    def boom(src, dst):
+    def boom(*args):
         raise OSError("read-only file system")
 
-    monkeypatch.setattr(os, "replace", boom)
+    monkeypatch.setattr(os, failing, boom)
     with pytest.raises(OSError):
         store.put(full_record("lost"))
     with pytest.raises(OSError):
         store.remove("keep")
     monkeypatch.undo()
     assert set(store.claims()) == {"keep"}
-    assert [p.name for p in store.path.parent.iterdir()] == ["checkpoint.json"]
+    reread = store_at(tmp_path, boot_file)
+    reread.load()
+    assert set(reread.claims()) == {"keep"}
+    assert sorted(p.name for p in store.path.parent.iterdir()) == ["checkpoint.json", "checkpoint.json.journal"]
 
 
 def test_writes_before_load_are_refused(tmp_path, boot_file):
@@ -249,3 +275,125 @@ def test_mps_daemon_converts_to_and_from_its_undo_record():
                        shm_dir="/s", compute_mode_set=(), active_thread_percentage=20,
                        pinned_memory_limit_mib={"MIG-9": 512})
     assert MpsDaemon.from_undo("c", daemon.undo()) == daemon
+
+
+# ----- journal -----------------------------------------------------------------------------------------------
+def test_changes_are_appended_not_rewritten(tmp_path, boot_file):
+    store = store_at(tmp_path, boot_file)
+    store.load()
+    snapshot = store.path.read_bytes()
+    store.put(full_record("a"))
+    store.update("a", lambda r: r.model_copy(update={"state": PREPARE_STARTED}))
+    store.remove("a")
+    assert store.path.read_bytes() == snapshot          # the snapshot is not touched by a change
+    lines = store.journal_path.read_text().splitlines()
+    assert len(lines) == 4 and json.loads(lines[-1]) == {"remove": "a"}
+    reread = store_at(tmp_path, boot_file)
+    reread.load()
+    assert reread.claims() == {}
+
+
+def test_a_torn_last_line_is_a_change_that_never_happened(tmp_path, boot_file, caplog):
+    store = store_at(tmp_path, boot_file)
+    store.load()
+    store.put(full_record("a"))
+    with open(store.journal_path, "ab") as journal:
+        journal.write(b'{"put": {"uid": "b", "sta')          # the crash came in the middle of the append
+    reread = store_at(tmp_path, boot_file)
+    with caplog.at_level(logging.WARNING, logger="dra.node.checkpoint"):
+        result = reread.load()
+    assert set(reread.claims()) == {"a"} and not result.state_lost
+    assert any("partly written" in r.getMessage() for r in caplog.records)
+
+
+def test_a_corrupt_journal_line_sets_the_journal_aside_and_says_state_was_lost(tmp_path, boot_file):
+    store = store_at(tmp_path, boot_file)
+    store.load()
+    store.put(full_record("a"))
+    with open(store.journal_path, "ab") as journal:
+        journal.write(b"garbage\n")
+        journal.write(json.dumps({"remove": "a"}).encode() + b"\n")
+    result = store_at(tmp_path, boot_file).load()
+    assert result.state_lost and result.corrupt_file.name.startswith("checkpoint.json.journal.corrupt-")
+
+
+def test_replaying_the_journal_over_a_newer_snapshot_changes_nothing(tmp_path, boot_file):
+    """A crash after the snapshot was written and before the journal was emptied."""
+    store = store_at(tmp_path, boot_file)
+    store.load()
+    store.put(full_record("a"))
+    store.put(full_record("b"))
+    store.remove("b")
+    journal = store.journal_path.read_bytes()
+    store.compact()
+    store.journal_path.write_bytes(journal)
+    reread = store_at(tmp_path, boot_file)
+    reread.load()
+    assert set(reread.claims()) == {"a"}
+
+
+def test_a_large_journal_is_folded_into_the_snapshot(tmp_path, boot_file):
+    store = CheckpointStore(tmp_path / "state" / "checkpoint.json", boot_id_path=boot_file, compact_bytes=8192)
+    store.load()
+    for i in range(40):
+        store.put(full_record(f"c{i}"))
+    assert store.journal_path.stat().st_size <= 8192 + 4096
+    assert len(json.loads(store.path.read_text())["claims"]) >= 30
+    reread = store_at(tmp_path, boot_file)
+    reread.load()
+    assert len(reread.claims()) == 40
+
+
+def test_a_record_under_another_claims_key_is_unreadable(tmp_path, boot_file):
+    store = store_at(tmp_path, boot_file)
+    store.load()
+    store.put(full_record("real"))
+    store.compact()
+    raw = json.loads(store.path.read_text())
+    raw["claims"]["real"]["uid"] = "other"
+    store.path.write_text(json.dumps(raw))
+    reread = store_at(tmp_path, boot_file)
+    result = reread.load()
+    assert result.unreadable_claims == ("real",) and result.state_lost
+    assert reread.claims() == {}
+
+
+def test_a_directory_in_place_of_the_checkpoint_is_set_aside(tmp_path, boot_file):
+    store = store_at(tmp_path, boot_file)
+    store.path.mkdir(parents=True)
+    result = store.load()
+    assert result.corrupt and result.corrupt_file.is_dir()
+    store.put(full_record())
+    assert store_at(tmp_path, boot_file).load().claims == 1
+
+
+def test_an_unreadable_checkpoint_that_cannot_be_moved_is_a_clear_error(tmp_path, boot_file, monkeypatch):
+    store = store_at(tmp_path, boot_file)
+    store.path.mkdir(parents=True)
+    monkeypatch.setattr(Path, "rename", lambda self, target: (_ for _ in ()).throw(PermissionError("denied")))
+    with pytest.raises(CheckpointUnusable, match="cannot be moved aside"):
+        store.load()
+
+
+def test_booking_refuses_a_device_another_claim_holds(tmp_path, boot_file):
+    store = store_at(tmp_path, boot_file)
+    store.load()
+    store.put(full_record("a"), exclusive=[("node-1", "gpu-0-mig-1g10gb-19-0")])
+    with pytest.raises(DeviceHeld, match="already prepared for claim team-a/train"):
+        store.put(ClaimRecord(uid="b", state=PREPARE_STARTED), exclusive=[("node-1", "gpu-0-mig-1g10gb-19-0")])
+    assert store.get("b") is None
+    store.put(full_record("a"), exclusive=[("node-1", "gpu-0-mig-1g10gb-19-0")])   # its own device: fine
+    assert store.holders("node-1", "gpu-0-mig-1g10gb-19-0") == {"a"}
+    store.remove("a")
+    assert store.holders("node-1", "gpu-0-mig-1g10gb-19-0") == set()
+
+
+def test_refresh_reads_what_another_process_wrote(tmp_path, boot_file):
+    one, two = store_at(tmp_path, boot_file), store_at(tmp_path, boot_file)
+    one.load()
+    two.load()                       # rewrites the snapshot: a change for ``one``
+    assert one.refresh() is True
+    assert one.refresh() is False
+    two.put(full_record("from-two"))
+    assert one.refresh() is True and set(one.claims()) == {"from-two"}
+    assert one.refresh() is False

@@ -2,6 +2,7 @@
 the server-side apply requests that carry them."""
 from __future__ import annotations
 
+import time
 from typing import Any, Sequence
 
 import pytest
@@ -62,6 +63,7 @@ def test_prepared_devices_are_reported_with_the_uuid_actually_used(mixed):
     ref = mixed.add_claim("c", [{"request": "mig", "device": "gpu-0-mig-1g10gb-19-6"},
                                 {"request": "slot", "device": "gpu-1-slot-0"}])
     ok(mixed.driver, ref)
+    assert mixed.driver.reporter.flush()
     live, = mixed.mig_devices(0)
     devices, ready_since = status.entries[ref.uid]
     by_name = {d.device: d for d in devices}
@@ -76,8 +78,10 @@ def test_prepared_devices_are_reported_with_the_uuid_actually_used(mixed):
 
     # The kubelet asks again (e.g. after its restart): the stored answer, no second status write.
     ok(mixed.driver, ref)
+    assert mixed.driver.reporter.flush()
     assert status.publishes == 1
     assert mixed.driver.unprepare([ref])[ref.uid].error == ""
+    assert mixed.driver.reporter.flush()
     assert status.withdrawn == [ref.uid] and status.entries == {}
     assert (status_metric(mixed, "publish", "ok"), status_metric(mixed, "withdraw", "ok")) == (1, 1)
 
@@ -85,15 +89,19 @@ def test_prepared_devices_are_reported_with_the_uuid_actually_used(mixed):
 def test_a_failed_status_write_never_fails_the_prepare(mixed):
     status = RecordingStatus(fail=True)
     mixed.driver.status = status
+    mixed.driver.reporter.retry_delays = (0.0,)          # one retry, at once
     ref = mixed.add_claim("c", [{"request": "slot", "device": "gpu-1-slot-1"}])
     result = ok(mixed.driver, ref)
     assert [d.device_name for d in result.devices] == ["gpu-1-slot-1"]
     assert mixed.driver.cdi.spec_path(ref.uid).exists()
-    assert status_metric(mixed, "publish", "error") == 1
+    assert mixed.driver.reporter.flush()
+    assert status_metric(mixed, "publish", "error") == 2      # the write and its retry
     ok(mixed.driver, ref)                      # a repeated prepare tries the status again
-    assert status.publishes == 2
+    assert mixed.driver.reporter.flush()
+    assert status.publishes == 4
     assert mixed.driver.unprepare([ref])[ref.uid].error == ""
-    assert status_metric(mixed, "withdraw", "error") == 1
+    assert mixed.driver.reporter.flush()
+    assert status_metric(mixed, "withdraw", "error") == 2
     assert mixed.driver.checkpoint.get(ref.uid) is None
 
 
@@ -102,10 +110,48 @@ def test_a_claim_status_is_written_again_by_a_new_plugin_process(mixed):
     mixed.driver.status = first
     ref = mixed.add_claim("c", [{"request": "gpu", "device": "gpu-0"}])
     ok(mixed.driver, ref)
+    assert mixed.driver.reporter.flush()
     second = RecordingStatus()
     mixed.restart().status = second
     ok(mixed.driver, ref)
+    assert mixed.driver.reporter.flush()
     assert second.entries[ref.uid] == first.entries[ref.uid]   # same entries, same Ready time: a no-op apply
+
+
+def test_status_writes_are_retried_until_they_succeed_and_never_delay_the_answer(mixed):
+    class SlowThenOk(RecordingStatus):
+        def publish(self, ref: ClaimRef, devices: Sequence[DeviceStatus], ready_since: float) -> None:
+            self.fail = self.publishes < 2          # fails twice, then the API server takes it
+            time.sleep(0.2)
+            super().publish(ref, devices, ready_since)
+
+    status = SlowThenOk()
+    mixed.driver.status = status
+    mixed.driver.reporter.retry_delays = (0.0, 0.0, 0.0)
+    ref = mixed.add_claim("c", [{"request": "slot", "device": "gpu-1-slot-1"}])
+    started = time.monotonic()
+    ok(mixed.driver, ref)
+    answered = time.monotonic() - started
+    assert ref.uid not in status.entries          # three attempts of 0.2 s each: the answer did not wait for them
+    assert answered < 0.5
+    assert mixed.driver.reporter.flush()
+    assert ref.uid in status.entries and status.publishes == 3
+    assert (status_metric(mixed, "publish", "error"), status_metric(mixed, "publish", "ok")) == (2, 1)
+
+
+def test_an_unprepare_right_after_a_prepare_supersedes_a_waiting_status_write(mixed):
+    status = RecordingStatus(fail=True)
+    mixed.driver.status = status
+    mixed.driver.reporter.retry_delays = (30.0,)       # the retry would wait long
+    ref = mixed.add_claim("c", [{"request": "slot", "device": "gpu-1-slot-1"}])
+    ok(mixed.driver, ref)
+    deadline = time.monotonic() + 5
+    while status.publishes == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    status.fail = False
+    assert mixed.driver.unprepare([ref])[ref.uid].error == ""
+    assert mixed.driver.reporter.flush(timeout=5)       # no 30 s wait: the withdrawal replaced the retry
+    assert status.withdrawn == [ref.uid] and status.publishes == 1
 
 
 def test_nothing_to_report_for_a_claim_without_our_devices(mixed):
@@ -113,6 +159,7 @@ def test_nothing_to_report_for_a_claim_without_our_devices(mixed):
     mixed.driver.status = status
     ref = mixed.add_claim("other", [{"request": "gpu", "device": "gpu-0", "driver": "other.example.com"}])
     assert ok(mixed.driver, ref).devices == ()
+    assert mixed.driver.reporter.flush()
     assert status.publishes == 0
 
 
