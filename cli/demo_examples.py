@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from api.names import DEFAULT_DRIVER_NAME
+from api.yamlfiles import parse_yaml, read_text
 from kube.client import RESOURCE_V1, ApiError, KubeApi
 
 CLAIM_FILE = "claim.yaml"
@@ -56,14 +55,8 @@ def retarget_driver(text: str, driver: str) -> str:
 
 def load_example(folder: Path, driver: str = DEFAULT_DRIVER_NAME) -> Example:
     path = folder / CLAIM_FILE
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ExampleError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    try:
-        docs = [d for d in yaml.safe_load_all(retarget_driver(text, driver)) if d is not None]
-    except yaml.YAMLError as exc:
-        raise ExampleError(f"{path}: not valid YAML: {exc}") from None
+    text = read_text(path, error=ExampleError)
+    docs = parse_yaml(retarget_driver(text, driver), str(path), documents=True, error=ExampleError)
     if not docs:
         raise ExampleError(f"{path}: no objects")
     for i, doc in enumerate(docs):

@@ -49,9 +49,9 @@ def _run_fleet(path: str, node_name: str | None) -> int:
     try:
         fleet = load_fleet(path)
         nodes = [fleet.node(node_name)] if node_name else list(fleet.nodes)
-    except FleetError as exc:
+    except FleetError as exc:       # a usage problem, as for the other commands
         print(f"gpu-dra inventory: {exc}", file=sys.stderr)
-        return 1
+        return 2
     blocks = []
     for node in nodes:
         nvml = nvml_for_node(node)

@@ -58,10 +58,13 @@ def test_retargeted_capacity_selectors_use_the_new_domain() -> None:
     ("kind: Deployment\nmetadata: {name: x}\n", "kind 'Deployment' is not supported"),
     ("kind: Pod\nmetadata: {}\n", "Pod without metadata.name"),
     ("kind: ResourceClaim\nmetadata: {name: c}\n", "no Pod"),
+    ("kind: Pod\nmetadata: {name: p}\nspec: " + "[" * 5000 + "]" * 5000 + "\n", "line 3, column 70: nested deeper than 64 levels"),
+    (b"kind: Pod\nmetadata: {name: \xff}\n", "not UTF-8: line 2"),
 ])
-def test_bad_example_files_are_named_with_the_reason(tmp_path: Path, content: str, message: str) -> None:
+def test_bad_example_files_are_named_with_the_reason(tmp_path: Path, content: str | bytes, message: str) -> None:
     (tmp_path / "bad").mkdir()
-    (tmp_path / "bad" / "claim.yaml").write_text(content)
+    claim = tmp_path / "bad" / "claim.yaml"
+    claim.write_bytes(content) if isinstance(content, bytes) else claim.write_text(content)
     with pytest.raises(ExampleError) as err:
         load_example(tmp_path / "bad")
     assert str(tmp_path / "bad" / "claim.yaml") in str(err.value) and message in str(err.value)

@@ -206,13 +206,13 @@ def test_cli_one_node(capsys):
 
 def test_cli_errors(capsys, tmp_path):
     rc, _, err = run_cli(capsys, "--fleet", str(EXAMPLES / "demo.yaml"), "--node", "nope")
-    assert rc == 1 and "no node 'nope'" in err
+    assert rc == 2 and "no node 'nope'" in err
     rc, _, err = run_cli(capsys, "--node", "x")
     assert rc == 2 and "--node needs --fleet" in err
     bad = tmp_path / "bad.yaml"
     bad.write_text("nodes: [{name: a, gpus: [{model: X1}]}]\n")
     rc, _, err = run_cli(capsys, "--fleet", str(bad))
-    assert rc == 1 and "nodes[0].gpus[0].model" in err
+    assert rc == 2 and "nodes[0].gpus[0].model" in err
 
 
 def test_cli_without_nvml(capsys, monkeypatch):

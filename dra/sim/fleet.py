@@ -35,10 +35,10 @@ import uuid as uuidlib
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from api.k8snames import is_dns_subdomain
+from api.yamlfiles import load_yaml_file
 from dra.model.catalog import get_model
 from dra.sim.fakenvml import FakeNvml, SimulatedGpu, auto_start, place_problem
 
@@ -173,15 +173,7 @@ def _field_path(loc: tuple[Any, ...]) -> str:
 def load_fleet(path: str | Path) -> Fleet:
     """Read and validate a fleet file; FleetError names the file, the field path and the reason."""
     source = str(path)
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise FleetError(f"{source}: cannot read: {exc.strerror or exc}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise FleetError(f"{source}: not valid YAML: {exc}") from None
-    return parse_fleet(data, source)
+    return parse_fleet(load_yaml_file(path, source=source, error=FleetError), source)
 
 
 def parse_fleet(data: Any, source: str = "<fleet>") -> Fleet:
