@@ -306,7 +306,10 @@ def test_admission_policy_limits_the_plugin_to_its_node() -> None:
     rule = policy["spec"]["matchConstraints"]["resourceRules"][0]
     assert rule["resources"] == ["resourceslices"] and set(rule["operations"]) == {"CREATE", "UPDATE", "DELETE"}
     text = _templates()["validatingadmissionpolicy.yaml"]
-    assert "authentication.kubernetes.io/node-name" in text and "oldObject.spec.nodeName" in text
+    assert "authentication.kubernetes.io/node-name" in text and "[oldObject]" in text   # DELETE: the stored slice
+    # node name, pool name and driver are all bound to the plugin's node and the chart's driver
+    for field in ("s.spec.nodeName", "s.spec.pool.name", "s.spec.driver", 'include "gpu-dra-driver.driverName"'):
+        assert field in text, field
     assert binding["spec"]["validationActions"] == ["Deny"]
 
 
