@@ -201,6 +201,8 @@ def allocation_for(claim: dict[str, Any], driver_name: str, pool_name: str) -> C
     allocation = status.get("allocation") if isinstance(status, dict) else None
     if not allocation:
         raise ClaimError(f"{where} is not allocated")
+    if not isinstance(allocation, dict):
+        raise ClaimError(f"{where}: status.allocation must be an object, got {type(allocation).__name__}")
     devs = _field(allocation, "devices", dict, f"{where}: status.allocation") or {}
     results: list[AllocatedDevice] = []
     for i, r in enumerate(_field(devs, "results", list, f"{where}: status.allocation.devices") or []):

@@ -76,11 +76,10 @@ def crash_step_from_env() -> str | None:
 
 def _pods(claim: Mapping[str, Any]) -> list[str]:
     """Names of the pods the claim is reserved for, for log context."""
-    out = []
-    for r in (claim.get("status") or {}).get("reservedFor") or []:
-        if r.get("resource", "pods") == "pods" and r.get("name"):
-            out.append(r["name"])
-    return out
+    status = claim.get("status")
+    reserved = status.get("reservedFor") if isinstance(status, dict) else None
+    return [str(r["name"]) for r in reserved if isinstance(r, dict) and r.get("resource", "pods") == "pods"
+            and r.get("name")] if isinstance(reserved, list) else []
 
 
 def _from_checkpoint(d: CheckpointDevice) -> PreparedDevice:
@@ -111,6 +110,7 @@ class Driver:
         compat_nvidia: bool = False,
         metrics: PluginMetrics | None = None,
         max_parallel: int = 64,
+        call_budget_s: float = 30.0,
         serialize_lock: Path | str | None = None,
         mig_listener: MigListener | None = None,
         on_change: Callable[[], None] | None = None,
@@ -129,6 +129,7 @@ class Driver:
         # Rolling updates: two plugin processes share the state directory; each call then runs under a file
         # lock and starts from the checkpoint on disk.
         self.serialize_lock = Path(serialize_lock) if serialize_lock else None
+        self.call_budget_s = call_budget_s
         self.on_change = on_change          # called after every prepare/unprepare call (e.g. device gauges)
         self.log = log or structlog.get_logger("driver")
         self.actions = ClaimActions(checkpoint=checkpoint, nvml=nvml, mps=mps, time_slicing=time_slicing,
@@ -186,15 +187,25 @@ class Driver:
 
     # ----- gRPC entry points ---------------------------------------------------------------------------------
     def prepare(self, claims: list[ClaimRef]) -> dict[str, PrepareResult]:
-        with self._serialized():
-            futures = {c.uid: self._pool.submit(self._prepare_timed, c) for c in claims}
-            results = {uid: f.result() for uid, f in futures.items()}
-        self._changed()
-        return results
+        return self._call(claims, self._prepare_timed, PrepareResult)
 
     def unprepare(self, claims: list[ClaimRef]) -> dict[str, UnprepareResult]:
+        return self._call(claims, self._unprepare_timed, UnprepareResult)
+
+    def _call(self, claims: list[ClaimRef], work: Callable[[ClaimRef], Any], result: Callable[..., Any]) -> dict:
+        """One kubelet call: its claims side by side. A claim not started within ``call_budget_s`` is not
+        started at all and answered with an error the kubelet retries, so that a call of any size is answered
+        before the kubelet's 45 s deadline (an answer that comes too late is lost, and its work with it)."""
+        deadline = time.monotonic() + self.call_budget_s
+
+        def bounded(ref: ClaimRef) -> Any:
+            if time.monotonic() > deadline:
+                return result(error=f"claim {ref.describe()}: not started, this call of {len(claims)} claims used "
+                                    f"its {self.call_budget_s:.0f} s budget; the kubelet retries it")
+            return work(ref)
+
         with self._serialized():
-            futures = {c.uid: self._pool.submit(self._unprepare_timed, c) for c in claims}
+            futures = {c.uid: self._pool.submit(bounded, c) for c in claims}
             results = {uid: f.result() for uid, f in futures.items()}
         self._changed()
         return results
@@ -303,8 +314,10 @@ class Driver:
         self._crash_point("checkpoint-started")
         started = time.monotonic()
         try:
+            # GPU locks only around the hardware steps: the CDI spec and the record are the claim's own.
             with self._gpu_locks.hold_all(p.device.gpu_uuid for p in plans):
-                devices = self._apply(ref, plans, log)
+                applied = self.actions.apply(ref, plans, log)
+            devices = self._write_cdi_and_complete(ref.uid, plans, applied)
         except BaseException as err:
             self._undo_after_failure(ref, log)
             if isinstance(err, (PrepareError, ClaimError)):
@@ -359,10 +372,6 @@ class Driver:
             request = next(p.result.base_request for p in plans if p.device.name == held.device)
             raise PrepareError(f"device {held.device} (request {request!r}) is already prepared for claim "
                                f"{held.who}; refusing to hand it out twice") from None
-
-    def _apply(self, ref: ClaimRef, plans: list[DevicePlan], log: Any) -> list[PreparedDevice]:
-        applied = self.actions.apply(ref, plans, log)
-        return self._write_cdi_and_complete(ref.uid, plans, applied)
 
     def _write_cdi_and_complete(self, uid: str, plans: list[DevicePlan], applied: Applied) -> list[PreparedDevice]:
         """Write the claim's CDI spec (one CDI device per allocated device, per share for shares), then record

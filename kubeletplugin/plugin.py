@@ -3,9 +3,11 @@
 Start order (``KubeletPlugin.start``): NVML and discovery → node policy → /metrics and /healthz (when a port
 is set) → the API server's version, waited for with back-off (``kubeletplugin.apiserver``; nothing is served
 to the kubelet before it answers) → devices → driver state recovery (checkpoint, MIG cleanup, rollbacks) →
-slice publishing (each pool checked with ``dra.model.slices.validate_pool`` first) and health monitoring (taints
-restored from the state directory) → DRA socket → registration socket (last, so the kubelet never dials an
-endpoint that is not listening yet).
+health monitoring (taints restored from the state directory) → DRA socket → registration socket (after the DRA
+socket, so the kubelet never dials an endpoint that is not listening yet) → slice publishing (each pool checked
+with ``dra.model.slices.validate_pool`` first), only once the kubelet has confirmed the registration
+(NotifyRegistrationStatus): a pod scheduled onto our devices before the kubelet knows the driver fails its
+prepare and waits for the kubelet's next pod resync, a minute by default. Until then /healthz says so.
 
 Health over HTTP: /livez when both gRPC servers run and the registration socket answers GetInfo; /healthz and
 /readyz also need the slice publisher not to be failing persistently.
@@ -33,7 +35,7 @@ from api.generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
 from dra.node.cdi import CdiSpecWriter, ToolkitSpecs
 from dra.node.bootid import DEFAULT_BOOT_ID_PATH
-from dra.node.checkpoint import CheckpointStore
+from dra.node.checkpoint import CheckpointStore, CheckpointTooNew, CheckpointUnusable
 from dra.model.devices import Device, DeviceModel, build_devices
 from dra.node.driverroot import DriverRoot, DriverRootError
 from dra.node.sharing import MpsSupervisor, TimeSlicing
@@ -60,6 +62,7 @@ from kubeletplugin.sockets import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR, Soc
 log = structlog.get_logger("kubelet-plugin")
 
 SIMULATED_STATE_FILE = "simulated-gpus.json"
+REGISTRATION_WARN_S = 30.0     # first warning that the kubelet has not registered the plugin (then doubling)
 
 
 class PluginConfigError(ValueError):
@@ -395,13 +398,12 @@ class KubeletPlugin:
             serialize_lock=(state / "serialize.lock") if o.pod_uid else None, mig_listener=self.monitor,
             on_change=self._update_device_gauges, status=self._claim_status_writer(),
         )
-        self.startup = self.driver.start()
+        try:
+            self.startup = self.driver.start()
+        except (CheckpointTooNew, CheckpointUnusable) as err:
+            raise PluginConfigError(str(err)) from None
 
-        if self.publish:
-            from kube.resourceslices import Owner, ResourceSliceController
-
-            self.slices = ResourceSliceController(self._api_client, o.driver_name, Owner.node(o.node_name)).start()
-        self._rebuild()
+        self._rebuild()   # the model and the health board; nothing is published before the kubelet knows us
         self.monitor.start()
         self._spawn(self._run_monitor, "health-monitor")
         self._spawn(self._run_mps_supervisor, "mps-supervisor")
@@ -417,6 +419,30 @@ class KubeletPlugin:
         self._set_phase(None)
         log.info("kubelet plugin serving", registration_socket=str(self.paths.registration),
                  dra_socket=str(self.paths.dra), driver=o.driver_name, pool=self.pool)
+        if self.publish:
+            self._spawn(self._publish_once_registered, "slice-publishing")
+
+    def _publish_once_registered(self) -> None:
+        """Starts the slice publisher once the kubelet has confirmed the registration: a pod the scheduler
+        bound to a device of ours before that would have its prepare refused ("driver not registered") and
+        wait for the kubelet's next pod resync, a minute by default."""
+        from kube.resourceslices import Owner, ResourceSliceController
+
+        assert self.registration is not None
+        waited, warn_at = 0.0, REGISTRATION_WARN_S
+        while not self.registration.state.wait_registered(timeout=0.2):
+            if self._stop.is_set():
+                return
+            waited += 0.2
+            if waited >= warn_at:
+                log.warning("no ResourceSlices published yet: the kubelet has not registered the plugin",
+                            waited_seconds=round(waited), registration_socket=str(self.paths.registration))
+                warn_at *= 2
+        if self._stop.is_set():
+            return
+        o = self.options
+        self.slices = ResourceSliceController(self._api_client, o.driver_name, Owner.node(o.node_name)).start()
+        self._rebuild()   # publishes, with the taints of now
 
     # ----- health --------------------------------------------------------------------------------------------
     def _set_phase(self, phase: str | None) -> None:
@@ -446,6 +472,8 @@ class KubeletPlugin:
         ok, reason = self.alive()
         if not ok:
             return ok, reason
+        if self.publish and self.slices is None:
+            return False, "ResourceSlices not published yet: waiting for the kubelet to register the plugin"
         with self._model_lock:
             invalid = self.invalid_pool
         if invalid:
@@ -486,11 +514,12 @@ class KubeletPlugin:
         if self.dra_server is not None:
             self.dra_server.stop()
         self._stop.set()
-        if self.slices is not None:
-            self.slices.stop()
         for t in self._threads:
             t.join(timeout=10)
         self._threads.clear()
+        # After the threads: the one that starts the publisher has finished by now.
+        if self.slices is not None:
+            self.slices.stop()
         if self.monitor is not None:
             self.monitor.close()
         if self.driver is not None:

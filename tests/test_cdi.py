@@ -101,7 +101,7 @@ def test_whole_gpu_spec_makes_cuda_usable_without_nvidia_runtime(tmp_path, tree)
     w = writer(tmp_path, tree)
     ids = w.write_claim_spec(UID, [GPU0])
     assert ids == [[f"k8s.gpu.dra-driver.io/claim={UID}-gpu-0"]]
-    path = tmp_path / "cdi" / f"k8s.gpu.dra-driver.io-claim_{UID}.yaml"
+    path = tmp_path / "cdi" / f"k8s.gpu.dra-driver.io-claim_{UID}.json"
     spec = load_spec(path)
     validate_spec(spec)
     assert spec["kind"] == "k8s.gpu.dra-driver.io/claim"
@@ -209,7 +209,7 @@ def test_vendor_is_configurable_and_checked(tmp_path, tree):
     w = writer(tmp_path, tree, vendor="k8s.gpu.nvidia.com")
     ids = w.write_claim_spec(UID, [GPU0])
     assert ids == [[f"k8s.gpu.nvidia.com/claim={UID}-gpu-0"]]
-    assert w.spec_path(UID).name == f"k8s.gpu.nvidia.com-claim_{UID}.yaml"
+    assert w.spec_path(UID).name == f"k8s.gpu.nvidia.com-claim_{UID}.json"
     with pytest.raises(ValueError, match="vendor"):
         CdiSpecWriter(tmp_path, tree.driver_root(), vendor="-bad")
 

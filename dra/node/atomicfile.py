@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from pathlib import Path
 
 # Temporary files start with a dot and end in ".tmp": CDI loaders only read *.json / *.yaml, and
@@ -72,3 +73,18 @@ def leftover_temp_files(directory: Path | str) -> list[Path]:
     if not base.is_dir():
         return []
     return sorted(p for p in base.iterdir() if p.name.startswith(".") and p.name.endswith(TEMP_SUFFIX))
+
+
+def set_aside(path: Path | str, now: float | None = None) -> Path:
+    """Move an unreadable start-up file (or whatever is in its place) out of the way as
+    ``<name>.corrupt-<UTC timestamp>[-n]``, keeping it for a post-mortem. Returns the new path; raises OSError
+    when it cannot be moved."""
+    source = Path(path)
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(time.time() if now is None else now))
+    target = source.with_name(f"{source.name}.corrupt-{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = source.with_name(f"{source.name}.corrupt-{stamp}-{n}")
+    source.rename(target)
+    return target

@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterable, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
-from dra.node.atomicfile import write_atomic
+from dra.node.atomicfile import set_aside, write_atomic
 from dra.node.bootid import DEFAULT_BOOT_ID_PATH, read_boot_id
 
 log = logging.getLogger(__name__)
@@ -350,15 +350,9 @@ class CheckpointStore:
                 "Run the newer plugin again, or unprepare every claim on this node and delete the file")
 
     def _quarantine(self, path: Path, err: Exception, required: bool = False) -> Path | None:
-        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(self._clock()))
-        target = path.with_name(f"{path.name}.corrupt-{stamp}")
-        n = 1
-        while target.exists():
-            n += 1
-            target = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         try:
-            path.rename(target)
+            target = set_aside(path, self._clock())
         except OSError as move_err:
             if required:
                 raise CheckpointUnusable(f"checkpoint {path} is unreadable ({reason}) and cannot be moved aside "

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from dra.node.atomicfile import write_atomic
+from dra.node.atomicfile import set_aside, write_atomic
 from dra.node.bootid import read_boot_id
 
 log = logging.getLogger(__name__)
@@ -48,8 +48,8 @@ class TaintStore:
             raw = self.path.read_bytes()
         except FileNotFoundError:
             return []
-        except OSError as err:
-            log.error("device taints %s cannot be read (%s); starting without them", self.path, err)
+        except OSError as err:            # a directory in its place, no permission, I/O error
+            self._set_aside(f"cannot be read ({err.strerror or err})")
             return []
         try:
             doc = json.loads(raw)
@@ -58,8 +58,7 @@ class TaintStore:
                               last_event=float(t["lastEvent"]))
                    for t in doc["taints"]]
         except (ValueError, KeyError, TypeError) as err:
-            log.error("device taints %s are not valid (%s: %s); starting without them", self.path,
-                      type(err).__name__, err)
+            self._set_aside(f"are not valid ({type(err).__name__}: {err})")
             return []
         saved_boot = str(doc.get("nodeBootId") or "")
         if out and saved_boot and self.boot_id and saved_boot != self.boot_id:
@@ -67,6 +66,13 @@ class TaintStore:
                         "GPUs, dropping %d taint(s)", self.path, saved_boot, self.boot_id, len(out))
             return []
         return sorted(out)
+
+    def _set_aside(self, problem: str) -> None:
+        try:
+            moved = f"moved them to {set_aside(self.path)}"
+        except OSError as err:
+            moved = f"and they cannot be moved aside ({err.strerror or err})"
+        log.error("device taints %s %s; %s and starting without them", self.path, problem, moved)
 
     def save(self, taints: Iterable[SavedTaint]) -> bool:
         """Replace the file; returns whether it was written."""
