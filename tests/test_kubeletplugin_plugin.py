@@ -86,7 +86,7 @@ def test_plugin_serves_kubelet_and_leaves_claims_prepared_on_shutdown(base):
             assert resp.claims[uid].error == ""
             [dev] = resp.claims[uid].devices
             assert dev.device_name == "gpu-1-mig-1g10gb-19-6"
-            spec = load_spec(base / "cdi" / f"k8s.{DRIVER}-claim_{uid}.yaml")
+            spec = load_spec(base / "cdi" / f"k8s.{DRIVER}-claim_{uid}.json")
             nodes = [n["path"] for n in spec["devices"][0]["containerEdits"]["deviceNodes"]]
             assert nodes[0] == "/dev/nvidia1" and len(nodes) == 3   # synthetic nodes on a simulated node
             assert plugin.metrics.devices.labels(state="prepared")._value.get() == 1
@@ -113,7 +113,7 @@ def test_plugin_serves_kubelet_and_leaves_claims_prepared_on_shutdown(base):
         plugin.stop()
     assert not reg_sock.exists() and not dra_sock.exists()
     # Shutdown does not unprepare: the CDI spec, the MIG device and the checkpoint entry remain.
-    assert (base / "cdi" / f"k8s.{DRIVER}-claim_{uid}.yaml").exists()
+    assert (base / "cdi" / f"k8s.{DRIVER}-claim_{uid}.json").exists()
     assert plugin.driver.checkpoint.get(uid).completed
     assert len(plugin.driver.checkpoint.get(uid).undo.mig_devices) == 1
 
