@@ -28,12 +28,12 @@ from typing import Any
 
 import grpc
 import structlog
-import yaml
 
 from api.generated.pluginregistration.v1 import api_pb2 as reg_pb
 from api.generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
 from dra.node.cdi import CdiSpecWriter, ToolkitSpecs
+from api.yamlfiles import load_yaml_file
 from dra.node.bootid import DEFAULT_BOOT_ID_PATH
 from dra.node.checkpoint import CheckpointStore, CheckpointTooNew, CheckpointUnusable
 from dra.model.devices import Device, DeviceModel, build_devices
@@ -118,12 +118,7 @@ class PluginOptions:
 def load_node_policy(path: str | None, fleet_policy: dict[str, Any] | None = None) -> NodePolicy:
     """The node policy from a YAML file, else the fleet node's, else the default (whole GPUs)."""
     if path:
-        try:
-            data = yaml.safe_load(Path(path).read_text())
-        except OSError as err:
-            raise PluginConfigError(f"--node-policy {path}: {err.strerror or err}") from None
-        except yaml.YAMLError as err:
-            raise PluginConfigError(f"--node-policy {path}: not valid YAML: {err}") from None
+        data = load_yaml_file(path, source=f"--node-policy {path}", error=PluginConfigError)
         try:
             return parse_node_policy(data, path)
         except PolicyError as err:

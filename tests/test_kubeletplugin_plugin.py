@@ -148,6 +148,19 @@ def test_node_policy_file_errors_name_the_file(base):
     assert load_node_policy(str(good)).default.slots.count == 3
 
 
+@pytest.mark.parametrize("content, reason", [
+    (b"default: " + b"[" * 5000 + b"]" * 5000 + b"\n", "nested deeper than"),
+    (b"default:\n  mig: \xff\n", "not UTF-8"),
+    (b"default: [unclosed\n", "not valid YAML"),
+])
+def test_a_bad_node_policy_file_is_one_line(base, content, reason):
+    path = base / "policy.yaml"
+    path.write_bytes(content)
+    with pytest.raises(PluginConfigError) as err:
+        load_node_policy(str(path))
+    assert str(path) in str(err.value) and reason in str(err.value) and "\n" not in str(err.value)
+
+
 def test_command_line_flags_and_environment(monkeypatch):
     monkeypatch.setenv("NODE_NAME", "node-x")
     monkeypatch.setenv("POD_UID", "pod-1")
