@@ -33,7 +33,7 @@ from dra.node.cdi import CdiSpecWriter, ToolkitSpecs
 from dra.node.checkpoint import CheckpointStore
 from dra.model.devices import KIND_MIG, build_devices
 from dra.sim.fleet import nvml_for_node
-from dra.node.sharing import MpsSupervisor, TimeSlicing
+from dra.node.sharing import MpsDaemons, TimeSlicing
 from dra.sim.sharing import SimulatedSharingControl
 from dra.node.inventory import discover
 from dra.model.policy import parse_node_policy
@@ -108,7 +108,7 @@ class PluginNode:
             driver_name=DRIVER, pool_name=self.node_name, devices=self.model.by_name, claims=self.claims,
             checkpoint=CheckpointStore(base / "state" / "checkpoint.json", boot_id_path=base / "boot_id"),
             cdi=CdiSpecWriter(base / "cdi", root, toolkit=ToolkitSpecs([])), nvml=self.nvml,
-            mps=MpsSupervisor(control, base / "state"), time_slicing=TimeSlicing(control),
+            mps=MpsDaemons(control, base / "state"), time_slicing=TimeSlicing(control),
             metrics=PluginMetrics(), log=_plugin_log(self._log_sink))
         self.driver.start()
 

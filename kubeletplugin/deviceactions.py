@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol
 
 from api.quantity import MIB
-from dra.model.devices import KIND_GPU, KIND_MIG, Device
+from dra.model.devices import KIND_MIG, Device
 from dra.node import migdevices as mig
 from dra.node.cdi import MpsMounts
-from dra.node.checkpoint import CheckpointStore, ClaimRecord, MigUndo, TimeSliceUndo, UndoInfo
-from dra.node.sharing import MpsDaemon, MpsDevice, MpsSupervisor, TimeSlicing, mps_daemon_id
+from dra.node.checkpoint import CheckpointStore, ClaimRecord, MigUndo, MpsUse, TimeSliceUndo, UndoInfo
+from dra.node.sharing import MpsDaemons, TimeSlicing
 from kubeletplugin.claims import ClaimRef
 from kubeletplugin.plan import DevicePlan
 
@@ -43,10 +43,11 @@ class MigListener(Protocol):
 @dataclass(frozen=True)
 class Applied:
     """What the hardware steps produced, for the CDI spec: MIG identities by plan index, MPS directories by
-    device UUID."""
+    device UUID, and the claim's MPS client limits (environment of every MPS device of the claim)."""
 
     mig_ids: dict[int, MigIdentity] = field(default_factory=dict)
     mps_mounts: dict[str, MpsMounts] = field(default_factory=dict)
+    mps_env: tuple[str, ...] = ()
 
 
 def mig_undo(device: str, live: mig.MigLive) -> MigUndo:
@@ -55,21 +56,10 @@ def mig_undo(device: str, live: mig.MigLive) -> MigUndo:
                    mig_uuid=live.uuid or None, profile_id=live.profile_id, start=live.start)
 
 
-@dataclass
-class _MpsGroup:
-    """One MPS daemon of a claim: the devices of one physical GPU."""
-
-    parent_uuid: str
-    devices: dict[str, bool]              # device uuid -> exclusive (whole GPU)
-    threads: int | None
-    limits_mib: dict[str, int]
-    unlimited_threads: bool = False
-
-
 class ClaimActions:
     """The hardware side of prepare and unprepare. ``crash_point`` is the driver's test hook."""
 
-    def __init__(self, *, checkpoint: CheckpointStore, nvml: Any, mps: MpsSupervisor, time_slicing: TimeSlicing,
+    def __init__(self, *, checkpoint: CheckpointStore, nvml: Any, mps: MpsDaemons, time_slicing: TimeSlicing,
                  devices: DeviceCatalog, mig_listener: MigListener | None,
                  crash_point: Callable[[str], None], log: Any) -> None:
         self.checkpoint = checkpoint
@@ -92,7 +82,7 @@ class ClaimActions:
         mig_ids = self._realize_mig(ref.uid, plans, log)
         self._apply_time_slices(ref, plans, log)
         mounts = self._start_mps(ref.uid, plans, mig_ids, log)
-        return Applied(mig_ids, mounts)
+        return Applied(mig_ids, mounts, mps_client_env(ref, plans, mig_ids))
 
     def _realize_mig(self, uid: str, plans: list[DevicePlan], log: Any) -> dict[int, MigIdentity]:
         """Create dynamic MIG devices; returns the identity per plan index of every MIG device."""
@@ -157,45 +147,20 @@ class ClaimActions:
 
     def _start_mps(self, uid: str, plans: list[DevicePlan], mig_ids: dict[int, MigIdentity],
                    log: Any) -> dict[str, MpsMounts]:
-        """One MPS daemon per physical GPU of the claim, serving the claim's devices there (a GPU UUID, or MIG
-        UUIDs). Limits of several devices on one GPU add up. Returns the daemon directories per device UUID."""
-        groups: dict[str, _MpsGroup] = {}
+        """Join (or start) the daemon of every device the claim uses with MPS. Returns its client directories
+        by device UUID."""
+        uses: dict[str, str] = {}                     # device uuid -> physical GPU
         for i, p in enumerate(plans):
-            if p.mps is None:
-                continue
-            d = p.device
-            uuid = mig_ids[i][0] if i in mig_ids else d.gpu_uuid
-            g = groups.setdefault(d.gpu_uuid, _MpsGroup(d.gpu_uuid, {}, None, {}))
-            g.devices[uuid] = g.devices.get(uuid, False) or d.kind == KIND_GPU
-            if p.mps.thread_percentage is None:
-                g.unlimited_threads = True
-            else:
-                g.threads = min(100, (g.threads or 0) + p.mps.thread_percentage)
-            if p.mps.pinned_memory_limit_bytes is not None:
-                mib = max(1, p.mps.pinned_memory_limit_bytes // MIB)
-                g.limits_mib[uuid] = g.limits_mib.get(uuid, 0) + mib
+            if p.mps is not None:
+                uses[mig_ids[i][0] if i in mig_ids else p.device.gpu_uuid] = p.device.gpu_uuid
         mounts: dict[str, MpsMounts] = {}
-        for _parent, g in sorted(groups.items()):
-            devices = [MpsDevice(uuid=u, exclusive=ex) for u, ex in g.devices.items()]
-            threads = None if g.unlimited_threads else g.threads
-            daemon_id = mps_daemon_id(uid, [d.uuid for d in devices])
-            base = self.mps.root / daemon_id
-            # Recorded before it starts: a crash right after the start must still find it to stop.
-            intent = MpsDaemon(daemon_id=daemon_id, claim_uid=uid, gpu_uuids=tuple(d.uuid for d in devices),
-                               pipe_dir=str(base / "pipe"), log_dir=str(base / "log"), shm_dir=str(base / "shm"),
-                               compute_mode_set=tuple(d.uuid for d in devices
-                                                      if d.exclusive and not d.uuid.startswith("MIG-")),
-                               active_thread_percentage=threads, pinned_memory_limit_mib=dict(g.limits_mib))
-            self.add_undo(uid, mps_daemons=[intent.undo()])
-            daemon = self.mps.start(uid, devices, active_thread_percentage=threads,
-                                    pinned_memory_limit_mib=g.limits_mib)
+        for device, gpu in sorted(uses.items()):
+            # Recorded before the daemon starts: a crash right after the start must still find it to stop.
+            self.add_undo(uid, mps_devices=[MpsUse(device=device, gpu=gpu)])
+            paths = self.mps.ensure(device, gpu, whole_gpu=device == gpu)
             self._crash_point("mps-started")
-            if daemon.pipe_dir != intent.pipe_dir:
-                raise PrepareError(f"MPS daemon {daemon.daemon_id}: started with unexpected directories")
-            log.info("MPS daemon started", daemon_id=daemon.daemon_id, devices=list(daemon.gpu_uuids),
-                     active_thread_percentage=threads, pinned_memory_limit_mib=dict(g.limits_mib))
-            for u in daemon.gpu_uuids:
-                mounts[u] = MpsMounts(pipe_dir=daemon.pipe_dir, log_dir=daemon.log_dir, shm_dir=daemon.shm_dir)
+            log.info("MPS daemon serves the claim", device=device)
+            mounts[device] = MpsMounts(pipe_dir=paths.pipe_dir, shm_dir=paths.shm_dir)
         return mounts
 
     def _existing_dynamic_mig(self, d: Device) -> MigIdentity:
@@ -225,15 +190,17 @@ class ClaimActions:
         uuids = {by_name[d.device].gpu_uuid for d in record.devices if d.device in by_name}
         uuids |= {m.parent_uuid for m in record.undo.mig_devices}
         uuids |= {u for t in record.undo.time_slices for u in t.gpu_uuids}
+        uuids |= {use.gpu for use in record.undo.mps_devices}
         return sorted(uuids)
 
     def undo(self, record: ClaimRecord) -> None:
         """Stop MPS daemons (they use the MIG devices), destroy MIG devices, release time-slices; each step is
         checkpointed as it completes so a failure resumes where it stopped."""
         uid = record.uid
-        for daemon in record.undo.mps_daemons:
-            self.mps.stop(MpsDaemon.from_undo(uid, daemon))
-            self._drop_undo(uid, mps_daemon=daemon.daemon_id)
+        for use in record.undo.mps_devices:
+            if use.device not in self.mps_devices_in_use(except_claim=uid):
+                self.mps.release(use.device)        # the daemon's last claim: it goes
+            self._drop_undo(uid, mps_device=use.device)
         parents = set()
         for m in record.undo.mig_devices:
             mig.destroy_mig_device(self.nvml, m.parent_uuid, m.gi_id, m.ci_id, m.mig_uuid)
@@ -251,17 +218,20 @@ class ClaimActions:
             self.time_slicing.release(uid, ts)
             self._drop_undo(uid, time_slice=tuple(ts.gpu_uuids))
 
-    def adopt(self, record: ClaimRecord) -> int:
+    def adopt(self, record: ClaimRecord) -> None:
         """Register what a completed claim holds (from a restart or another plugin process) without touching
-        the hardware: its time-slice settings, MPS daemons and MIG devices. Returns the MPS daemons adopted."""
+        the hardware: its time-slice settings and MIG devices (its MPS daemons are found by
+        ``mps_devices_in_use``)."""
         for ts in record.undo.time_slices:
             self.time_slicing.adopt(record.uid, ts)
-        for daemon in record.undo.mps_daemons:
-            self.mps.adopt(MpsDaemon.from_undo(record.uid, daemon))
         if self.mig_listener is not None:
             for m in record.undo.mig_devices:
                 self.mig_listener.bind_mig(m.device, m.parent_uuid, m.gi_id, m.ci_id)
-        return len(record.undo.mps_daemons)
+
+    def mps_devices_in_use(self, except_claim: str | None = None) -> dict[str, str]:
+        """Devices whose MPS daemon some claim (prepared or preparing) uses, with their GPUs."""
+        return {use.device: use.gpu for uid, r in self.checkpoint.claims().items() if uid != except_claim
+                for use in r.undo.mps_devices}
 
     def dynamic_mig_gpus(self) -> set[str]:
         return {d.gpu_uuid for d in self._devices().values() if d.kind == KIND_MIG and d.mig_dynamic}
@@ -272,11 +242,11 @@ class ClaimActions:
             u = r.undo
             undo = UndoInfo(mig_devices=u.mig_devices + tuple(items.get("mig_devices", ())),
                             time_slices=u.time_slices + tuple(items.get("time_slices", ())),
-                            mps_daemons=u.mps_daemons + tuple(items.get("mps_daemons", ())))
+                            mps_devices=u.mps_devices + tuple(items.get("mps_devices", ())))
             return r.model_copy(update={"undo": undo})
         self.checkpoint.update(uid, change)
 
-    def _drop_undo(self, uid: str, *, mps_daemon: str | None = None, mig: tuple[str, int, int] | None = None,
+    def _drop_undo(self, uid: str, *, mps_device: str | None = None, mig: tuple[str, int, int] | None = None,
                    time_slice: tuple[str, ...] | None = None) -> None:
         if self.checkpoint.get(uid) is None:
             return
@@ -284,8 +254,37 @@ class ClaimActions:
         def change(r: ClaimRecord) -> ClaimRecord:
             u = r.undo
             return r.model_copy(update={"undo": UndoInfo(
-                mps_daemons=tuple(d for d in u.mps_daemons if d.daemon_id != mps_daemon),
+                mps_devices=tuple(d for d in u.mps_devices if d.device != mps_device),
                 mig_devices=tuple(m for m in u.mig_devices if (m.parent_uuid, m.gi_id, m.ci_id) != mig),
                 time_slices=tuple(t for t in u.time_slices if tuple(t.gpu_uuids) != time_slice),
             )})
         self.checkpoint.update(uid, change)
+
+
+def mps_client_env(ref: ClaimRef, plans: list[DevicePlan], mig_ids: dict[int, MigIdentity]) -> tuple[str, ...]:
+    """The claim's MPS limits as CUDA client environment: they bind only its own processes, whatever other
+    claims share the daemon. Device ordinals are in PCI bus order (``CUDA_DEVICE_ORDER=PCI_BUS_ID``) of the
+    claim's MPS devices, MIG devices after their GPU in placement order."""
+    mps = [(i, p) for i, p in enumerate(plans) if p.mps is not None]
+    if not mps:
+        return ()
+    threads = {p.mps.thread_percentage for _, p in mps if p.mps.thread_percentage is not None}
+    if len(threads) > 1:
+        raise PrepareError(f"claim {ref.describe()}: its MPS devices ask for different active thread percentages "
+                           f"({', '.join(map(str, sorted(threads)))}); one process cannot have two, use one value")
+    # Several slots or shares of one GPU in a claim are one CUDA device: their limits add up.
+    keyed: dict[str, tuple[tuple[str, int], int | None]] = {}
+    for i, p in mps:
+        uuid = mig_ids[i][0] if i in mig_ids else p.device.gpu_uuid
+        order = (p.device.gpu_pci_bus_id, p.device.mig_start if p.device.mig_start is not None else -1)
+        limit = max(1, p.mps.pinned_memory_limit_bytes // MIB) if p.mps.pinned_memory_limit_bytes else None
+        _, before = keyed.get(uuid, (order, None))
+        keyed[uuid] = (order, limit if before is None else before + (limit or 0))
+    ordered = sorted(keyed.items(), key=lambda kv: (kv[1][0], kv[0]))
+    limits = {ordinal: limit for ordinal, (_, (_, limit)) in enumerate(ordered) if limit is not None}
+    env = ["CUDA_DEVICE_ORDER=PCI_BUS_ID"]
+    if threads:
+        env.append(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={threads.pop()}")
+    if limits:
+        env.append("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=" + ",".join(f"{o}={mib}M" for o, mib in sorted(limits.items())))
+    return tuple(env)

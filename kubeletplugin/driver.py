@@ -48,7 +48,7 @@ from dra.node import migdevices as mig
 from dra.node.cdi import CdiSpecWriter, ClaimDevice
 from dra.node.checkpoint import PREPARE_COMPLETED, PREPARE_STARTED, CheckpointStore, ClaimRecord, DeviceHeld
 from dra.node.checkpoint import PreparedDevice as CheckpointDevice
-from dra.node.sharing import MpsSupervisor, TimeSlicing
+from dra.node.sharing import MpsDaemons, TimeSlicing
 from dra.node.sharingtools import SharingError
 from kubeletplugin.claims import ClaimError, ClaimRef, ClaimSource
 from kubeletplugin.claimstatus import ClaimStatusReporter, ClaimStatusWriter
@@ -105,7 +105,7 @@ class Driver:
         checkpoint: CheckpointStore,
         cdi: CdiSpecWriter,
         nvml: Any,
-        mps: MpsSupervisor,
+        mps: MpsDaemons,
         time_slicing: TimeSlicing,
         compat_nvidia: bool = False,
         metrics: PluginMetrics | None = None,
@@ -155,7 +155,7 @@ class Driver:
             os._exit(137)
 
     @property
-    def mps(self) -> MpsSupervisor:
+    def mps(self) -> MpsDaemons:
         return self.actions.mps
 
     @property
@@ -239,15 +239,20 @@ class Driver:
         if not self.checkpoint.refresh():
             return
         self.actions.time_slicing = TimeSlicing(self.actions.time_slicing.control)
-        self.actions.mps = MpsSupervisor(self.mps.control, self.mps.root.parent)
         for record in self.checkpoint.claims().values():
             if record.completed:
                 self.actions.adopt(record)
 
     def supervise_mps(self) -> list[str]:
-        """Restart MPS daemons of prepared claims that died (call periodically)."""
+        """Restart MPS daemons of prepared claims that died (call periodically). Each under its GPU's lock, so
+        a daemon whose last claim is leaving right now is not started again."""
+        restarted: list[str] = []
         with self._serialized():
-            return self.actions.mps.supervise()
+            for device, gpu in sorted(self.actions.mps_devices_in_use().items()):
+                with self._gpu_locks.hold(gpu):
+                    if device in self.actions.mps_devices_in_use():
+                        restarted += self.actions.mps.supervise([device])
+        return restarted
 
     # ----- bookkeeping -----------------------------------------------------------------------------------------
     def prepared_device_names(self) -> set[str]:
@@ -384,7 +389,8 @@ class Driver:
             cdi_devices.append(ClaimDevice(
                 name=d.name, uuid=uuid, gpu_minor=d.gpu_minor, gpu_index=d.gpu_index, mig=gi_ci,
                 requests=(p.result.base_request,), share_id=p.result.share_id,
-                mps=applied.mps_mounts.get(uuid) if p.mps is not None else None))
+                mps=applied.mps_mounts.get(uuid) if p.mps is not None else None,
+                env=applied.mps_env if p.mps is not None else ()))
         ids = self.cdi.write_claim_spec(uid, cdi_devices)
         self._crash_point("cdi-written")
         prepared = [PreparedDevice(request_names=(p.result.base_request,), pool_name=p.result.pool,

@@ -38,8 +38,9 @@ from dra.node.bootid import DEFAULT_BOOT_ID_PATH
 from dra.node.checkpoint import CheckpointStore, CheckpointTooNew, CheckpointUnusable
 from dra.model.devices import Device, DeviceModel, build_devices
 from dra.node.driverroot import DriverRoot, DriverRootError
-from dra.node.sharing import MpsSupervisor, TimeSlicing
+from dra.node.sharing import MpsDaemons, TimeSlicing
 from dra.node.sharingtools import MpsDaemonSpec, NvidiaSmiSharingControl, SharingControl, SharingError
+from dra.sim.mpscontrol import STATE_ENV as MPS_STATE_ENV, write_simulated_mps_control
 from dra.sim.sharing import SimulatedSharingControl
 from dra.node.health import HealthDevice, HealthMonitor, TaintMap
 from dra.node.taintstore import DEFAULT_FILE_NAME as TAINTS_FILE
@@ -271,7 +272,15 @@ class KubeletPlugin:
         if self._sharing is not None:
             return self._sharing
         if self.options.fleet:
-            return SimulatedSharingControl(nvml=self.nvml)
+            state_file = self.options.simulated_state_file
+            if state_file is None:
+                return SimulatedSharingControl(nvml=self.nvml)
+            # With a state file the simulated GPUs outlive the plugin, and so do their MPS daemons: real
+            # processes of the simulated nvidia-cuda-mps-control, driven like the real one.
+            program = write_simulated_mps_control(self.options.state_directory / "sim-tools")
+            mps = NvidiaSmiSharingControl(mps_control=str(program), env={MPS_STATE_ENV: str(state_file)},
+                                          proc_root=self.options.proc_root)
+            return SimulatedSharingControl(nvml=self.nvml, mps=mps)
         try:
             return NvidiaSmiSharingControl.from_driver_root(driver_root, proc_root=self.options.proc_root)
         except Exception as err:  # noqa: BLE001 - sharing is optional; whole GPUs and MIG still work
@@ -388,7 +397,7 @@ class KubeletPlugin:
             claims=self._claim_source or KubernetesClaimSource(self._api_client),
             checkpoint=CheckpointStore(state / "checkpoint.json", boot_id_path=o.boot_id_path),
             cdi=CdiSpecWriter(o.cdi_root, driver_root, vendor=vendor, toolkit=toolkit),
-            nvml=self.nvml, mps=MpsSupervisor(sharing, state), time_slicing=TimeSlicing(sharing),
+            nvml=self.nvml, mps=MpsDaemons(sharing, state), time_slicing=TimeSlicing(sharing),
             compat_nvidia=o.compat_nvidia, metrics=self.metrics, max_parallel=o.max_parallel,
             serialize_lock=(state / "serialize.lock") if o.pod_uid else None, mig_listener=self.monitor,
             on_change=self._update_device_gauges, status=self._claim_status_writer(),
@@ -408,7 +417,7 @@ class KubeletPlugin:
         self.dra_server.start()
         self.registration = RegistrationServer(
             o.driver_name, self.paths.registration, self.paths.dra, supported_services(),
-            on_status=lambda ok, err: self.metrics.registered.set(1 if ok else 0),
+            on_status=self._on_registration_status,
             log=structlog.get_logger("registration"))
         self.registration.start()
         self._set_phase(None)
@@ -416,6 +425,13 @@ class KubeletPlugin:
                  dra_socket=str(self.paths.dra), driver=o.driver_name, pool=self.pool)
         if self.publish:
             self._spawn(self._publish_once_registered, "slice-publishing")
+
+    def _on_registration_status(self, registered: bool, error: str) -> None:
+        self.metrics.registered.set(1 if registered else 0)
+        if registered and self.slices is not None:
+            # A registration after the first comes from a restarted kubelet, which deletes its node's slices
+            # when it starts: publish again now rather than after the publisher's repair delay (30 s).
+            self.slices.resync()
 
     def _publish_once_registered(self) -> None:
         """Starts the slice publisher once the kubelet has confirmed the registration: a pod the scheduler

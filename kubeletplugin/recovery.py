@@ -19,18 +19,19 @@ A prepared claim leaves two traces the checkpoint does not hold alone:
 That is enough to know which devices each claim holds (so they are not handed out twice), to answer the
 kubelet, and to undo the claim on unprepare: destroy its MIG devices and delete its spec. What the spec does not
 say is not invented: request names, namespace and name (filled in from the claim when it is prepared again),
-MPS daemons (their limits were only in the checkpoint) and time-slice settings (left as they are). A dynamic
+and time-slice settings (left as they are). MPS daemons are found by the pipe directories the spec mounts. A dynamic
 MIG placement named by more than one claim (an admin-access claim watching it) is given to none of them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from dra.model.devices import KIND_MIG, Device
 from dra.node import migdevices as mig
 from dra.node.cdi import CdiSpecWriter, load_spec
-from dra.node.checkpoint import PREPARE_COMPLETED, CheckpointStore, ClaimRecord, LoadResult, UndoInfo
+from dra.node.checkpoint import PREPARE_COMPLETED, CheckpointStore, ClaimRecord, LoadResult, MpsUse, UndoInfo
 from dra.node.checkpoint import PreparedDevice as CheckpointDevice
 from kubeletplugin.deviceactions import ClaimActions, mig_undo
 
@@ -58,10 +59,13 @@ def recover_at_start(*, checkpoint: CheckpointStore, cdi: CdiSpecWriter, actions
         cdi.delete_claim_spec(record.uid)
     adopted_from_cdi: list[str] = []
     if loaded.state_lost:
-        adopted_from_cdi = _adopt_from_cdi_specs(checkpoint, cdi, devices, nvml, pool_name, log)
-    # Completed claims first: their time-slice settings and MPS daemons are registered before any
-    # rollback releases a GPU setting they share.
-    adopted = sum(actions.adopt(r) for r in checkpoint.claims().values() if r.completed)
+        adopted_from_cdi = _adopt_from_cdi_specs(checkpoint, cdi, devices, nvml, pool_name, log,
+                                                 mps_root=actions.mps.root)
+    # Completed claims first: their time-slice settings are registered before any rollback releases a GPU
+    # setting they share.
+    for record in checkpoint.claims().values():
+        if record.completed:
+            actions.adopt(record)
     rolled_back, failed = [], []
     for uid, record in sorted(checkpoint.claims().items()):
         if record.completed:
@@ -84,8 +88,13 @@ def recover_at_start(*, checkpoint: CheckpointStore, cdi: CdiSpecWriter, actions
                 cdi.delete_claim_spec(uid)
                 cdi_removed.append(uid)
     cdi.remove_leftover_temp_files()
-    if adopted:
-        actions.mps.supervise()  # daemons die with the plugin's container: start them again now
+    in_use = actions.mps_devices_in_use()
+    if not loaded.state_lost:
+        _stop_unused_mps_daemons(actions, in_use, log)
+    # Daemons outlive the plugin; one that died meanwhile (or a node's first start after an upgrade) is
+    # started again for the claims that use it.
+    actions.mps.supervise(sorted(in_use))
+    adopted = len(in_use)
     report = StartupReport(loaded, tuple(rolled_back), tuple(failed),
                            tuple(f"{d.parent_uuid}/gi{d.gi_id}/ci{d.ci_id}" for d in destroyed),
                            tuple(cdi_removed), adopted, tuple(adopted_from_cdi), loaded.state_lost)
@@ -98,11 +107,11 @@ def recover_at_start(*, checkpoint: CheckpointStore, cdi: CdiSpecWriter, actions
 
 
 def _adopt_from_cdi_specs(checkpoint: CheckpointStore, cdi: CdiSpecWriter, devices: Mapping[str, Device],
-                          nvml: Any, pool_name: str, log: Any) -> list[str]:
+                          nvml: Any, pool_name: str, log: Any, mps_root: Path | None = None) -> list[str]:
     """The checkpoint lost claims: take back every claim whose CDI spec is still here, so its devices stay
     booked and its unprepare undoes it. Claims whose own record could not be read are adopted the same way."""
     try:
-        found = recover_claims(cdi, devices, nvml, pool_name, skip=list(checkpoint.claims()))
+        found = recover_claims(cdi, devices, nvml, pool_name, skip=list(checkpoint.claims()), mps_root=mps_root)
     except Exception as err:  # noqa: BLE001 - adopting is a bonus; the start stays conservative anyway
         log.error("adopting claims from their CDI specs failed", error=str(err))
         return []
@@ -139,8 +148,8 @@ def _log_conservative_start(loaded: LoadResult, adopted: list[str], checkpoint: 
         reason = f"the records of claims {', '.join(loaded.unreadable_claims)} could not be read"
     log.warning(
         f"prepared-claim state was lost ({reason}): this start destroys no MIG device and deletes no CDI spec; "
-        f"{len(adopted)} claim(s) adopted from their CDI specs (their MPS daemons and time-slice settings are "
-        "not known and stay as they are)",
+        f"{len(adopted)} claim(s) adopted from their CDI specs (with the MPS daemons their specs mount; their "
+        "time-slice settings are not known and stay as they are)",
         adopted_claims=adopted, unowned_mig_kept=mig_kept, cdi_specs_kept=cdi_kept)
 
 
@@ -192,11 +201,30 @@ def _live_placements(nvml: Any, gpus: Sequence[str]) -> dict[tuple[str, int, int
     return out
 
 
+def _mps_uses(spec: Mapping[str, Any], mps_root: Path | None, devices: Mapping[str, Device],
+              names: Sequence[str]) -> list[MpsUse]:
+    """The MPS daemons a claim's spec mounts (their pipe directories are ``<mps root>/<device>/pipe``)."""
+    if mps_root is None:
+        return []
+    named = [d for n in names if (d := devices.get(n)) is not None]
+    gpus = {d.mig_uuid or d.gpu_uuid: d.gpu_uuid for d in named} | {d.gpu_uuid: d.gpu_uuid for d in named}
+    fallback = named[0].gpu_uuid if named else None       # a dynamic MIG device's UUID is only known live
+    uses: dict[str, MpsUse] = {}
+    for d in spec.get("devices") or []:
+        for mount in ((d.get("containerEdits") or {}).get("mounts") or []):
+            host = Path(str(mount.get("hostPath", "")))
+            if host.name == "pipe" and host.parent.parent == mps_root:
+                device = host.parent.name
+                uses[device] = MpsUse(device=device, gpu=gpus.get(device, fallback or device))
+    return list(uses.values())
+
+
 def recover_claims(cdi: CdiSpecWriter, devices: Mapping[str, Device], nvml: Any, pool: str,
-                   skip: Sequence[str] = ()) -> Recovery:
+                   skip: Sequence[str] = (), mps_root: Path | None = None) -> Recovery:
     """One ``PrepareCompleted`` record (``recovered=True``) per claim CDI spec whose UID is not in ``skip``."""
     problems: list[str] = []
     parsed: dict[str, list[tuple[str, str | None, str]]] = {}     # uid -> [(device, share id, cdi id)]
+    mps: dict[str, list[MpsUse]] = {}
     for uid, path in sorted(cdi.list_claim_specs().items()):
         if uid in skip:
             continue
@@ -213,6 +241,7 @@ def recover_claims(cdi: CdiSpecWriter, devices: Mapping[str, Device], nvml: Any,
             problems.append(f"{path}: no devices")
             continue
         parsed[uid] = entries
+        mps[uid] = _mps_uses(spec, mps_root, devices, [name for name, _, _ in entries])
 
     dynamic_gpus = sorted({devices[n].gpu_uuid for e in parsed.values() for n, _, _ in e
                            if n in devices and devices[n].kind == KIND_MIG and devices[n].mig_dynamic})
@@ -249,5 +278,16 @@ def recover_claims(cdi: CdiSpecWriter, devices: Mapping[str, Device], nvml: Any,
             stored.append(CheckpointDevice(device=name, pool=pool, cdi_device_ids=(cdi_id,), share_id=share,
                                            uuid=uuid))
         records.append(ClaimRecord(uid=uid, state=PREPARE_COMPLETED, devices=tuple(stored),
-                                   undo=UndoInfo(mig_devices=tuple(undo)), recovered=True))
+                                   undo=UndoInfo(mig_devices=tuple(undo), mps_devices=tuple(mps.get(uid, ()))),
+                                   recovered=True))
     return Recovery(tuple(records), tuple(problems))
+
+
+def _stop_unused_mps_daemons(actions: ClaimActions, in_use: Mapping[str, str], log: Any) -> None:
+    """A daemon no claim uses is a leftover of a crash between its last claim's undo steps: stop it."""
+    for device in sorted(set(actions.mps.records()) - set(in_use)):
+        try:
+            actions.mps.release(device)
+            log.warning("stopped an MPS daemon no prepared claim uses", device=device)
+        except Exception as err:  # noqa: BLE001 - keep starting; the next start tries again
+            log.error("stopping an unused MPS daemon failed", device=device, error=str(err))

@@ -48,7 +48,7 @@ def _consistent(node: Node) -> list[str]:
     held = Counter((d.pool, d.device) for r in records.values() for d in r.devices if not d.admin_access)
     problems += [f"device {dev} held by {n} claims" for (_, dev), n in held.items() if n > 1]
     daemons = {d.spec.pipe_dir for d in node.control.daemons.values() if d.alive}
-    recorded = {m.pipe_dir for r in records.values() for m in r.undo.mps_daemons}
+    recorded = {node.driver.mps.paths(u.device).pipe_dir for r in records.values() for u in r.undo.mps_devices}
     problems += [f"MPS daemon {p} owned by no claim" for p in sorted(daemons - recorded)]
     specs = set(node.driver.cdi.list_claim_specs())
     problems += [f"CDI spec of {uid} without a prepared claim" for uid in sorted(specs - set(records))]

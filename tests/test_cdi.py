@@ -178,15 +178,15 @@ def test_missing_capability_file_is_a_clear_error(tree):
         tree.driver_root().mig_cap_nodes(0, 9, 0)
 
 
-def test_mps_edits_mount_pipe_log_and_shm(tmp_path, tree):
-    mps = MpsMounts(pipe_dir="/var/lib/plugin/mps/x/pipe", log_dir="/var/lib/plugin/mps/x/log",
-                    shm_dir="/var/lib/plugin/mps/x/shm")
+def test_mps_edits_mount_pipe_and_shm_never_the_log(tmp_path, tree):
+    mps = MpsMounts(pipe_dir="/var/lib/plugin/mps/x/pipe", shm_dir="/var/lib/plugin/mps/x/shm")
     dev = ClaimDevice(name="gpu-0-slot-1", uuid="GPU-aaaa", gpu_minor=0, requests=("s",), mps=mps)
     spec, _ = writer(tmp_path, tree).build(UID, [dev])
     edits = spec["devices"][0]["containerEdits"]
     assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in edits["env"]
-    assert any(e.startswith("CUDA_MPS_LOG_DIRECTORY=") for e in edits["env"])
+    assert not any(e.startswith("CUDA_MPS_LOG_DIRECTORY=") for e in edits["env"])
     mounts = mounts_by_container(edits)
+    assert set(mounts) >= {"/tmp/nvidia-mps", "/dev/shm"} and not any("log" in m for m in mounts)
     assert mounts["/tmp/nvidia-mps"]["hostPath"] == mps.pipe_dir
     assert mounts["/dev/shm"]["hostPath"] == mps.shm_dir
     assert "rw" in mounts["/tmp/nvidia-mps"]["options"]
@@ -408,7 +408,7 @@ def test_written_specs_resolve_like_a_runtime(tmp_path, tree):
     etc = tmp_path / "etc-cdi"
     write_toolkit_spec(etc, "nvidia.com/gpu", ["GPU-tk"])
     w = writer(tmp_path, tree, toolkit=ToolkitSpecs([etc]))
-    mps = MpsMounts(pipe_dir="/m/pipe", log_dir="/m/log", shm_dir="/m/shm")
+    mps = MpsMounts(pipe_dir="/m/pipe", shm_dir="/m/shm")
     ids = w.write_claim_spec(UID, [
         ClaimDevice(name="gpu-0", uuid="GPU-aaaa", gpu_minor=0, requests=("a",), mps=mps),
         ClaimDevice(name="gpu-1-mig-3g40gb-9-4", uuid="MIG-cccc", gpu_minor=1, mig=(2, 0), requests=("b",)),

@@ -19,13 +19,12 @@ from dra.node.checkpoint import (
     CheckpointStore,
     ClaimRecord,
     MigUndo,
-    MpsUndo,
+    MpsUse,
     PreparedDevice,
     TimeSliceUndo,
     UndoInfo,
 )
 from dra.node.migdevices import MigLive
-from dra.node.sharing import MpsDaemon
 
 BOOT_A = "7c1f3a52-0a4e-4b55-9f43-2d1f3e6b9a01"
 BOOT_B = "e2b1d9c4-5f6a-4c3b-8e7d-1a2b3c4d5e6f"
@@ -54,9 +53,7 @@ def full_record(uid: str = "uid-1") -> ClaimRecord:
             mig_devices=(MigUndo(device="gpu-0-mig-1g10gb-19-0", parent_uuid="GPU-0", gi_id=7, ci_id=0,
                                  mig_uuid="MIG-1234", profile_id=19, start=0),),
             time_slices=(TimeSliceUndo(gpu_uuids=("GPU-1",), interval="Long", previous="Default"),),
-            mps_daemons=(MpsUndo(daemon_id=f"{uid}-abc", gpu_uuids=("GPU-1",), pipe_dir="/s/pipe", log_dir="/s/log",
-                                 shm_dir="/s/shm", compute_mode_set=("GPU-1",), active_thread_percentage=50,
-                                 pinned_memory_limit_mib={"GPU-1": 4096}),),
+            mps_devices=(MpsUse(device="GPU-1", gpu="GPU-1"),),
         ),
     )
 
@@ -268,13 +265,6 @@ def test_parallel_puts_lose_nothing(tmp_path, boot_file):
     reread.load()
     claims = reread.claims()
     assert len(claims) == 60 and all(c.completed for c in claims.values())
-
-
-def test_mps_daemon_converts_to_and_from_its_undo_record():
-    daemon = MpsDaemon(daemon_id="c-1234", claim_uid="c", gpu_uuids=("MIG-9",), pipe_dir="/p", log_dir="/l",
-                       shm_dir="/s", compute_mode_set=(), active_thread_percentage=20,
-                       pinned_memory_limit_mib={"MIG-9": 512})
-    assert MpsDaemon.from_undo("c", daemon.undo()) == daemon
 
 
 # ----- journal -----------------------------------------------------------------------------------------------

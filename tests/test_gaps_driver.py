@@ -178,7 +178,7 @@ def test_unprepare_failing_part_way_resumes_on_retry(dynamic):
     # Done steps are gone from the record; only the refused one is left to do.
     record = dynamic.driver.checkpoint.get(ref.uid)
     assert record is not None
-    assert record.undo.mps_daemons == ()
+    assert record.undo.mps_devices == ()
     assert [m.mig_uuid for m in record.undo.mig_devices] == [second.uuid]
     assert not daemon.alive
     assert dynamic.mig_devices(1) == [second]

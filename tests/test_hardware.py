@@ -25,13 +25,14 @@ from dra.node.migdevices import (
     list_mig_devices,
 )
 from dra.node.checkpoint import TimeSliceUndo
-from dra.node.sharing import MpsDevice, MpsSupervisor, TimeSlicing, mps_daemon_id
+from dra.node.sharing import MpsDaemons, TimeSlicing
 from dra.node.sharingtools import (
     MpsDaemonSpec,
     NvidiaSmiSharingControl,
     SharingError,
     SharingNotSupported,
 )
+from dra.sim.mpscontrol import write_simulated_mps_control
 from dra.sim.sharing import SimulatedSharingControl
 
 H100 = "GPU-11111111-0000-4000-8000-000000000000"
@@ -282,85 +283,66 @@ def test_time_slicing_adopt_after_restart(nvml):
     assert tools.get_time_slice(H100) == "Default"
 
 
-# ----- MPS supervisor -----------------------------------------------------------------------------------------
-def test_mps_supervisor_start_limits_restart_stop(tmp_path, nvml):
+# ----- MPS daemons ------------------------------------------------------------------------------------------------
+def test_one_daemon_per_device_started_once_restarted_and_released(tmp_path, nvml):
     tools = SimulatedSharingControl(nvml=nvml)
-    sup = MpsSupervisor(tools, tmp_path / "state")
-    daemon = sup.start("claim-a", [MpsDevice(H100, exclusive=True)], active_thread_percentage=50,
-                       pinned_memory_limit_mib={H100: 8192})
-    assert daemon.daemon_id == mps_daemon_id("claim-a", [H100])
-    assert Path(daemon.pipe_dir).is_dir() and Path(daemon.shm_dir).is_dir()
-    assert Path(daemon.pipe_dir).parent == tmp_path / "state" / "mps" / daemon.daemon_id
+    mps = MpsDaemons(tools, tmp_path / "state")
+    paths = mps.ensure(H100, H100, whole_gpu=True)
+    assert paths.base == tmp_path / "state" / "mps" / H100
+    assert Path(paths.pipe_dir).is_dir() and Path(paths.shm_dir).is_dir()
+    assert oct(Path(paths.log_dir).stat().st_mode & 0o777) == oct(0o700)     # the daemon's log is private
     assert tools.compute_mode(H100) == "EXCLUSIVE_PROCESS"
-    sim = tools.daemons[daemon.pipe_dir]
-    assert sim.spec.visible_devices == (H100,)
-    assert sim.active_thread_percentage == 50 and sim.pinned_memory_limits == {H100: "8192M"}
-    assert sup.start("claim-a", [MpsDevice(H100, exclusive=True)]) is daemon  # idempotent
-    assert sup.supervise() == []
-    tools.kill_mps_daemon(daemon.pipe_dir)
-    assert sup.supervise() == [daemon.daemon_id]
-    assert tools.mps_daemon_running(daemon.pipe_dir)
-    assert tools.daemons[daemon.pipe_dir].pinned_memory_limits == {H100: "8192M"}  # limits re-applied
-    sup.stop(daemon)
-    sup.stop(daemon.daemon_id)
-    assert not tools.mps_daemon_running(daemon.pipe_dir)
+    assert tools.daemons[paths.pipe_dir].spec.visible_devices == (H100,)
+    assert mps.ensure(H100, H100, whole_gpu=True) == paths                   # the second claim joins it
+    assert [a for a in tools.actions if a[0] == "start_mps_daemon"] == [("start_mps_daemon", paths.pipe_dir, (H100,))]
+    assert mps.records()[H100].compute_mode_set
+    assert mps.supervise([H100]) == []
+    tools.kill_mps_daemon(paths.pipe_dir)
+    assert mps.supervise([H100]) == [H100] and mps.running(H100)
+    mps.release(H100)
+    mps.release(H100)                                                         # idempotent
+    assert not tools.mps_daemon_running(paths.pipe_dir)
     assert tools.compute_mode(H100) == "DEFAULT"
-    assert not (tmp_path / "state" / "mps" / daemon.daemon_id).exists()
+    assert not paths.base.exists() and mps.records() == {}
 
 
-def test_mps_on_mig_devices_and_shared_gpus(tmp_path, nvml):
+def test_mps_on_a_mig_device_leaves_the_compute_mode_alone(tmp_path, nvml):
     tools = SimulatedSharingControl(nvml=nvml)
-    sup = MpsSupervisor(tools, tmp_path)
+    mps = MpsDaemons(tools, tmp_path)
     mig = create_mig_device(nvml, H100_B, P_3G, 0)
-    d1 = sup.start("claim-mig", [MpsDevice(mig.uuid)], pinned_memory_limit_mib={mig.uuid: 1024})
-    assert tools.daemons[d1.pipe_dir].spec.visible_devices == (mig.uuid,)
-    assert d1.compute_mode_set == ()
-    s1 = sup.start("slot-1", [MpsDevice(H100)], active_thread_percentage=25)
-    s2 = sup.start("slot-2", [MpsDevice(H100)], active_thread_percentage=75)
+    paths = mps.ensure(mig.uuid, H100_B, whole_gpu=False)
+    assert tools.daemons[paths.pipe_dir].spec.visible_devices == (mig.uuid,)
+    assert not mps.records()[mig.uuid].compute_mode_set and tools.compute_mode(H100_B) == "DEFAULT"
+
+
+def test_a_failed_daemon_start_undoes_everything(tmp_path, nvml):
+    tools = SimulatedSharingControl(nvml=nvml)
+    mps = MpsDaemons(tools, tmp_path)
+
+    def refuse(spec):
+        raise SharingError("nvidia-cuda-mps-control -d exited with 1")
+
+    tools.start_mps_daemon = refuse
+    with pytest.raises(SharingError, match="exited with 1"):
+        mps.ensure(H100, H100, whole_gpu=True)
     assert tools.compute_mode(H100) == "DEFAULT"
-    assert tools.mps_daemon_running(s1.pipe_dir) and tools.mps_daemon_running(s2.pipe_dir)
+    assert mps.records() == {} and not (tmp_path / "mps" / H100).exists()
 
 
-def test_mps_start_failure_undoes_everything(tmp_path, nvml):
+def test_a_daemon_survives_a_new_plugin_process_and_is_found_on_disk(tmp_path, nvml):
     tools = SimulatedSharingControl(nvml=nvml)
-    sup = MpsSupervisor(tools, tmp_path)
-    sup.start("claim-a", [MpsDevice(H100, exclusive=True)])
-    with pytest.raises(SharingError, match="already served"):
-        sup.start("claim-b", [MpsDevice(H100_B, exclusive=True), MpsDevice(H100)])
+    MpsDaemons(tools, tmp_path).ensure(H100_B, H100_B, whole_gpu=True)
+    after = MpsDaemons(tools, tmp_path)           # a new plugin process over the same state directory
+    assert list(after.records()) == [H100_B] and after.running(H100_B)
+    after.release(H100_B)
     assert tools.compute_mode(H100_B) == "DEFAULT"
-    assert list(sup.daemons()) == [mps_daemon_id("claim-a", [H100])]
-    assert sorted(p.name for p in (tmp_path / "mps").iterdir()) == [mps_daemon_id("claim-a", [H100])]
-    with pytest.raises(SharingError, match="does not serve"):
-        sup.start("claim-c", [MpsDevice(H100_B)], pinned_memory_limit_mib={H100: 1})
-    with pytest.raises(SharingError, match="1..100"):
-        sup.start("claim-c", [MpsDevice(H100_B)], active_thread_percentage=0)
 
 
-def test_mps_adopt_restarts_a_daemon_lost_with_the_plugin(tmp_path, nvml):
-    before = MpsSupervisor(SimulatedSharingControl(nvml=nvml), tmp_path)
-    record = before.start("claim-a", [MpsDevice(H100_B)], active_thread_percentage=40)
-    tools = SimulatedSharingControl(nvml=nvml)   # a new plugin process: no daemons run
-    after = MpsSupervisor(tools, tmp_path)
-    after.adopt(record)
-    assert after.supervise() == [record.daemon_id]
-    assert tools.daemons[record.pipe_dir].active_thread_percentage == 40
-
-
-def test_mps_supervisor_run_loop_stops(tmp_path, nvml):
-    tools = SimulatedSharingControl(nvml=nvml)
-    sup = MpsSupervisor(tools, tmp_path)
-    daemon = sup.start("claim-a", [MpsDevice(H100)])
-    stop = threading.Event()
-    thread = threading.Thread(target=sup.run, args=(stop, 0.01))
-    thread.start()
-    tools.kill_mps_daemon(daemon.pipe_dir)
-    deadline = time.monotonic() + 5
-    while not tools.mps_daemon_running(daemon.pipe_dir) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    stop.set()
-    thread.join(5)
-    assert not thread.is_alive()
-    assert sup.restarts[daemon.daemon_id] >= 1
+def test_device_names_cannot_leave_the_mps_directory(tmp_path, nvml):
+    mps = MpsDaemons(SimulatedSharingControl(nvml=nvml), tmp_path)
+    for bad in ("../x", "..", "a/b", ""):
+        with pytest.raises(SharingError, match="not a device UUID"):
+            mps.paths(bad)
 
 
 # ----- real sharing control with stand-in programs --------------------------------------------------------------
@@ -375,39 +357,16 @@ if "--set-timeslice" in sys.argv and sys.argv[-1] not in "0123":
     print("Invalid value"); sys.exit(2)
 """
 
-FAKE_MPS = """#!{python}
-import os, signal, sys, time
-pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
-if sys.argv[1:] == ["-d"]:
-    if os.fork() == 0:
-        os.setsid()
-        null = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):
-            os.dup2(null, fd)
-        with open(os.path.join(pipe, "daemon.pid"), "w") as f:
-            f.write(str(os.getpid()))
-        with open(os.path.join(pipe, "daemon.env"), "w") as f:
-            f.write(os.environ.get("CUDA_VISIBLE_DEVICES", "") + " " + os.environ.get("CUDA_MPS_LOG_DIRECTORY", ""))
-        while True:
-            time.sleep(0.05)
-    sys.exit(0)
-line = sys.stdin.read().strip()
-with open(os.path.join(pipe, "commands.log"), "a") as f:
-    f.write(line + "\\n")
-if line == "quit":
-    os.kill(int(open(os.path.join(pipe, "daemon.pid")).read()), signal.SIGTERM)
-print("ok")
-"""
 
 
 @pytest.fixture
 def programs(tmp_path: Path):
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    for name, text in (("nvidia-smi", FAKE_SMI), ("nvidia-cuda-mps-control", FAKE_MPS)):
-        path = bindir / name
-        path.write_text(text.format(python=sys.executable))
-        path.chmod(0o755)
+    path = bindir / "nvidia-smi"
+    path.write_text(FAKE_SMI.format(python=sys.executable))
+    path.chmod(0o755)
+    write_simulated_mps_control(bindir)       # the simulated nvidia-cuda-mps-control program
     return bindir
 
 
@@ -452,21 +411,37 @@ def test_real_tools_mps_daemon_lifecycle(programs, tmp_path):
         tools.start_mps_daemon(spec)
         assert tools.mps_daemon_running(str(pipe))
         assert not tools.mps_daemon_running(str(tmp_path / "other"))
-        assert (pipe / "daemon.env").read_text() == f"{H100},MIG-abc {logs}"
+        assert "Starting control daemon for " + f"{H100},MIG-abc" in (logs / "control.log").read_text()
         with pytest.raises(SharingError, match="already running"):
             tools.start_mps_daemon(spec)
-        assert tools.mps_command(str(pipe), "set_default_active_thread_percentage 30") == "ok"
+        tools.mps_command(str(pipe), "set_default_active_thread_percentage 30")
+        assert tools.mps_command(str(pipe), "get_default_active_thread_percentage") == "30.0"
+        with pytest.raises(SharingError, match="1..100"):
+            tools.mps_command(str(pipe), "set_default_active_thread_percentage 300")
         tools.stop_mps_daemon(str(pipe))
         assert not tools.mps_daemon_running(str(pipe))
-        assert (pipe / "commands.log").read_text().splitlines() == ["set_default_active_thread_percentage 30", "quit"]
         tools.stop_mps_daemon(str(pipe))  # not running: fine
     finally:
-        pid_file = pipe / "daemon.pid"
-        if pid_file.exists():
-            try:
-                os.kill(int(pid_file.read_text()), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        for pid in tools._daemon_pids(str(pipe)):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_the_control_program_is_never_pointed_at_a_planted_socket(programs, tmp_path):
+    tools = real_tools(programs, tmp_path)
+    pipe, logs = tmp_path / "pipe", tmp_path / "log"
+    pipe.mkdir()
+    logs.mkdir()
+    tools.start_mps_daemon(MpsDaemonSpec(str(pipe), str(logs), (H100,)))
+    try:
+        control = pipe / "control"
+        elsewhere = tmp_path / "elsewhere"
+        control.rename(elsewhere)
+        control.symlink_to(elsewhere)              # a workload replaced the socket in its mounted pipe dir
+        with pytest.raises(SharingError, match="replaced"):
+            tools.mps_command(str(pipe), "get_server_list")
+    finally:
+        for pid in tools._daemon_pids(str(pipe)):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_real_tools_from_driver_root(tmp_path):

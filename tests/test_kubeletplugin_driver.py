@@ -17,7 +17,7 @@ from dra.node.checkpoint import PREPARE_STARTED, CheckpointStore, ClaimRecord, M
 from dra.node.checkpoint import PreparedDevice as CheckpointDevice
 from dra.model.devices import build_devices
 from dra.sim.fleet import nvml_for_node, parse_fleet
-from dra.node.sharing import MpsSupervisor, TimeSlicing
+from dra.node.sharing import MpsDaemons, TimeSlicing
 from dra.sim.sharing import SimulatedSharingControl
 from dra.node.inventory import discover
 from dra.model.policy import parse_node_policy
@@ -65,7 +65,7 @@ class Node:
             driver_name=DRIVER, pool_name=NODE, devices=self.model.by_name, claims=self.claims,
             checkpoint=CheckpointStore(self.state / "checkpoint.json", boot_id_path=self.boot_id),
             cdi=CdiSpecWriter(self.cdi_dir, self.tree.driver_root()), nvml=self.nvml,
-            mps=MpsSupervisor(self.control, self.state), time_slicing=TimeSlicing(self.control),
+            mps=MpsDaemons(self.control, self.state), time_slicing=TimeSlicing(self.control),
             metrics=self.metrics)
         self.startup = d.start()
         return d
@@ -250,6 +250,12 @@ def test_claim_config_wins_over_class_config_and_specific_over_general(whole):
     assert whole.control.time_slices == {whole.uuids[0]: "Default", whole.uuids[1]: "Default"}
 
 
+def mps_env(node: Node, ref: ClaimRef) -> dict[str, str]:
+    """The MPS client environment the claim's container gets (from its CDI spec)."""
+    env = node.spec_of(ref)["devices"][0]["containerEdits"]["env"]
+    return {k: v for k, _, v in (e.partition("=") for e in env) if k.startswith("CUDA_")}
+
+
 def test_whole_gpu_mps_switches_compute_mode_and_back(whole):
     ref = whole.add_claim("mps", [{"request": "gpu", "device": "gpu-0"}],
                           [opaque(gpu_config(strategy="MPS", mps={"activeThreadPercentage": 30,
@@ -257,8 +263,10 @@ def test_whole_gpu_mps_switches_compute_mode_and_back(whole):
     ok(whole.driver, ref)
     assert whole.control.compute_mode(whole.uuids[0]) == "EXCLUSIVE_PROCESS"
     [daemon] = [d for d in whole.control.daemons.values() if d.alive]
-    assert daemon.active_thread_percentage == 30
-    assert daemon.pinned_memory_limits == {whole.uuids[0]: "10240M"}
+    assert daemon.spec.visible_devices == (whole.uuids[0],)
+    assert mps_env(whole, ref) == {"CUDA_MPS_PIPE_DIRECTORY": "/tmp/nvidia-mps", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                                   "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "30",
+                                   "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=10240M"}
     whole.driver.unprepare([ref])
     assert not daemon.alive
     assert whole.control.compute_mode(whole.uuids[0]) == "DEFAULT"
@@ -326,7 +334,8 @@ def test_mig_with_mps_config_runs_daemon_on_mig_uuid(dynamic):
     [live] = dynamic.mig_devices(1)
     [daemon] = [d for d in dynamic.control.daemons.values() if d.alive]
     assert daemon.spec.visible_devices == (live.uuid,)
-    assert daemon.active_thread_percentage == 40
+    assert mps_env(dynamic, ref)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
+    assert dynamic.control.compute_mode(dynamic.uuids[1]) == "DEFAULT"     # a MIG device has no compute mode
     dynamic.driver.unprepare([ref])
     assert not daemon.alive and dynamic.mig_devices(1) == []
 
@@ -481,26 +490,30 @@ def test_time_slicing_slots_share_interval_until_last_claim_leaves(tmp_path):
     assert "MPS does not apply to a time-slicing slot" in node.driver.prepare([mps])[mps.uid].error
 
 
-def test_mps_slot_daemon_limits_and_cdi(dynamic):
+def test_mps_slots_of_one_gpu_share_one_daemon_each_with_its_own_limits(dynamic):
     ref = dynamic.add_claim("slot", [{"request": "s", "device": "gpu-1-slot-0"}])
-    [dev] = ok(dynamic.driver, ref).devices
+    ok(dynamic.driver, ref)
     [daemon] = [d for d in dynamic.control.daemons.values() if d.alive]
     slot = dynamic.model.by_name()["gpu-1-slot-0"]
-    assert daemon.active_thread_percentage == 50
-    assert daemon.pinned_memory_limits == {dynamic.uuids[1]: f"{slot.mps_memory_limit_mib}M"}
-    assert dynamic.control.compute_mode(dynamic.uuids[1]) == "DEFAULT"   # slots share the GPU
+    assert mps_env(dynamic, ref)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    assert mps_env(dynamic, ref)["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={slot.mps_memory_limit_mib}M"
+    assert dynamic.control.compute_mode(dynamic.uuids[1]) == "EXCLUSIVE_PROCESS"   # only the MPS server holds it
     edits = dynamic.spec_of(ref)["devices"][0]["containerEdits"]
-    assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in edits["env"]
-    assert {m["hostPath"] for m in edits["mounts"]} >= {daemon.spec.pipe_dir, daemon.spec.log_dir}
-    assert Path(daemon.spec.pipe_dir).is_dir()
-    # A second claim on the other slot of the same GPU gets its own daemon.
+    mounted = {m["hostPath"] for m in edits["mounts"]}
+    assert daemon.spec.pipe_dir in mounted and daemon.spec.shm_dir in mounted
+    assert daemon.spec.log_dir not in mounted                              # the daemon's log stays private
+    # A second claim on the other slot of the same GPU joins the same daemon, with its own limits.
     other = dynamic.add_claim("slot2", [{"request": "s", "device": "gpu-1-slot-1"}],
                               [opaque(gpu_config(strategy="MPS", mps={"activeThreadPercentage": 20}))])
     ok(dynamic.driver, other)
-    assert sorted(d.active_thread_percentage for d in dynamic.control.daemons.values() if d.alive) == [20, 50]
-    dynamic.driver.unprepare([ref, other])
+    assert [d for d in dynamic.control.daemons.values() if d.alive] == [daemon]
+    assert mps_env(dynamic, other)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "20"
+    dynamic.driver.unprepare([ref])
+    assert daemon.alive                                                     # still used by the other claim
+    dynamic.driver.unprepare([other])
     assert not any(d.alive for d in dynamic.control.daemons.values())
     assert not Path(daemon.spec.pipe_dir).exists()
+    assert dynamic.control.compute_mode(dynamic.uuids[1]) == "DEFAULT"
 
 
 def test_memory_share_limit_is_consumed_capacity_and_share_id_returned(tmp_path):
@@ -513,23 +526,23 @@ def test_memory_share_limit_is_consumed_capacity_and_share_id_returned(tmp_path)
     [db] = ok(node.driver, b).devices           # shared device: no double-allocation refusal
     assert (da.share_id, db.share_id) == ("s-1", "s-2")
     assert da.cdi_device_ids == (f"{CDI_KIND}={a.uid}-gpu-0-shared-s-1",)
-    limits = sorted(d.pinned_memory_limits[node.uuids[0]] for d in node.control.daemons.values() if d.alive)
-    assert limits == ["4096M", "8192M"]
+    assert len([d for d in node.control.daemons.values() if d.alive]) == 1    # one daemon serves both shares
+    assert mps_env(node, a)["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=8192M"    # each share enforced on its own
+    assert mps_env(node, b)["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4096M"
     too_big = node.add_claim("big", [{"request": "mem", "device": "gpu-0-shared", "shareID": "s-3",
                                       "consumedCapacity": {"memory": "2Gi"}}],
                              [opaque(gpu_config(strategy="MPS", mps={"pinnedMemoryLimit": "3Gi"}))])
     assert "exceeds the 2Gi" in node.driver.prepare([too_big])[too_big.uid].error
 
 
-def test_dead_mps_daemon_is_restarted_with_its_limits(dynamic):
+def test_dead_mps_daemon_is_restarted(dynamic):
     ref = dynamic.add_claim("mps", [{"request": "s", "device": "gpu-0-slot-0"}])
     ok(dynamic.driver, ref)
     [(pipe, daemon)] = [(k, d) for k, d in dynamic.control.daemons.items() if d.alive]
     dynamic.control.kill_mps_daemon(pipe)
     assert dynamic.driver.supervise_mps() == [Path(pipe).parent.name]
     again = dynamic.control.daemons[pipe]
-    assert again.alive and again is not daemon
-    assert again.active_thread_percentage == 50 and again.pinned_memory_limits == daemon.pinned_memory_limits
+    assert again.alive and again is not daemon and again.spec == daemon.spec
 
 
 def test_whole_gpu_on_dynamic_mig_gpu_needs_mig_mode_off(dynamic):

@@ -50,7 +50,6 @@ TOOLKIT_KINDS: tuple[str, ...] = ("nvidia.com/gpu", "nvidia.com/mig")
 
 # Container paths of the MPS directories inside workload containers.
 MPS_PIPE_CONTAINER_DIR = "/tmp/nvidia-mps"
-MPS_LOG_CONTAINER_DIR = "/var/log/nvidia-mps"
 MPS_SHM_CONTAINER_DIR = "/dev/shm"
 
 READ_ONLY_BIND = ["ro", "nosuid", "nodev", "rbind", "rprivate"]
@@ -73,11 +72,11 @@ class CdiSpecError(ValueError):
 # ----- inputs ------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MpsMounts:
-    """Host directories of the MPS control daemon serving a device (from the MPS supervisor)."""
+    """Host directories of the MPS control daemon serving a device that its clients need: the control pipes
+    and the shared memory it talks to them through. Never the daemon's log directory."""
 
     pipe_dir: str
-    log_dir: str
-    shm_dir: str | None = None
+    shm_dir: str
 
 
 @dataclass(frozen=True)
@@ -364,15 +363,10 @@ def _visible_uuids(devices: Sequence[ClaimDevice]) -> list[str]:
 def _sharing_edits(device: ClaimDevice) -> tuple[list[str], list[dict[str, Any]]]:
     if device.mps is None:
         return [], []  # time-slicing needs nothing in the container: the GPU-wide setting does it
-    env = [f"CUDA_MPS_PIPE_DIRECTORY={MPS_PIPE_CONTAINER_DIR}", f"CUDA_MPS_LOG_DIRECTORY={MPS_LOG_CONTAINER_DIR}"]
-    mounts = [
-        _mount(device.mps.pipe_dir, MPS_PIPE_CONTAINER_DIR, READ_WRITE_BIND),
-        _mount(device.mps.log_dir, MPS_LOG_CONTAINER_DIR, READ_WRITE_BIND),
-    ]
-    if device.mps.shm_dir:
-        # Clients and the MPS server talk through shared memory, so the container's /dev/shm must be the
-        # daemon's.
-        mounts.append(_mount(device.mps.shm_dir, MPS_SHM_CONTAINER_DIR, READ_WRITE_BIND))
+    env = [f"CUDA_MPS_PIPE_DIRECTORY={MPS_PIPE_CONTAINER_DIR}"]
+    # Clients and the MPS server talk through shared memory, so the container's /dev/shm must be the daemon's.
+    mounts = [_mount(device.mps.pipe_dir, MPS_PIPE_CONTAINER_DIR, READ_WRITE_BIND),
+              _mount(device.mps.shm_dir, MPS_SHM_CONTAINER_DIR, READ_WRITE_BIND)]
     return env, mounts
 
 

@@ -98,27 +98,21 @@ class TimeSliceUndo(_Record):
     previous: str = "Default"
 
 
-class MpsUndo(_Record):
-    """An MPS control daemon this claim runs."""
+class MpsUse(_Record):
+    """This claim's clients use the MPS daemon serving ``device``; the daemon goes when no claim uses it."""
 
-    daemon_id: str
-    gpu_uuids: tuple[str, ...]               # CUDA_VISIBLE_DEVICES of the daemon (GPU or MIG UUIDs)
-    pipe_dir: str
-    log_dir: str
-    shm_dir: str | None = None
-    compute_mode_set: tuple[str, ...] = ()   # whole GPUs switched to EXCLUSIVE_PROCESS for it
-    active_thread_percentage: int | None = None
-    pinned_memory_limit_mib: dict[str, int] = Field(default_factory=dict)
+    device: str                              # GPU or MIG UUID the daemon serves
+    gpu: str                                 # its physical GPU (locked while the daemon starts or stops)
 
 
 class UndoInfo(_Record):
     mig_devices: tuple[MigUndo, ...] = ()
     time_slices: tuple[TimeSliceUndo, ...] = ()
-    mps_daemons: tuple[MpsUndo, ...] = ()
+    mps_devices: tuple[MpsUse, ...] = ()
 
     @property
     def empty(self) -> bool:
-        return not (self.mig_devices or self.time_slices or self.mps_daemons)
+        return not (self.mig_devices or self.time_slices or self.mps_devices)
 
 
 class ClaimRecord(_Record):

@@ -4,24 +4,36 @@ Time-slicing is a GPU-wide setting, so several claims on one GPU (shared slots) 
 claim sets it, later claims with the same interval join, a different interval is refused cleanly, and the
 setting returns to what it was only when the last claim leaves.
 
-MPS daemons are children of the plugin, one per claim and device set, with pipe, log and shm directories
-under ``<state dir>/mps/<daemon id>/``. A whole GPU the claim owns alone is switched to EXCLUSIVE_PROCESS
-while its daemon runs (one MPS server per GPU, as NVIDIA recommends); shared GPUs (slots) stay in DEFAULT so
-each claim's daemon — and its memory and thread limits — can coexist. ``supervise`` restarts daemons that
-died; daemons of claims prepared before a plugin restart are re-adopted from the checkpoint with ``adopt``
-(a daemon dies with the plugin's container, so supervise then starts it again).
+MPS: one control daemon per device (a whole GPU, or a MIG device) that has MPS claims, serving every MPS
+claim on it, so their work runs side by side as MPS intends (separate daemons on one GPU would be time-sliced
+against each other). Each claim's limits reach only its own clients, through the CUDA client environment
+(``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``) in that claim's CDI edits; the
+daemon itself carries no per-claim settings. A whole GPU is switched to EXCLUSIVE_PROCESS while its daemon runs
+(only the MPS server may hold it) and back to its previous mode after.
+
+Daemons live apart from the plugin: each is started in its own session by a helper program (and, with
+``cgroup_procs``, outside the plugin container's cgroup), and described on disk (``<root>/<device>/daemon.json``,
+written before anything is changed), so a plugin restart or upgrade leaves them and their clients running and
+the next plugin process takes them over. Which claims use a daemon is in the checkpoint; the daemon goes when
+its last claim does.
+
+Directories per daemon: ``pipe`` and ``shm`` are mounted into workload containers (what CUDA clients need);
+``log`` is the plugin's own and never mounted. Nothing in a container-writable directory is opened, followed
+or parsed by this module; they are removed with a symlink-safe ``rmtree``.
 """
 from __future__ import annotations
 
-import hashlib
+import json
 import logging
+import os
 import shutil
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Sequence
 
-from dra.node.checkpoint import MpsUndo, TimeSliceUndo
+from dra.node.atomicfile import remove_file, write_atomic
+from dra.node.checkpoint import TimeSliceUndo
 from dra.node.sharingtools import (
     MpsDaemonSpec,
     SharingControl,
@@ -130,193 +142,163 @@ class TimeSlicing:
 
 # ----- MPS --------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class MpsDevice:
-    """A device an MPS daemon serves. ``exclusive``: a whole GPU only this claim uses (→ EXCLUSIVE_PROCESS)."""
+class MpsDaemonRecord:
+    """What the node knows of one daemon, on disk beside it: enough to stop it and undo its compute mode."""
 
-    uuid: str
-    exclusive: bool = False
+    device: str                  # the GPU or MIG UUID it serves
+    gpu: str                     # the physical GPU
+    compute_mode_set: bool       # the GPU was switched to EXCLUSIVE_PROCESS for it
+
+    def to_json(self) -> bytes:
+        return json.dumps({"device": self.device, "gpu": self.gpu, "computeModeSet": self.compute_mode_set}).encode()
 
 
 @dataclass(frozen=True)
-class MpsDaemon:
-    """A supervised MPS control daemon (goes into the checkpoint as undo information)."""
+class MpsPaths:
+    """The host directories of the daemon serving one device."""
 
-    daemon_id: str
-    claim_uid: str
-    gpu_uuids: tuple[str, ...]
-    pipe_dir: str
-    log_dir: str
-    shm_dir: str | None
-    compute_mode_set: tuple[str, ...] = ()
-    active_thread_percentage: int | None = None
-    pinned_memory_limit_mib: Mapping[str, int] = field(default_factory=dict)
-
-    def undo(self) -> MpsUndo:
-        """The checkpoint's record of this daemon."""
-        return MpsUndo(daemon_id=self.daemon_id, gpu_uuids=self.gpu_uuids, pipe_dir=self.pipe_dir,
-                       log_dir=self.log_dir, shm_dir=self.shm_dir, compute_mode_set=self.compute_mode_set,
-                       active_thread_percentage=self.active_thread_percentage,
-                       pinned_memory_limit_mib=dict(self.pinned_memory_limit_mib))
-
-    @classmethod
-    def from_undo(cls, claim_uid: str, u: MpsUndo) -> MpsDaemon:
-        return cls(daemon_id=u.daemon_id, claim_uid=claim_uid, gpu_uuids=tuple(u.gpu_uuids), pipe_dir=u.pipe_dir,
-                   log_dir=u.log_dir, shm_dir=u.shm_dir, compute_mode_set=tuple(u.compute_mode_set),
-                   active_thread_percentage=u.active_thread_percentage,
-                   pinned_memory_limit_mib=dict(u.pinned_memory_limit_mib))
+    base: Path
 
     @property
-    def spec(self) -> MpsDaemonSpec:
-        return MpsDaemonSpec(pipe_dir=self.pipe_dir, log_dir=self.log_dir, visible_devices=self.gpu_uuids,
-                             shm_dir=self.shm_dir)
+    def pipe_dir(self) -> str:
+        return str(self.base / "pipe")
+
+    @property
+    def shm_dir(self) -> str:
+        return str(self.base / "shm")
+
+    @property
+    def log_dir(self) -> str:
+        return str(self.base / "log")
+
+    @property
+    def record(self) -> Path:
+        return self.base / "daemon.json"
 
 
-def mps_daemon_id(claim_uid: str, uuids: Sequence[str]) -> str:
-    digest = hashlib.sha256(",".join(sorted(uuids)).encode()).hexdigest()[:8]
-    return f"{claim_uid}-{digest}"
-
-
-class MpsSupervisor:
-    """Starts, watches, restarts and stops the plugin's MPS control daemons."""
+class MpsDaemons:
+    """The node's MPS control daemons, one per device. The caller holds the device's GPU lock."""
 
     def __init__(self, control: SharingControl, state_dir: Path | str) -> None:
         self.control = control
         self.root = Path(state_dir) / "mps"
         self._lock = threading.RLock()
-        self._daemons: dict[str, MpsDaemon] = {}
         self.restarts: dict[str, int] = {}
 
-    def daemons(self) -> dict[str, MpsDaemon]:
-        with self._lock:
-            return dict(self._daemons)
+    def paths(self, device: str) -> MpsPaths:
+        if not device or "/" in device or device in (".", ".."):
+            raise SharingError(f"MPS: {device!r} is not a device UUID")
+        return MpsPaths(self.root / device)
 
-    def start(
-        self,
-        claim_uid: str,
-        devices: Sequence[MpsDevice],
-        *,
-        active_thread_percentage: int | None = None,
-        pinned_memory_limit_mib: Mapping[str, int] | None = None,
-    ) -> MpsDaemon:
-        """Start the claim's daemon for ``devices`` (idempotent for the same claim and devices).
-
-        On failure everything done so far is undone and SharingError is raised.
-        """
-        if not devices:
-            raise SharingError(f"claim {claim_uid}: MPS needs at least one device")
-        uuids = tuple(d.uuid for d in devices)
-        limits = dict(pinned_memory_limit_mib or {})
-        unknown = sorted(set(limits) - set(uuids))
-        if unknown:
-            raise SharingError(f"claim {claim_uid}: pinned memory limit for {', '.join(unknown)}, which the daemon "
-                               "does not serve")
-        if active_thread_percentage is not None and not 1 <= active_thread_percentage <= 100:
-            raise SharingError(f"claim {claim_uid}: active thread percentage {active_thread_percentage} is not 1..100")
-        daemon_id = mps_daemon_id(claim_uid, uuids)
-        with self._lock:
-            existing = self._daemons.get(daemon_id)
-            if existing is not None and self.control.mps_daemon_running(existing.pipe_dir):
-                return existing
-            base = self.root / daemon_id
-            daemon = MpsDaemon(
-                daemon_id=daemon_id, claim_uid=claim_uid, gpu_uuids=uuids, pipe_dir=str(base / "pipe"),
-                log_dir=str(base / "log"), shm_dir=str(base / "shm"),
-                compute_mode_set=tuple(d.uuid for d in devices if d.exclusive and not is_mig_uuid(d.uuid)),
-                active_thread_percentage=active_thread_percentage, pinned_memory_limit_mib=limits,
-            )
-            moded: list[str] = []
-            try:
-                for directory in (daemon.pipe_dir, daemon.log_dir, daemon.shm_dir):
-                    Path(directory).mkdir(parents=True, exist_ok=True)
-                for uuid in daemon.compute_mode_set:
-                    self.control.set_compute_mode(uuid, "EXCLUSIVE_PROCESS")
-                    moded.append(uuid)
-                self._launch(daemon)
-            except (SharingError, OSError) as err:
-                self._teardown(daemon, moded)
-                if isinstance(err, OSError):
-                    raise SharingError(
-                        f"claim {claim_uid}: preparing MPS directories under {base} failed: {err}") from err
-                raise
-            self._daemons[daemon_id] = daemon
-            self.restarts.setdefault(daemon_id, 0)
-            log.info("started MPS daemon %s for claim %s on %s", daemon_id, claim_uid, ", ".join(uuids))
-            return daemon
-
-    def _launch(self, daemon: MpsDaemon) -> None:
-        self.control.start_mps_daemon(daemon.spec)
+    def records(self) -> dict[str, MpsDaemonRecord]:
+        """Every daemon described on disk (running or not), by device."""
+        out: dict[str, MpsDaemonRecord] = {}
         try:
-            if daemon.active_thread_percentage is not None:
-                self.control.mps_command(daemon.pipe_dir,
-                                         f"set_default_active_thread_percentage {daemon.active_thread_percentage}")
-            for uuid, mib in sorted(daemon.pinned_memory_limit_mib.items()):
-                self.control.mps_command(daemon.pipe_dir, f"set_default_device_pinned_mem_limit {uuid} {mib}M")
-        except SharingError:
-            self.control.stop_mps_daemon(daemon.pipe_dir)
-            raise
+            entries = sorted(self.root.iterdir())
+        except FileNotFoundError:
+            return out
+        for entry in entries:
+            record = self._read(entry.name)
+            if record is not None:
+                out[record.device] = record
+        return out
 
-    def adopt(self, daemon: MpsDaemon) -> None:
-        """Take over a daemon recorded before a plugin restart; ``supervise`` restarts it if it is gone."""
+    def _read(self, device: str) -> MpsDaemonRecord | None:
+        try:
+            doc = json.loads(self.paths(device).record.read_bytes())
+            return MpsDaemonRecord(device=str(doc["device"]), gpu=str(doc["gpu"]),
+                                   compute_mode_set=bool(doc["computeModeSet"]))
+        except (OSError, ValueError, KeyError, TypeError, SharingError):
+            return None
+
+    def running(self, device: str) -> bool:
+        return self.control.mps_daemon_running(self.paths(device).pipe_dir)
+
+    def ensure(self, device: str, gpu: str, whole_gpu: bool) -> MpsPaths:
+        """The daemon serving ``device``, started if it is not running (``whole_gpu``: switch the GPU to
+        EXCLUSIVE_PROCESS while it runs). On failure what this call changed is undone."""
+        paths = self.paths(device)
         with self._lock:
-            self._daemons[daemon.daemon_id] = daemon
-            self.restarts.setdefault(daemon.daemon_id, 0)
+            if self.running(device):
+                return paths
+            record = self._read(device) or MpsDaemonRecord(device=device, gpu=gpu,
+                                                           compute_mode_set=whole_gpu and not is_mig_uuid(device))
+            try:
+                # Written before the GPU or any process changes: a crash after this line is found and undone.
+                write_atomic(paths.record, record.to_json(), mode=0o600)
+                for directory in (paths.pipe_dir, paths.shm_dir, paths.log_dir):
+                    Path(directory).mkdir(parents=True, exist_ok=True)
+                os.chmod(paths.log_dir, 0o700)
+                if record.compute_mode_set:
+                    self.control.set_compute_mode(gpu, "EXCLUSIVE_PROCESS")
+                self.control.start_mps_daemon(self._spec(record))
+            except (SharingError, OSError) as err:
+                self._teardown(record, strict=False)
+                if isinstance(err, OSError):
+                    raise SharingError(f"MPS daemon for {device}: preparing {paths.base} failed: {err}") from err
+                raise
+            log.info("started MPS daemon for %s", device)
+            return paths
 
-    def supervise(self) -> list[str]:
-        """Restart every supervised daemon that is not running. Returns the ids restarted."""
+    def _spec(self, record: MpsDaemonRecord) -> MpsDaemonSpec:
+        paths = self.paths(record.device)
+        return MpsDaemonSpec(pipe_dir=paths.pipe_dir, log_dir=paths.log_dir, visible_devices=(record.device,),
+                             shm_dir=paths.shm_dir)
+
+    def release(self, device: str) -> None:
+        """The last claim left: stop the daemon, restore the compute mode, remove its directories. Idempotent;
+        raises SharingError when the daemon cannot be stopped (the claim's undo entry then stays for a retry)."""
+        with self._lock:
+            record = self._read(device)
+            if record is None:
+                record = MpsDaemonRecord(device=device, gpu=device, compute_mode_set=False)
+            self._teardown(record, strict=True)
+            log.info("stopped MPS daemon for %s", device)
+
+    def supervise(self, in_use: Sequence[str]) -> list[str]:
+        """Restart the daemons of ``in_use`` devices that are not running. Returns the devices restarted."""
         restarted = []
         with self._lock:
-            for daemon in list(self._daemons.values()):
-                if self.control.mps_daemon_running(daemon.pipe_dir):
+            records = self.records()
+            for device in in_use:
+                record = records.get(device)
+                if record is None or self.running(device):
                     continue
-                log.warning("MPS daemon %s of claim %s is not running; restarting it", daemon.daemon_id,
-                            daemon.claim_uid)
+                log.warning("MPS daemon for %s is not running; restarting it", device)
                 try:
-                    for directory in (daemon.pipe_dir, daemon.log_dir, daemon.shm_dir):
-                        if directory:
-                            Path(directory).mkdir(parents=True, exist_ok=True)
-                    self._launch(daemon)
+                    for directory in (self.paths(device).pipe_dir, self.paths(device).shm_dir,
+                                      self.paths(device).log_dir):
+                        Path(directory).mkdir(parents=True, exist_ok=True)
+                    self.control.start_mps_daemon(self._spec(record))
                 except (SharingError, OSError) as err:
-                    log.error("restarting MPS daemon %s failed (will retry): %s", daemon.daemon_id, err)
+                    log.error("restarting MPS daemon for %s failed (will retry): %s", device, err)
                     continue
-                self.restarts[daemon.daemon_id] = self.restarts.get(daemon.daemon_id, 0) + 1
-                restarted.append(daemon.daemon_id)
+                self.restarts[device] = self.restarts.get(device, 0) + 1
+                restarted.append(device)
         return restarted
 
-    def run(self, stop: threading.Event, interval_s: float = 5.0) -> None:
-        """Supervise until ``stop`` is set (run it in a thread)."""
-        while not stop.wait(interval_s):
-            try:
-                self.supervise()
-            except Exception:  # noqa: BLE001 - the supervisor must outlive one bad round
-                log.exception("MPS supervision round failed")
-
-    def stop(self, daemon: MpsDaemon | str) -> None:
-        """Stop a daemon, reset compute modes and remove its directories. Idempotent."""
-        with self._lock:
-            if isinstance(daemon, str):
-                known = self._daemons.get(daemon)
-                if known is None:
-                    return
-                daemon = known
-            self._teardown(daemon, list(daemon.compute_mode_set), strict=True)
-            self._daemons.pop(daemon.daemon_id, None)
-            log.info("stopped MPS daemon %s of claim %s", daemon.daemon_id, daemon.claim_uid)
-
-    def _teardown(self, daemon: MpsDaemon, moded: Sequence[str], strict: bool = False) -> None:
+    def _teardown(self, record: MpsDaemonRecord, strict: bool) -> None:
+        paths = self.paths(record.device)
         # Stop first: the compute mode of a GPU must not change under a running daemon.
         try:
-            self.control.stop_mps_daemon(daemon.pipe_dir)
+            self.control.stop_mps_daemon(paths.pipe_dir)
         except SharingError as err:
             if strict:
                 raise
-            log.error("stopping MPS daemon %s failed: %s", daemon.daemon_id, err)
-        for uuid in moded:
+            log.error("stopping MPS daemon for %s failed: %s", record.device, err)
+        if record.compute_mode_set:
             try:
-                self.control.set_compute_mode(uuid, "DEFAULT")
+                self.control.set_compute_mode(record.gpu, "DEFAULT")
             except SharingError as err:
                 if strict:
                     raise
-                log.error("resetting the compute mode of GPU %s failed: %s", uuid, err)
-        base = Path(daemon.pipe_dir).parent
-        if base.parent == self.root:
-            shutil.rmtree(base, ignore_errors=True)
+                log.error("resetting the compute mode of GPU %s failed: %s", record.gpu, err)
+        # rmtree never follows a symlink a workload planted in pipe/ or shm/; the record goes last, so an
+        # interrupted teardown is found again.
+        for directory in (paths.pipe_dir, paths.shm_dir, paths.log_dir):
+            shutil.rmtree(directory, ignore_errors=True)
+        remove_file(paths.record)
+        try:
+            paths.base.rmdir()
+        except OSError:
+            pass

@@ -1,25 +1,27 @@
 """The seam for GPU sharing settings NVML does not cover: time-slice interval, compute mode, MPS daemons.
 
 ``SharingControl`` is the one small interface. ``NvidiaSmiSharingControl`` runs the driver's own programs
-(``nvidia-smi`` and ``nvidia-cuda-mps-control``, never through a shell); ``dra.sim.sharing`` enforces the same
-rules in memory, for tests, simulated fleets and demos.
+(``nvidia-smi`` and ``nvidia-cuda-mps-control``, never through a shell; MPS daemons through the
+``dra.node.mpslaunch`` helper, in their own session); ``dra.sim.sharing`` enforces the same rules in memory,
+and ``dra.sim.mpscontrol`` is a simulated ``nvidia-cuda-mps-control`` program for simulated nodes.
 
 Rules both implementations share:
 
 * Time-slice intervals (Default=0, Short=1, Medium=2, Long=3) apply to whole GPUs; a GPU (or a MIG device)
   that does not support it fails with ``SharingNotSupported``, a clean per-claim error.
 * An MPS control daemon is identified by its pipe directory: one daemon per pipe directory.
-* A GPU in EXCLUSIVE_PROCESS compute mode admits one process, so at most one MPS daemon serves it; in
-  DEFAULT mode several daemons (one per claim) may share the GPU. The compute mode of a GPU an MPS daemon
-  serves is not changed while the daemon runs.
+* A GPU in EXCLUSIVE_PROCESS compute mode admits one process, so at most one MPS daemon serves it (the
+  driver runs one daemon per GPU or MIG device, and switches a whole GPU to EXCLUSIVE_PROCESS under it). The
+  compute mode of a GPU an MPS daemon serves is not changed while the daemon runs.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
+import stat
 import subprocess
+import sys
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -104,37 +106,13 @@ class SharingControl(ABC):
 # ----- real: the driver's programs --------------------------------------------------------------------------------
 Runner = Callable[..., subprocess.CompletedProcess]
 
-CLONE_NEWNS = 0x00020000
-MS_BIND = 4096
-MS_REC = 16384
-MS_PRIVATE = 1 << 18
-
-
-def _private_shm(shm_dir: str) -> Callable[[], None]:
-    """preexec_fn: give the daemon a private mount namespace whose /dev/shm is ``shm_dir``.
-
-    MPS clients and server share memory through /dev/shm, so the daemon must see the same directory that
-    workload containers get mounted at /dev/shm. Needs CAP_SYS_ADMIN (the plugin runs privileged).
-    """
-
-    def setup() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.unshare(CLONE_NEWNS) != 0:
-            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) failed")
-        if libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:
-            raise OSError(ctypes.get_errno(), "making / private failed")
-        if libc.mount(shm_dir.encode(), b"/dev/shm", None, MS_BIND, None) != 0:
-            raise OSError(ctypes.get_errno(), f"bind-mounting {shm_dir} on /dev/shm failed")
-
-    return setup
-
-
 class NvidiaSmiSharingControl(SharingControl):
     """Runs ``nvidia-smi`` and ``nvidia-cuda-mps-control`` from the driver (no shell involved).
 
     nvidia_smi / mps_control:  program paths as this process sees them (e.g. found in the driver root)
     env:                       extra environment for both (e.g. LD_LIBRARY_PATH of the driver root's libraries)
-    isolate_shm:               start daemons in a private mount namespace with the claim's shm dir as /dev/shm
+    isolate_shm:               start daemons in a private mount namespace with the daemon's shm dir as /dev/shm
+    cgroup_procs:              cgroup.procs files to move daemons into (outside the plugin container's cgroup)
     """
 
     def __init__(
@@ -145,6 +123,7 @@ class NvidiaSmiSharingControl(SharingControl):
         env: Mapping[str, str] | None = None,
         timeout_s: float = 30.0,
         isolate_shm: bool = True,
+        cgroup_procs: Sequence[str] = (),
         proc_root: str = "/proc",
         runner: Runner = subprocess.run,
     ) -> None:
@@ -153,6 +132,7 @@ class NvidiaSmiSharingControl(SharingControl):
         self.extra_env = dict(env or {})
         self.timeout_s = timeout_s
         self.isolate_shm = isolate_shm
+        self.cgroup_procs = tuple(cgroup_procs)
         self.proc_root = Path(proc_root)
         self.run = runner
         self._intervals: dict[str, str] = {}  # what we set: nvidia-smi cannot read the interval back
@@ -219,21 +199,28 @@ class NvidiaSmiSharingControl(SharingControl):
         if self.mps_daemon_running(spec.pipe_dir):
             raise SharingError(f"MPS daemon for {spec.pipe_dir}: already running")
         argv = [self.mps_control, "-d"]
+        launcher: list[str] = []
+        if self.isolate_shm and spec.shm_dir:
+            launcher += ["--shm", spec.shm_dir]
+        for procs in self.cgroup_procs:
+            launcher += ["--cgroup-procs", procs]
+        if launcher:
+            argv = [sys.executable, "-m", "dra.node.mpslaunch", *launcher, "--", *argv]
         out_path = Path(spec.log_dir) / "control-start.out"
-        preexec = _private_shm(spec.shm_dir) if (self.isolate_shm and spec.shm_dir) else None
         try:
             # The daemon forks away and may keep inherited descriptors open: give it a file, not a pipe, or
-            # waiting for the starter would wait for the daemon.
-            with open(out_path, "wb") as out:
+            # waiting for the starter would wait for the daemon. The log directory is the plugin's own, but a
+            # link there is still never followed.
+            fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as out:
                 done = self.run(argv, env=self._mps_env(spec.pipe_dir, spec.log_dir, spec.visible_devices),
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                timeout=self.timeout_s, check=False, preexec_fn=preexec)
+                                timeout=self.timeout_s, check=False, start_new_session=True)
         except (OSError, subprocess.SubprocessError) as err:
             raise SharingError(f"MPS daemon for {spec.pipe_dir}: starting {' '.join(argv)} failed: {err}") from err
         if done.returncode != 0:
-            output = out_path.read_text(errors="replace").strip() if out_path.exists() else ""
             raise SharingError(f"MPS daemon for {spec.pipe_dir}: {' '.join(argv)} exited with {done.returncode}: "
-                               f"{output}")
+                               f"{_read_private(out_path)}")
         deadline = time.monotonic() + self.timeout_s
         while not self.mps_daemon_running(spec.pipe_dir):
             if time.monotonic() > deadline:
@@ -262,6 +249,7 @@ class NvidiaSmiSharingControl(SharingControl):
         return bool(self._daemon_pids(pipe_dir))
 
     def mps_command(self, pipe_dir: str, command: str) -> str:
+        _check_control_socket(pipe_dir)
         argv = [self.mps_control]
         try:
             done = self.run(argv, input=command + "\n", env=self._mps_env(pipe_dir), capture_output=True, text=True,
@@ -297,3 +285,28 @@ class NvidiaSmiSharingControl(SharingControl):
             else:
                 return
         raise SharingError(f"MPS daemon for {pipe_dir}: still running after quit, SIGTERM and SIGKILL")
+
+
+def _check_control_socket(pipe_dir: str) -> None:
+    """Workload containers can write the pipe directory: before the (root) control program connects through
+    it, its control socket must be a socket this process's user owns, not a link or a planted file."""
+    path = os.path.join(pipe_dir, "control")
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise SharingError(f"MPS daemon for {pipe_dir}: no control socket") from None
+    except OSError as err:
+        raise SharingError(f"MPS daemon for {pipe_dir}: cannot inspect the control socket: {err}") from err
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+        raise SharingError(f"MPS daemon for {pipe_dir}: the control socket was replaced (not a socket owned by "
+                           "this plugin); not connecting through it")
+
+
+def _read_private(path: Path) -> str:
+    """The start output, read without following a link."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    with os.fdopen(fd, "rb") as f:
+        return f.read(4096).decode(errors="replace").strip()

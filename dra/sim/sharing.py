@@ -30,7 +30,10 @@ class SimulatedSharingControl(SharingControl):
 
     gpus:                     known whole-GPU UUIDs (None: any ``GPU-...`` UUID is accepted)
     time_slice_unsupported:   GPUs whose driver refuses time-slicing (e.g. older boards)
-    nvml:                     a FakeNvml to mirror compute-mode changes into, so NVML readers see them
+    nvml:                     a FakeNvml to keep compute modes in, so NVML readers (and later processes, with a
+                              state file) see them
+    mps:                      a control that runs real MPS daemon processes (``NvidiaSmiSharingControl`` over the
+                              simulated ``nvidia-cuda-mps-control`` of ``dra.sim.mpscontrol``); None: in memory
     """
 
     def __init__(
@@ -39,11 +42,13 @@ class SimulatedSharingControl(SharingControl):
         *,
         time_slice_unsupported: Sequence[str] = (),
         nvml: Any = None,
+        mps: SharingControl | None = None,
     ) -> None:
         self._lock = threading.RLock()
         self.gpus = set(gpus) if gpus is not None else (set(nvml.gpu_uuids) if nvml is not None else None)
         self.time_slice_unsupported = set(time_slice_unsupported)
         self.nvml = nvml
+        self.mps = mps
         self.time_slices: dict[str, str] = {}
         self.compute_modes: dict[str, str] = {}
         self.daemons: dict[str, SimulatedMpsDaemon] = {}
@@ -54,6 +59,13 @@ class SimulatedSharingControl(SharingControl):
             raise SharingNotSupported(f"{what} on {uuid}: MIG devices have no such setting")
         if self.gpus is not None and uuid not in self.gpus:
             raise SharingError(f"{what}: no GPU with UUID {uuid} on this node")
+
+    def _serves(self, uuid: str) -> bool:
+        """Whether an MPS daemon runs on the GPU (the real daemons are asked through the simulated registry)."""
+        if self.mps is not None:
+            from dra.sim.mpscontrol import serving_pids
+            return bool(serving_pids(uuid))
+        return bool(self._live_daemons_on(uuid))
 
     def _live_daemons_on(self, uuid: str) -> list[SimulatedMpsDaemon]:
         return [d for d in self.daemons.values() if d.alive and uuid in d.spec.visible_devices]
@@ -73,13 +85,17 @@ class SimulatedSharingControl(SharingControl):
 
     def compute_mode(self, gpu_uuid: str) -> str:
         with self._lock:
+            if self.nvml is not None and gpu_uuid in getattr(self.nvml, "gpu_uuids", ()):
+                mode = self.nvml.nvmlDeviceGetComputeMode(self.nvml.nvmlDeviceGetHandleByUUID(gpu_uuid))
+                return {self.nvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS: "EXCLUSIVE_PROCESS",
+                        self.nvml.NVML_COMPUTEMODE_PROHIBITED: "PROHIBITED"}.get(mode, "DEFAULT")
             return self.compute_modes.get(gpu_uuid, "DEFAULT")
 
     def set_compute_mode(self, gpu_uuid: str, mode: str) -> None:
         with self._lock:
             check_compute_mode(mode)
             self._check_gpu(gpu_uuid, "compute mode")
-            if mode != self.compute_mode(gpu_uuid) and self._live_daemons_on(gpu_uuid):
+            if mode != self.compute_mode(gpu_uuid) and self._serves(gpu_uuid):
                 raise SharingError(f"setting compute mode {mode} on GPU {gpu_uuid}: an MPS daemon is running on it")
             self.compute_modes[gpu_uuid] = mode
             if self.nvml is not None:
@@ -88,6 +104,8 @@ class SimulatedSharingControl(SharingControl):
             self.actions.append(("set_compute_mode", gpu_uuid, mode))
 
     def start_mps_daemon(self, spec: MpsDaemonSpec) -> None:
+        if self.mps is not None:
+            return self.mps.start_mps_daemon(spec)
         with self._lock:
             current = self.daemons.get(spec.pipe_dir)
             if current is not None and current.alive:
@@ -109,11 +127,15 @@ class SimulatedSharingControl(SharingControl):
             self.actions.append(("start_mps_daemon", spec.pipe_dir, spec.visible_devices))
 
     def mps_daemon_running(self, pipe_dir: str) -> bool:
+        if self.mps is not None:
+            return self.mps.mps_daemon_running(pipe_dir)
         with self._lock:
             daemon = self.daemons.get(pipe_dir)
             return daemon is not None and daemon.alive
 
     def mps_command(self, pipe_dir: str, command: str) -> str:
+        if self.mps is not None:
+            return self.mps.mps_command(pipe_dir, command)
         with self._lock:
             daemon = self.daemons.get(pipe_dir)
             if daemon is None or not daemon.alive:
@@ -143,6 +165,8 @@ class SimulatedSharingControl(SharingControl):
             raise SharingError(f"MPS daemon for {pipe_dir}: unknown command {command!r}")
 
     def stop_mps_daemon(self, pipe_dir: str) -> None:
+        if self.mps is not None:
+            return self.mps.stop_mps_daemon(pipe_dir)
         with self._lock:
             daemon = self.daemons.get(pipe_dir)
             if daemon is None or not daemon.alive:
