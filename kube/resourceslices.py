@@ -265,6 +265,14 @@ class ResourceSliceController:
                     self._enqueue_locked(name, 0.0, urgent=True)
             self._cond.notify_all()
 
+    def resync(self) -> None:
+        """Queues every desired pool for an immediate sync: for when slices are known to be gone without a
+        watch event to say so yet (a kubelet deletes its node's slices when it starts)."""
+        with self._cond:
+            for name in self._desired or {}:
+                self._enqueue_locked(name, 0.0, urgent=True)
+            self._cond.notify_all()
+
     def start(self) -> "ResourceSliceController":
         if self._threads:
             return self

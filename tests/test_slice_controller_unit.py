@@ -159,6 +159,24 @@ def test_slices_under_the_unpadded_names_of_older_releases_are_replaced_cleanly(
     assert dict(api.writes) == {"delete": 12, "create": 12}
 
 
+def test_resync_brings_back_slices_deleted_without_an_event_seen() -> None:
+    """A kubelet deletes its node's slices when it starts; the plugin calls resync() when that kubelet registers
+    it again. Without it nothing queues the pool (no slice is left to list); with it the pool is written again."""
+    api = InMemorySliceApi(["node-a"])
+    ctl = ResourceSliceController(object(), DRIVER, NODE)
+    ctl.kube = api  # type: ignore[assignment]
+    ctl.update({"node-a": pool(devices("gpu-0"), devices("gpu-1"))})
+    ctl.run_once(timeout=10)
+    for obj in api.list(SLICES, f"spec.driver={DRIVER}")["items"]:
+        api.delete(SLICES, obj["metadata"]["name"])
+    api.writes.clear()
+    ctl.run_once(timeout=10)
+    assert api.slice_count == 0 and not api.writes
+    ctl.resync()
+    ctl.run_once(timeout=10)
+    assert api.slice_count == 2 and dict(api.writes) == {"create": 2}
+
+
 # ---- comparison ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text, value", [
