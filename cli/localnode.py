@@ -235,13 +235,22 @@ def _proc_state(pid: int) -> str:
         return ""
 
 
-def processes_mentioning(text: str) -> list[int]:
-    """Live (not zombie) processes whose command line contains `text`, e.g. a path in a node's work dir."""
+def _proc_environ(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def processes_mentioning(text: str, environ: bool = False) -> list[int]:
+    """Live (not zombie) processes whose command line (or, with `environ`, environment) contains `text`, e.g.
+    a path in a node's work dir."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():
             pid = int(entry.name)
-            if text in _proc_cmdline(pid) and _proc_state(pid) not in ("Z", "X", ""):
+            if (text in _proc_cmdline(pid) or (environ and text in _proc_environ(pid))) \
+                    and _proc_state(pid) not in ("Z", "X", ""):
                 pids.append(pid)
     return pids
 
@@ -415,13 +424,16 @@ def _signal(pid: int, sig: int) -> None:
 
 def _kill_node_processes(workdir: str, cgroup_root: str, known: Sequence[int], timeout: float = 10.0) -> list[int]:
     """SIGKILLs the kubelet first (so it restarts nothing), then every process in the node's cgroups
-    (containers, pause), then whatever names the work dir (containerd, shims). Returns the survivors."""
+    (containers, pause), then whatever names the work dir in its command line or environment (containerd,
+    shims, a kubelet plugin and the daemons it started with state in the work dir, such as simulated MPS
+    control daemons, which run in their own session). Returns the survivors."""
     for pid in known:
         if workdir in _proc_cmdline(pid):
             _signal(pid, signal.SIGKILL)
     deadline = time.monotonic() + timeout
     while True:
-        victims = (cgroup_pids(cgroup_root) | set(processes_mentioning(workdir.rstrip("/") + "/"))) - {os.getpid()}
+        victims = (cgroup_pids(cgroup_root) | set(processes_mentioning(workdir.rstrip("/") + "/", environ=True))) \
+            - {os.getpid()}
         victims = {p for p in victims if _proc_state(p) not in ("Z", "X", "")}
         if not victims or time.monotonic() > deadline:
             return sorted(victims)

@@ -1,0 +1,320 @@
+"""Every example runs as a pod on a real node (kubelet v1.37, containerd 2, runc) and its container sees what its
+claim should give: the asserts are on what the container itself printed (`cli.podprobe`): its /dev/nvidia*
+character devices with their major:minor, its NVIDIA_* and CUDA_* environment, its NVIDIA-related mounts.
+Deleting the pod makes the kubelet unprepare: the CDI spec, the checkpointed claim, a dynamic MIG device and
+an MPS daemon's directories are gone.
+
+One node for the module; its GPUs are simulated (see realnode_helpers.fleet_node), so the devices are
+described by major/minor in the CDI specs and runc creates them in the container.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
+from cli.demo_examples import load_examples
+from cli.nodeplugin import LocalNodePlugin
+from cli.podprobe import probe_marker
+from dra.sim.driverroot import SIMULATED_CAPS_MAJOR, SimulatedDriverRoot
+from realnode_helpers import EXAMPLES, NVIDIA_MAJOR, NVIDIACTL, RealNode, load_objects
+
+pytestmark = pytest.mark.e2e
+
+MPS_PIPE = "/tmp/nvidia-mps"
+_DEVICE_NAME = re.compile(r"^gpu-(\d+)(?:-mig-[0-9a-z]+-(\d+)-(\d+))?")
+
+
+@pytest.fixture(scope="module")
+def real() -> Iterator[RealNode]:
+    node = RealNode().start()
+    try:
+        node.add_classes()
+        yield node
+    finally:
+        node.stop()
+
+
+@pytest.fixture(scope="module")
+def ours(real: RealNode) -> LocalNodePlugin:
+    return real.start_plugin(real.plugin(DEFAULT_DRIVER_NAME))
+
+
+class Checked:
+    """One container's view checked against its claims' allocation; what was prepared, for the clean-up checks."""
+
+    def __init__(self) -> None:
+        self.claim_uids: set[str] = set()
+        self.mps_dirs: list[Path] = []
+        self.dynamic_mig: list[str] = []
+
+
+def expected_view(real: RealNode, plugin: LocalNodePlugin, results: list[dict[str, Any]]) -> tuple[
+        dict[str, tuple[int, int]], str, list[str]]:
+    """(device nodes, NVIDIA_VISIBLE_DEVICES, dynamic MIG UUIDs) that the allocation `results` should give one
+    container, from the published devices and the simulated hardware (not from the plugin's answers)."""
+    published = real.devices(plugin)
+    nvml = real.hardware(plugin)
+    from dra.node import migdevices
+
+    nodes = dict([NVIDIACTL])
+    visible: list[str] = []
+    dynamic: list[str] = []
+    root = SimulatedDriverRoot(plugin.driver_root, driver_version="")
+    for r in results:
+        attrs = published[r["device"]]
+        m = _DEVICE_NAME.match(r["device"])
+        assert m, r["device"]
+        minor = int(m.group(1))
+        nodes[f"/dev/nvidia{minor}"] = (NVIDIA_MAJOR, minor)
+        if attrs["type"] in ("gpu",):
+            visible.append(attrs["uuid"])
+        elif attrs["type"] in ("slot", "shared"):
+            visible.append(attrs["parentUUID"])
+        else:
+            assert attrs["type"] == "mig", attrs
+            live = migdevices.list_mig_devices(nvml, attrs["parentUUID"])
+            if "uuid" in attrs:      # static: the partition exists with its UUID
+                mig = next(x for x in live if x.uuid == attrs["uuid"])
+            else:                    # dynamic: created for this claim at its placement
+                profile_id, start = int(m.group(2)), int(m.group(3))
+                mig = next(x for x in live if (x.profile_id, x.start) == (profile_id, start))
+                dynamic.append(mig.uuid)
+            visible.append(mig.uuid)
+            for cap in root.mig_cap_nodes(minor, mig.gi_id, mig.ci_id):
+                nodes[cap.path] = (cap.major, cap.minor)
+    return nodes, ",".join(visible), dynamic
+
+
+def wants_mps(published: dict[str, dict[str, Any]], claims: list[dict[str, Any]], driver: str) -> bool:
+    """Whether the allocation asks for MPS: an MPS slot or share, or an opaque config of this driver with the
+    MPS strategy (e.g. a MIG device shared through MPS)."""
+    for claim in claims:
+        allocation = claim["status"]["allocation"]["devices"]
+        if any(published[r["device"]].get("sharing") == "mps" for r in allocation["results"] if r["driver"] == driver):
+            return True
+        for cfg in allocation.get("config") or []:
+            opaque = cfg.get("opaque") or {}
+            if opaque.get("driver") == driver and (opaque["parameters"].get("sharing") or {}).get("strategy") == "MPS":
+                return True
+    return False
+
+
+def check_pod(real: RealNode, plugin: LocalNodePlugin, namespace: str, pod_name: str) -> Checked:
+    """Each container of the running pod saw exactly the device nodes and NVIDIA_VISIBLE_DEVICES of its claims
+    (this driver's results only); an MPS client also its daemon's pipe directory and /dev/shm (the probe's
+    markers show up in the directories of a running daemon on the host), a non-MPS one nothing of MPS."""
+    pod = real.pod(namespace, pod_name)
+    published = real.devices(plugin)
+    out = Checked()
+    for container in pod["spec"]["containers"]:
+        view = real.view(namespace, pod_name, container["name"])
+        assert view.complete, f"{pod_name}/{container['name']}: probe incomplete"
+        results: list[dict[str, Any]] = []
+        claim_names = [c["name"] for c in (container.get("resources") or {}).get("claims") or []]
+        ext = (pod.get("status") or {}).get("extendedResourceClaimStatus")
+        claims = [real.claim_of(namespace, pod, n) for n in claim_names]
+        if ext:
+            claims.append(real.kube.get(  # type: ignore[union-attr]
+                f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{ext['resourceClaimName']}"))
+        for claim in claims:
+            out.claim_uids.add(claim["metadata"]["uid"])
+            results += [r for r in claim["status"]["allocation"]["devices"]["results"] if r["driver"] == plugin.driver]
+        assert results, f"{pod_name}/{container['name']}: no device of {plugin.driver} allocated"
+        nodes, visible, dynamic = expected_view(real, plugin, results)
+        out.dynamic_mig += dynamic
+        assert view.devices == nodes, f"{pod_name}/{container['name']} saw {view.devices}, expected {nodes}"
+        assert view.env.get("NVIDIA_VISIBLE_DEVICES") == visible, view.env
+        nvidia_mounts = {m for m in view.mounts if "nvidia" in m}
+        if wants_mps(published, claims, plugin.driver):
+            assert view.env.get("CUDA_MPS_PIPE_DIRECTORY") == MPS_PIPE, view.env
+            assert nvidia_mounts == {MPS_PIPE}, view.mounts
+            marker = probe_marker(pod_name, container["name"])
+            assert sorted(view.wrote) == sorted([f"{MPS_PIPE}/{marker}", f"/dev/shm/{marker}"]), view.wrote
+            # The container's directories are a running daemon's: its markers are there on the host.
+            daemons = plugin.mps_daemons()
+            pipe = next((d for d in daemons.values() if (d / marker).is_file()), None)
+            assert pipe is not None, f"no running MPS daemon's pipe directory has {marker}: {daemons}"
+            shm = [p for p in plugin.state_dir.rglob(marker) if p.parent != pipe]
+            assert len(shm) == 1 and shm[0].parent.parent == pipe.parent, (shm, pipe)
+            out.mps_dirs += [pipe, shm[0].parent]
+        else:
+            assert not any(k.startswith("CUDA_MPS_") for k in view.env), view.env
+            assert not nvidia_mounts and view.wrote == [], (view.mounts, view.wrote)
+    return out
+
+
+def time_slices(plugin: LocalNodePlugin, uids: set[str]) -> list[dict[str, Any]]:
+    claims = RealNode.checkpoint_claims(plugin)
+    return [t for u in uids for t in ((claims.get(u) or {}).get("undo") or {}).get("timeSlices") or []]
+
+
+def finish(real: RealNode, plugin: LocalNodePlugin, namespace: str, pods: list[str], checked: list[Checked]) -> None:
+    """Delete the pods; the kubelet unprepares: no CDI spec or checkpoint record of the claims, no dynamic MIG
+    device, no MPS directory, nothing counted as prepared."""
+    for pod in pods:
+        real.delete_pod(namespace, pod)
+    uids = sorted({u for c in checked for u in c.claim_uids})
+    real.wait_unprepared(plugin, uids)
+    live = {m.uuid for m in real.mig_devices(plugin)}
+    assert not live & {u for c in checked for u in c.dynamic_mig}, "dynamic MIG devices left on the GPUs"
+    assert not [d for c in checked for d in c.mps_dirs if d.exists()], "MPS daemon directories left behind"
+    assert plugin.mps_daemons() == {}, "MPS control daemons left running"
+    assert plugin.metrics()["gpu_dra_prepared_claims"] == 0
+
+
+def run_and_check(real: RealNode, plugin: LocalNodePlugin, namespace: str,
+                  objects: list[dict[str, Any]]) -> tuple[list[str], list[Checked]]:
+    real.namespace(namespace)
+    pods = real.apply(namespace, objects)
+    for pod in pods:
+        real.wait_running(namespace, pod)
+    return pods, [check_pod(real, plugin, namespace, p) for p in pods]
+
+
+# ---- every example --------------------------------------------------------------------------------
+
+EXAMPLE_NAMES = [e.name for e in load_examples(EXAMPLES)]
+# What each example's allocation must be, beyond what check_pod verifies for any claim.
+EXPECTED_TYPE = {
+    "cel-memory": "gpu", "first-available": "gpu", "gpu-by-family": "gpu", "memory-share": "shared",
+    "mig-partition": "mig", "mps-slot": "slot", "shared-claim": "slot", "time-slicing-slot": "slot",
+}
+
+
+def test_every_example_folder_is_covered() -> None:
+    assert sorted(EXAMPLE_NAMES) == sorted(EXPECTED_TYPE), "a new example needs its expectation here"
+
+
+@pytest.mark.parametrize("example", EXAMPLE_NAMES)
+def test_example_runs_and_its_container_sees_its_devices(real: RealNode, ours: LocalNodePlugin, example: str) -> None:
+    objects = load_objects(EXAMPLES / example / "claim.yaml")
+    namespace = f"ex-{example}"
+    pods, checked = run_and_check(real, ours, namespace, objects)
+    published = real.devices(ours)
+    claims = {c["metadata"]["name"]: c for c in real.kube.list(  # type: ignore[union-attr]
+        f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims")["items"]}
+    results = [r for c in claims.values() for r in c["status"]["allocation"]["devices"]["results"]]
+    assert {published[r["device"]]["type"] for r in results} == {EXPECTED_TYPE[example]}, results
+    uids = {u for c in checked for u in c.claim_uids}
+    views = {p: real.view(namespace, p, "cuda") for p in pods}
+
+    if example == "mig-partition":
+        assert "uuid" not in published[results[0]["device"]], "expected a dynamic partition"
+        assert views[pods[0]].env["NVIDIA_VISIBLE_DEVICES"].startswith("MIG-")
+        assert len([d for d in views[pods[0]].devices if d.startswith("/dev/nvidia-caps/")]) == 2
+        assert all(d[0] == SIMULATED_CAPS_MAJOR for p, d in views[pods[0]].devices.items() if "caps" in p)
+    if example == "first-available":
+        assert results[0]["request"] == "gpu/h100"
+    if example == "memory-share":
+        # A share is an MPS client whose pinned device memory is the amount it consumed.
+        assert results[0]["consumedCapacity"]["memory"] == "10Gi"
+        assert views[pods[0]].env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=10240M"
+    if example == "mps-slot":
+        # The claim's MPS limits reach its clients through their environment (one daemon per GPU serves all).
+        env = views[pods[0]].env
+        assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25", env
+        assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=16384M", env
+    if example == "time-slicing-slot":
+        ts, = time_slices(ours, uids)
+        assert ts["interval"] == "Long"
+        assert ts["gpuUuids"] == [views[pods[0]].env["NVIDIA_VISIBLE_DEVICES"]]
+    if example == "shared-claim":
+        # One claim, two pods: both run on the same slot at once.
+        assert len(pods) == 2 and len(claims) == 1 and len(uids) == 1
+        a, b = (views[p] for p in pods)
+        assert a.devices == b.devices and a.env == b.env
+
+    finish(real, ours, namespace, pods, checked)
+
+
+# ---- scenarios the examples do not cover ----------------------------------------------------------
+
+def claim_template(name: str, device_class: str, cel: str | None = None) -> dict[str, Any]:
+    request: dict[str, Any] = {"deviceClassName": device_class}
+    if cel:
+        request["selectors"] = [{"cel": {"expression": cel}}]
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": name},
+            "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": request}]}}}}
+
+
+def pod_with(name: str, template: str, containers: list[str]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+            "spec": {"restartPolicy": "Never",
+                     "containers": [{"name": c, "image": "unused", "command": ["true"],
+                                     "resources": {"claims": [{"name": "gpu"}]}} for c in containers],
+                     "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": template}]}}
+
+
+def test_static_mig_partition(real: RealNode, ours: LocalNodePlugin) -> None:
+    """A partition that exists before the claim (static MIG): the container gets it and its capability nodes,
+    and it is still there, still published, after the unprepare."""
+    published = real.devices(ours)
+    static = {n: a for n, a in published.items() if a["type"] == "mig" and "uuid" in a}
+    assert sorted(a["profile"] for a in static.values()) == ["2g.20gb", "3g.40gb"], static
+    name, attrs = next((n, a) for n, a in static.items() if a["profile"] == "3g.40gb")
+    a = f"device.attributes['{DEFAULT_DRIVER_NAME}']"
+    cel = f"has({a}.uuid) && {a}.uuid == '{attrs['uuid']}'"   # dynamic partitions have no uuid
+    pods, checked = run_and_check(real, ours, "static-mig", [
+        claim_template("static-3g", f"mig.{DEFAULT_DRIVER_NAME}", cel), pod_with("static-3g", "static-3g", ["cuda"])])
+    view = real.view("static-mig", "static-3g", "cuda")
+    assert view.env["NVIDIA_VISIBLE_DEVICES"] == attrs["uuid"]
+    assert checked[0].dynamic_mig == []
+    finish(real, ours, "static-mig", pods, checked)
+    assert attrs["uuid"] in {m.uuid for m in real.mig_devices(ours)}
+    assert name in real.devices(ours)
+
+
+def test_two_containers_share_one_claim(real: RealNode, ours: LocalNodePlugin) -> None:
+    """Both containers of a pod name the same claim: both see the one GPU, and it is prepared once."""
+    pods, checked = run_and_check(real, ours, "two-containers", [
+        claim_template("one-gpu", DEFAULT_DRIVER_NAME), pod_with("two-containers", "one-gpu", ["a", "b"])])
+    a, b = (real.view("two-containers", "two-containers", c) for c in ("a", "b"))
+    assert a.devices == b.devices and a.env["NVIDIA_VISIBLE_DEVICES"] == b.env["NVIDIA_VISIBLE_DEVICES"]
+    assert len(checked[0].claim_uids) == 1
+    assert ours.metrics()["gpu_dra_prepared_claims"] == 1
+    finish(real, ours, "two-containers", pods, checked)
+
+
+# ---- NVIDIA compatibility mode --------------------------------------------------------------------
+
+COMPAT = EXAMPLES / "nvidia-compat"
+
+
+@pytest.fixture(scope="class")
+def compat(real: RealNode) -> Iterator[LocalNodePlugin]:
+    """A second plugin on the same node, in NVIDIA compatibility mode (driver gpu.nvidia.com), for this class."""
+    real.add_classes(compat_nvidia=True)
+    plugin = real.start_plugin(real.plugin(NVIDIA_DRIVER_NAME, "--compat-nvidia"))
+    yield plugin
+    plugin.stop()
+
+
+class TestNvidiaCompat:
+    @pytest.mark.parametrize("file", sorted(p.name for p in COMPAT.glob("*.yaml")))
+    def test_nvidia_example_runs_unchanged(self, real: RealNode, compat: LocalNodePlugin, file: str) -> None:
+        """NVIDIA's objects applied as they are (only the pod made runnable here); `nvidia.com/gpu: 1` in a pod's
+        limits is served through DRA: the kubelet prepares the claim the scheduler made for it."""
+        namespace = "compat-" + file.removesuffix(".yaml")
+        objects = load_objects(COMPAT / file)
+        pods, checked = run_and_check(real, compat, namespace, objects)
+        pod = real.pod(namespace, pods[0])
+        view = real.view(namespace, pods[0], "cuda")
+        uids = checked[0].claim_uids
+        if file == "extended-resource.yaml":
+            assert "resourceClaims" not in pod["spec"]
+            mapping, = pod["status"]["extendedResourceClaimStatus"]["requestMappings"]
+            assert (mapping["containerName"], mapping["resourceName"]) == ("cuda", "nvidia.com/gpu")
+            assert view.env["NVIDIA_VISIBLE_DEVICES"].startswith("GPU-")
+        if file == "gpu-time-slicing.yaml":
+            ts, = time_slices(compat, uids)
+            assert ts["interval"] == "Long" and ts["gpuUuids"] == [view.env["NVIDIA_VISIBLE_DEVICES"]]
+        if file == "mig-mps.yaml":
+            assert view.env["NVIDIA_VISIBLE_DEVICES"].startswith("MIG-") and checked[0].dynamic_mig
+            assert view.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50", view.env
+            assert view.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4096M", view.env
+        finish(real, compat, namespace, pods, checked)
