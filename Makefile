@@ -32,8 +32,11 @@ control-plane-skew:
 node-binaries: control-plane-target
 	K8S_VERSION=$(K8S_VERSION) CONTAINERD_VERSION=$(CONTAINERD_VERSION) RUNC_VERSION=$(RUNC_VERSION) bash hack/build-node.sh
 
-# The demo runs on the target release only.
-demo: $(STAMP) control-plane-target node-binaries
+# The demo runs on the target release only. Its real node is optional: not root, no cgroups or node binaries
+# that cannot be built (no Go, gcc, libseccomp download), and the demo says why in one line and only schedules.
+demo: $(STAMP) control-plane-target
+	-@[ "$$(id -u)" != 0 ] || K8S_VERSION=$(K8S_VERSION) CONTAINERD_VERSION=$(CONTAINERD_VERSION) \
+	  RUNC_VERSION=$(RUNC_VERSION) bash hack/build-node.sh >/dev/null
 	$(VENV)/bin/gpu-dra demo
 
 test: $(STAMP) control-plane node-binaries

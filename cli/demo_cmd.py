@@ -1,12 +1,16 @@
 """`gpu-dra demo` (what `make demo` runs): a real local control plane, a simulated GPU fleet, every example
-allocated by the real scheduler.
+allocated by the real scheduler, and the pods on one node actually running.
 
-Steps: start LocalCluster (etcd, kube-apiserver, kube-scheduler, kube-controller-manager; no kubelet) →
-register the fleet's nodes → publish their ResourceSlices with the in-process slice controller, then once
-more with a second controller instance as a restart would (it must write nothing) → create the DeviceClasses
-→ apply every examples/*/claim.yaml in one namespace → wait until every claim is allocated and every pod
-bound (pods never run) → print the slices, the allocations and the write counts; where this build has the
-kubelet plugin, prepare one allocated claim through it and print the CDI spec it wrote.
+Steps: start LocalCluster (etcd, kube-apiserver, kube-scheduler, kube-controller-manager) → start a real node
+for the fleet's first node (`cli.demo_node`: kubelet, containerd, runc; when it cannot start, one line says why
+and the demo only schedules) → register the fleet's other nodes (no kubelet) → publish their ResourceSlices
+with the in-process slice controller, then once more with a second controller instance as a restart would (it
+must write nothing) → run `gpu-dra kubelet-plugin` for the real node (it registers with the kubelet, then
+publishes that node's slices) → create the DeviceClasses → apply every examples/*/claim.yaml in one namespace,
+pods made runnable on the real node (`cli.podprobe`: busybox printing what the container sees) → wait until
+every claim is allocated and every pod bound, then until the real node's pods run → print the slices, the
+allocations with each pod's phase and what its container saw, the write counts and the CDI spec of one claim
+(the kubelet had it prepared; without a real node the demo prepares it over the plugin's DRA socket).
 """
 from __future__ import annotations
 
@@ -46,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="node whose ResourceSlice is described (default: the fleet's last node)")
     parser.add_argument("--no-prepare", action="store_true",
                         help="skip preparing a claim through the kubelet plugin")
+    parser.add_argument("--real-node", metavar="NODE",
+                        help="fleet node run by a real kubelet, containerd and runc (default: the fleet's first)")
+    parser.add_argument("--no-real-node", action="store_true",
+                        help="no real node: schedule only (pods stay Pending)")
     parser.add_argument("--log-level", default="WARNING", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -58,9 +66,11 @@ class DemoResult:
     device_classes: list[str] = field(default_factory=list)
     claims: list[Any] = field(default_factory=list)        # cli.demo_examples.PodClaim
     pending: list[str] = field(default_factory=list)       # one line per unallocated claim, with the reason
-    prepared: Any = None                                   # cli.demo_cdi.PreparedClaim
+    prepared: Any = None                                   # cli.demo_cdi.PreparedClaim or demo_node.NodeCdiSpec
     describe_node: str | None = None
     prepare_error: str | None = None
+    pods: dict[str, Any] = field(default_factory=dict)     # pod -> cli.demo_node.PodRun
+    not_running: list[str] = field(default_factory=list)   # one line per real-node pod that did not run
 
 
 class DemoError(RuntimeError):
@@ -82,6 +92,7 @@ class DemoContext:
     namespace: str
     out: Callable[[str], None]
     slices: list[dict[str, Any]] = field(default_factory=list)
+    real: Any = None                                       # cli.demo_node.RealNode, or None: scheduling only
 
 
 def _step(out: Callable[[str], None], text: str) -> None:
@@ -115,6 +126,9 @@ def run(args: argparse.Namespace) -> int:
         if args.describe_node and args.describe_node not in fleet.node_names:
             raise ValueError(f"--describe-node {args.describe_node}: not a node of {args.fleet} "
                              f"(nodes: {', '.join(fleet.node_names)})")
+        if args.real_node and args.real_node not in fleet.node_names:
+            raise ValueError(f"--real-node {args.real_node}: not a node of {args.fleet} "
+                             f"(nodes: {', '.join(fleet.node_names)})")
     except (FleetError, ExampleError, ValueError, OSError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
@@ -130,7 +144,9 @@ def run(args: argparse.Namespace) -> int:
     out(f"    ready in {cluster.times}")
     api = cluster.api_client()
     ctx = DemoContext(cluster, api, Path(args.fleet), driver, args.namespace, out)
-    hook = None if args.no_prepare else prepare_one_claim
+    if not args.no_real_node:
+        ctx.real = start_real_node(cluster, args.real_node or fleet.node_names[0], out)
+    hook = None if args.no_prepare else (spec_from_real_node if ctx.real is not None else prepare_one_claim)
     try:
         result = run_demo(ctx, fleet, examples, timeout=args.timeout, describe_node=args.describe_node,
                           prepared_claim_hook=hook)
@@ -140,6 +156,12 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         api.close()
+        if ctx.real is not None:
+            _step(out, f"stopping the real node {ctx.real.name} (its pods, containerd, kubelet; the host as found)")
+            try:
+                ctx.real.stop()
+            except ClusterError as exc:
+                print(f"{PROG}: {exc}", file=sys.stderr)
         if args.keep:
             _print_keep(cluster, args.namespace, out)
         else:
@@ -153,7 +175,28 @@ def run(args: argparse.Namespace) -> int:
     if result.prepare_error:
         print(f"{PROG}: preparing a claim through the kubelet plugin failed: {result.prepare_error}", file=sys.stderr)
         return 1
+    if result.not_running:
+        print(f"{PROG}: {len(result.not_running)} pod(s) on the real node did not run within {args.timeout:.0f}s:",
+              file=sys.stderr)
+        for line in result.not_running:
+            print(f"  {line}", file=sys.stderr)
+        return 1
     return 0
+
+
+def start_real_node(cluster: Any, name: str, out: Callable[[str], None]) -> Any:
+    """The real node for fleet node `name`, or None after one line saying why there is none."""
+    from cli.demo_node import RealNode, RealNodeUnavailable
+    from cli.publish_cmd import SIMULATED_LABEL
+
+    _step(out, f"starting a real node for {name}: kubelet, containerd and runc (built on first use: minutes)")
+    try:
+        real = RealNode.start(cluster, name, {SIMULATED_LABEL: "true"})
+    except RealNodeUnavailable as exc:
+        out(f"==> no real node ({exc}): scheduling only, the pods will stay Pending")
+        return None
+    out(f"    ready in {sum(real.node.times.values()):.1f}s")
+    return real
 
 
 def _printer() -> Callable[[str], None]:
@@ -167,6 +210,9 @@ def run_demo(ctx: DemoContext, fleet: Any, examples: list[Any], *, timeout: floa
     """Everything after the control plane is up. Raises DemoError when a step fails."""
     from api.deviceclasses import device_classes
     from cli.demo_examples import apply_objects, create_namespace, describe_pending, wait_for_allocation
+    from cli.demo_node import wait_for_pods
+    from cli.localnode import busybox_image
+    from cli.podprobe import for_local_node
     from cli.publish_cmd import SIMULATED_LABEL, desired_fleet_pools
     from controller.cluster import ClusterController
     from kube.client import SLICES, ApiError, ApiUnavailable, KubeApi
@@ -174,14 +220,19 @@ def run_demo(ctx: DemoContext, fleet: Any, examples: list[Any], *, timeout: floa
     from kube.serverversion import api_features
 
     out, kube, result = ctx.out, KubeApi(ctx.api), DemoResult()
+    real = ctx.real
     try:
-        _step(out, f"registering {len(fleet.nodes)} simulated node(s): {', '.join(fleet.node_names)}")
-        for node in fleet.nodes:
-            ctx.cluster.add_node(node.name, {SIMULATED_LABEL: "true"})
+        # A real node registered its Node itself (its kubelet) and publishes its slices itself (its plugin).
+        others = [n.name for n in fleet.nodes if real is None or n.name != real.name]
+        _step(out, f"registering {len(others)} simulated node(s) without a kubelet: {', '.join(others) or '-'}")
+        for name in others:
+            ctx.cluster.add_node(name, {SIMULATED_LABEL: "true"})
 
         features = api_features(ctx.api)
-        pools = desired_fleet_pools(fleet, str(ctx.fleet_path), ctx.driver, features)
-        _step(out, f"publishing ResourceSlices of {ctx.fleet_path.name} with the slice controller (first start)")
+        pools = {name: pool for name, pool in desired_fleet_pools(fleet, str(ctx.fleet_path), ctx.driver,
+                                                                   features).items() if name in others}
+        _step(out, f"publishing ResourceSlices of {', '.join(others) or 'no node'} with the slice controller "
+                   "(first start)")
         first = ResourceSliceController(ctx.api, ctx.driver, Owner.cluster())
         first.update(pools)
         first.run_once(timeout=60)
@@ -191,6 +242,8 @@ def run_demo(ctx: DemoContext, fleet: Any, examples: list[Any], *, timeout: floa
         second.update(pools)
         second.run_once(timeout=60)
         result.restart_writes = second.writes_by_operation
+        if real is not None:
+            _start_real_node_plugin(ctx, kube)
 
         classes = device_classes(ctx.driver)
         ClusterController(ctx.api, ctx.driver, classes).run_until_success(30)
@@ -201,18 +254,32 @@ def run_demo(ctx: DemoContext, fleet: Any, examples: list[Any], *, timeout: floa
         _step(out, f"applying {len(examples)} example(s) in namespace {ctx.namespace}: "
                    f"{', '.join(e.name for e in examples)}")
         for example in examples:
+            objects = example.objects if real is None else [
+                for_local_node(o, busybox_image()) if o["kind"] == "Pod" else o for o in example.objects]
             try:
-                apply_objects(kube, example.objects, ctx.namespace)
+                apply_objects(kube, objects, ctx.namespace)
             except ApiError as exc:
                 raise DemoError(f"example {example.name} ({example.path}) was rejected: {exc.message}") from exc
         started = time.monotonic()
         state = wait_for_allocation(kube, examples, ctx.namespace, timeout)
         result.claims = state.claims
         if state.complete:
-            _step(out, f"every claim allocated and every pod bound in {time.monotonic() - started:.1f}s "
-                       "(pods stay Pending: there is no kubelet)")
+            why = ("pods stay Pending: there is no kubelet" if real is None else
+                   f"pods elsewhere than on {real.name} stay Pending: only {real.name} has a kubelet")
+            _step(out, f"every claim allocated and every pod bound in {time.monotonic() - started:.1f}s ({why})")
         else:
             result.pending = describe_pending(kube, state, ctx.namespace)
+        pods = [p["metadata"]["name"] for e in examples for p in e.pods]
+        if real is not None and state.complete:
+            started = time.monotonic()
+            result.pods = wait_for_pods(kube, real, ctx.namespace, pods, timeout)
+            result.not_running = _not_running(kube, ctx.namespace, real.name, result.pods)
+            if not result.not_running:
+                _step(out, f"the pods on {real.name} run, each printed what its container sees, in "
+                           f"{time.monotonic() - started:.1f}s")
+        else:
+            result.pods = wait_for_pods(kube, real, ctx.namespace, pods, 0) if real is not None else {
+                name: _pod_run(kube, ctx.namespace, name) for name in pods}
         ctx.slices = kube.list(SLICES, field_selector=f"spec.driver={ctx.driver}")["items"]
         result.describe_node = describe_node or fleet.node_names[-1]
         if prepared_claim_hook is not None and state.complete:
@@ -227,6 +294,54 @@ def run_demo(ctx: DemoContext, fleet: Any, examples: list[Any], *, timeout: floa
     except (RuntimeError, ValueError) as exc:   # e.g. ClusterController giving up, a policy the fleet breaks
         raise DemoError(str(exc)) from exc
     return result
+
+
+def _start_real_node_plugin(ctx: DemoContext, kube: Any) -> None:
+    """`gpu-dra kubelet-plugin` for the real node; returns once the kubelet registered it and its slices are
+    published (a complete pool)."""
+    from cli.demo_node import PLUGIN_TIMEOUT, NodePluginError
+    from kube.client import SLICES
+
+    real = ctx.real
+    _step(ctx.out, f"starting `gpu-dra kubelet-plugin --node-name {real.name}`: it registers with the kubelet, "
+                   f"then publishes {real.name}'s ResourceSlices")
+    try:
+        real.start_plugin(ctx.fleet_path, ctx.driver)
+    except NodePluginError as exc:
+        raise DemoError(str(exc)) from exc
+    deadline = time.monotonic() + PLUGIN_TIMEOUT
+    while True:
+        slices = kube.list(SLICES, field_selector=f"spec.driver={ctx.driver},spec.nodeName={real.name}")["items"]
+        if slices:
+            newest = max(s["spec"]["pool"]["generation"] for s in slices)
+            current = [s for s in slices if s["spec"]["pool"]["generation"] == newest]
+            if len(current) == current[0]["spec"]["pool"]["resourceSliceCount"]:
+                return
+        if time.monotonic() > deadline:
+            raise DemoError(f"the kubelet plugin of {real.name} published no complete pool within "
+                            f"{PLUGIN_TIMEOUT:.0f}s\n--- plugin log ---\n{real.plugin.log_tail()}")
+        time.sleep(0.2)
+
+
+def _pod_run(kube: Any, namespace: str, name: str) -> Any:
+    from cli.demo_examples import collection
+    from cli.demo_node import PodRun
+
+    pod = kube.get(f"{collection('Pod', namespace)}/{name}")
+    return PodRun(pod.get("status", {}).get("phase", "Unknown"), pod["spec"].get("nodeName"))
+
+
+def _not_running(kube: Any, namespace: str, node: str, runs: dict[str, Any]) -> list[str]:
+    """One line per pod on the real node that is not Running with its probes done, with its last events."""
+    lines = []
+    for name, run in runs.items():
+        if run.node != node or (run.phase == "Running" and all(v.complete for v in run.views.values())):
+            continue
+        events = kube.list(f"/api/v1/namespaces/{namespace}/events",
+                           field_selector=f"involvedObject.kind=Pod,involvedObject.name={name}")["items"]
+        last = "; ".join(f"{e.get('reason')}: {(e.get('message') or '').strip()}" for e in events[-2:])
+        lines.append(f"pod {name}: {run.phase}" + (f" ({last})" if last else ""))
+    return lines
 
 
 def _describe_slices(ctx: DemoContext, node: str) -> None:
@@ -248,7 +363,7 @@ def _describe_slices(ctx: DemoContext, node: str) -> None:
 
 
 def report(ctx: DemoContext, result: DemoResult) -> None:
-    from cli.demo_report import allocation_rows, format_table, format_writes
+    from cli.demo_report import allocation_rows, container_lines, format_table, format_writes
 
     out = ctx.out
     if result.describe_node:
@@ -256,8 +371,14 @@ def report(ctx: DemoContext, result: DemoResult) -> None:
     _section(out, f"kubectl get resourceclaims -n {ctx.namespace}")
     out(ctx.cluster.kubectl("get", "resourceclaims", "-n", ctx.namespace).stdout.rstrip())
     _section(out, f"Allocations (namespace {ctx.namespace})")
-    rows = allocation_rows(result.claims, ctx.slices)
+    phases = {name: run.phase for name, run in result.pods.items()}
+    rows = allocation_rows(result.claims, ctx.slices, phases)
     out(format_table(rows) if rows else "(nothing allocated)")
+    if result.pods:
+        out("")
+        out("What each pod's container saw (its own ls /dev/nvidia* and env, from its log):")
+        for line in container_lines(result.pods, ctx.real.name if ctx.real is not None else None):
+            out(f"  {line}")
     _section(out, "ResourceSlice controller")
     out(format_writes("first start", result.first_writes))
     out(format_writes("restart with the same fleet (second controller instance)", result.restart_writes))
@@ -266,10 +387,32 @@ def report(ctx: DemoContext, result: DemoResult) -> None:
                         "it must write nothing")
     if result.prepared is not None:
         p = result.prepared
+        how = "prepared by the kubelet" if ctx.real is not None else "prepared over its DRA socket by the demo"
         _section(out, f"CDI spec written by the kubelet plugin of {p.claim.node} for claim {p.claim.claim} "
-                      f"({p.claim.example})")
+                      f"({p.claim.example}; {how})")
         out(f"# {p.spec_path.name}   CDI devices: {', '.join(p.cdi_device_ids)}")
-        out(p.spec_text.rstrip())
+        out(_readable_spec(p.spec_text))
+
+
+def _readable_spec(text: str) -> str:
+    """A CDI spec as people read it: JSON specs (one line on disk) indented, YAML ones as they are."""
+    import json
+
+    try:
+        return json.dumps(json.loads(text), indent=2)
+    except ValueError:
+        return text.rstrip()
+
+
+def spec_from_real_node(ctx: DemoContext, claims: list[Any]) -> Any:
+    """The CDI spec that the real node's plugin wrote when the kubelet prepared one of the node's claims (a MIG
+    partition if there is one: it is created at prepare), or None."""
+    from cli.demo_cdi import pick_claim
+    from cli.demo_node import prepared_cdi_spec
+    from cli.demo_report import device_index
+
+    claim = pick_claim([c for c in claims if c.node == ctx.real.name], device_index(ctx.slices), ctx.driver)
+    return prepared_cdi_spec(ctx.real, claim) if claim is not None else None
 
 
 def prepare_one_claim(ctx: DemoContext, claims: list[Any]) -> Any:

@@ -1,6 +1,6 @@
-"""What the demo prints: the allocation table, a readable cut of `kubectl describe resourceslice`, and the
-write counts of the slice controller. Pure functions over wire-format dicts and text, so they are unit-tested
-without a cluster."""
+"""What the demo prints: the allocation table (with each pod's phase), what each pod's container saw, a readable
+cut of `kubectl describe resourceslice`, and the write counts of the slice controller. Pure functions over
+wire-format dicts and text, so they are unit-tested without a cluster."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
@@ -18,6 +18,7 @@ class AllocationRow:
 
     example: str
     pod: str
+    phase: str
     claim: str
     request: str
     node: str
@@ -51,8 +52,10 @@ def _capacity(device: Mapping[str, Any], name: str) -> str:
     return str(((device.get("capacity") or {}).get(name) or {}).get("value", ""))
 
 
-def allocation_rows(claims: Sequence[PodClaim], slices: Iterable[Mapping[str, Any]]) -> list[AllocationRow]:
-    """One row per allocation result of every allocated pod claim (unallocated ones are left out)."""
+def allocation_rows(claims: Sequence[PodClaim], slices: Iterable[Mapping[str, Any]],
+                    phases: Mapping[str, str] | None = None) -> list[AllocationRow]:
+    """One row per allocation result of every allocated pod claim (unallocated ones are left out); `phases`
+    gives each pod's phase by pod name."""
     index = device_index(slices)
     rows = []
     for c in claims:
@@ -65,7 +68,8 @@ def allocation_rows(claims: Sequence[PodClaim], slices: Iterable[Mapping[str, An
             if consumed:
                 memory = f"{consumed} of {memory}" if memory else str(consumed)
             rows.append(AllocationRow(
-                example=c.example, pod=c.pod, claim=c.claim or NONE, request=r.get("request", NONE),
+                example=c.example, pod=c.pod, phase=(phases or {}).get(c.pod, NONE), claim=c.claim or NONE,
+                request=r.get("request", NONE),
                 node=c.node or NONE, device=r.get("device", NONE), device_type=kind,
                 detail=detail if detail and detail != "none" else NONE, memory=memory or NONE,
                 product=_attr(device, "productName") or NONE))
@@ -73,8 +77,8 @@ def allocation_rows(claims: Sequence[PodClaim], slices: Iterable[Mapping[str, An
 
 
 TABLE_COLUMNS: tuple[tuple[str, str], ...] = (
-    ("EXAMPLE", "example"), ("POD", "pod"), ("CLAIM", "claim"), ("REQUEST", "request"), ("NODE", "node"),
-    ("DEVICE", "device"), ("TYPE", "device_type"), ("PROFILE/SHARING", "detail"), ("MEMORY", "memory"),
+    ("EXAMPLE", "example"), ("POD", "pod"), ("PHASE", "phase"), ("CLAIM", "claim"), ("REQUEST", "request"),
+    ("NODE", "node"), ("DEVICE", "device"), ("TYPE", "device_type"), ("PROFILE/SHARING", "detail"), ("MEMORY", "memory"),
     ("PRODUCT", "product"),
 )
 
@@ -84,6 +88,25 @@ def format_table(rows: Sequence[AllocationRow], columns: Sequence[tuple[str, str
     cells = [[h for h, _ in columns]] + [[str(getattr(r, f)) for _, f in columns] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells)
+
+
+def container_lines(pods: Mapping[str, Any], real_node: str | None) -> list[str]:
+    """One line per pod (per container where a pod has several): what its container printed about itself
+    (`cli.podprobe.ContainerView.summary`), or why there is nothing to show. `pods` maps pod names to
+    `cli.demo_node.PodRun`s; `real_node` is the node with a kubelet (None: there is none)."""
+    lines = []
+    for name, run in pods.items():
+        if run.views:
+            for container, view in run.views.items():
+                what = view.summary() if view.complete else "(its output is not complete yet)"
+                lines.append(f"{name}/{container} on {run.node}: {what}")
+        elif run.node is None:
+            lines.append(f"{name}: not bound to a node")
+        elif run.node != real_node:
+            lines.append(f"{name}: on {run.node}, which has no kubelet: not started")
+        else:
+            lines.append(f"{name}: {run.phase} on {run.node}, its container has printed nothing yet")
+    return lines
 
 
 def _indent(line: str) -> int:

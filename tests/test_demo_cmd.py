@@ -1,5 +1,7 @@
 """Unit tests of the demo's parts that need no cluster: loading examples for any driver name, pairing pods
-with claims, the scheduler's reason, the printed table and describe cut, and argument checks."""
+with claims, the scheduler's reason, the printed table (with pod phases) and describe cut, what the containers
+saw (the probe script, its output read back, pods made runnable on a local node), the one line when there is
+no real node, and argument checks."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +16,9 @@ from cli import demo_cmd
 from cli.demo_cdi import pick_claim
 from cli.demo_examples import (ExampleError, PodClaim, allocation_state, describe_pending, load_example, load_examples,
                                retarget_driver, scheduler_reason)
-from cli.demo_report import allocation_rows, device_index, format_table, format_writes, trim_describe
+from cli.demo_node import PodRun
+from cli.demo_report import allocation_rows, container_lines, device_index, format_table, format_writes, trim_describe
+from cli.podprobe import BEGIN, END, ContainerView, for_local_node, parse_probe, probe_marker, probe_script
 from cli.main import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
@@ -199,11 +203,110 @@ def test_allocation_rows_show_type_profile_sharing_and_consumed_memory() -> None
     assert got == [("whole", "gpu", "-", "80Gi"), ("mig", "mig", "1g.10gb", "9984Mi"), ("slot", "slot", "mps", "20Gi"),
                    ("share", "shared", "mps", "10Gi of 80Gi"), ("gone", "?", "-", "-")]
     table = format_table(rows).splitlines()
-    assert table[0].split() == ["EXAMPLE", "POD", "CLAIM", "REQUEST", "NODE", "DEVICE", "TYPE", "PROFILE/SHARING",
-                                "MEMORY", "PRODUCT"]
+    assert table[0].split() == ["EXAMPLE", "POD", "PHASE", "CLAIM", "REQUEST", "NODE", "DEVICE", "TYPE",
+                                "PROFILE/SHARING", "MEMORY", "PRODUCT"]
     assert len(table) == 6
     column = table[0].index("DEVICE")
     assert [line[column:].split()[0] for line in table[1:]] == [r.device for r in rows]
+
+
+def test_allocation_rows_carry_each_pods_phase() -> None:
+    rows = allocation_rows([_pc("whole", "gpu-0"), _pc("mig", "gpu-1-mig-1g10gb-19-6")], SLICES,
+                           {"whole-pod": "Running"})
+    assert [(r.pod, r.phase) for r in rows] == [("whole-pod", "Running"), ("mig-pod", "-")]
+    header, first, second = format_table(rows).splitlines()
+    column = header.index("PHASE")
+    assert first[column:].split()[0] == "Running" and second[column:].split()[0] == "-"
+
+
+def test_container_lines_say_what_each_container_saw_or_why_nothing() -> None:
+    seen = ContainerView(devices={"/dev/nvidiactl": (195, 255), "/dev/nvidia3": (195, 3)},
+                         env={"NVIDIA_VISIBLE_DEVICES": "GPU-1"}, complete=True)
+    pods = {
+        "a": PodRun("Running", "node-a", {"cuda": seen}),
+        "b": PodRun("Running", "node-a", {"x": seen, "y": ContainerView()}),
+        "c": PodRun("Pending", "node-b"),
+        "d": PodRun("Pending", None),
+        "e": PodRun("Pending", "node-a"),
+    }
+    assert container_lines(pods, "node-a") == [
+        "a/cuda on node-a: /dev/nvidia3 /dev/nvidiactl; NVIDIA_VISIBLE_DEVICES=GPU-1",
+        "b/x on node-a: /dev/nvidia3 /dev/nvidiactl; NVIDIA_VISIBLE_DEVICES=GPU-1",
+        "b/y on node-a: (its output is not complete yet)",
+        "c: on node-b, which has no kubelet: not started",
+        "d: not bound to a node",
+        "e: Pending on node-a, its container has printed nothing yet",
+    ]
+
+
+# ------------------------------------------------------------------------------------------ the pod probe
+
+PROBE_OUTPUT = f"""\
+{BEGIN}
+dev /dev/nvidia0 c3 0
+dev /dev/nvidia-caps/nvidia-cap1208 ea 4b8
+dev /dev/nvidiactl c3 ff
+env CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps
+env NVIDIA_VISIBLE_DEVICES=MIG-1=2
+mount /tmp/nvidia-mps /var/lib/x/pipe
+mount /dev/shm /var/lib/x/shm
+wrote /tmp/nvidia-mps/probe-p-cuda
+{END}
+"""
+
+
+def test_the_probe_output_is_read_back() -> None:
+    view = parse_probe("noise before\n" + PROBE_OUTPUT)
+    assert view.complete
+    assert view.devices == {"/dev/nvidia0": (195, 0), "/dev/nvidia-caps/nvidia-cap1208": (234, 1208),
+                            "/dev/nvidiactl": (195, 255)}
+    assert view.env == {"CUDA_MPS_PIPE_DIRECTORY": "/tmp/nvidia-mps", "NVIDIA_VISIBLE_DEVICES": "MIG-1=2"}
+    assert view.mounts == {"/tmp/nvidia-mps": "/var/lib/x/pipe", "/dev/shm": "/var/lib/x/shm"}
+    assert view.wrote == ["/tmp/nvidia-mps/probe-p-cuda"]
+    assert view.summary() == ("/dev/nvidia-caps/nvidia-cap1208 /dev/nvidia0 /dev/nvidiactl; "
+                              "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps NVIDIA_VISIBLE_DEVICES=MIG-1=2")
+    # A restarted container prints again: the last run counts; an unfinished run is not complete.
+    assert parse_probe(PROBE_OUTPUT + f"{BEGIN}\ndev /dev/nvidia1 c3 1\n").devices == {"/dev/nvidia1": (195, 1)}
+    assert not parse_probe(PROBE_OUTPUT.replace(END, "")).complete
+    assert parse_probe("no probe here") == ContainerView()
+
+
+def test_the_probe_script_runs_in_a_posix_shell(tmp_path: Path) -> None:
+    """The script itself (here without NVIDIA devices or MPS): it reports its environment and finishes; its
+    final sleep is a stand-in that returns at once."""
+    import os
+    import shutil
+    import subprocess
+
+    (tmp_path / "sleep").write_text("#!/bin/sh\necho slept $1\n")
+    (tmp_path / "sleep").chmod(0o755)
+    path = f"{tmp_path}:{os.environ.get('PATH', '/usr/bin:/bin')}"
+    sh = shutil.which("sh")
+    assert sh is not None
+    done = subprocess.run([sh, "-c", probe_script("p", "cuda")], capture_output=True, text=True, timeout=30,
+                          env={"PATH": path, "NVIDIA_VISIBLE_DEVICES": "GPU-7", "CUDA_VISIBLE_DEVICES": "0",
+                               "OTHER": "x"})
+    assert done.returncode == 0, done.stderr
+    view = parse_probe(done.stdout)
+    assert view.complete and view.env == {"NVIDIA_VISIBLE_DEVICES": "GPU-7", "CUDA_VISIBLE_DEVICES": "0"}
+    assert done.stdout.rstrip().endswith("slept 86400")
+    assert probe_marker("p", "cuda") in probe_script("p", "cuda")
+
+
+def test_example_pods_are_made_runnable_on_a_local_node() -> None:
+    pod = load_example(EXAMPLES / "shared-claim").pods[0]
+    local = for_local_node(pod, "registry.local/busybox:1", "node-a")
+    spec, container = local["spec"], local["spec"]["containers"][0]
+    assert spec["hostNetwork"] is True and spec["terminationGracePeriodSeconds"] == 1
+    assert spec["nodeSelector"] == {"kubernetes.io/hostname": "node-a"}
+    assert (container["image"], container["imagePullPolicy"]) == ("registry.local/busybox:1", "Never")
+    assert container["command"] == ["sh", "-c", probe_script("shared-slot-a", "cuda")]
+    # What allocation and preparation depend on is unchanged, and the example itself is untouched.
+    assert spec["resourceClaims"] == pod["spec"]["resourceClaims"]
+    assert container["resources"] == pod["spec"]["containers"][0]["resources"]
+    assert spec["restartPolicy"] == pod["spec"]["restartPolicy"]
+    assert pod["spec"]["containers"][0]["image"].startswith("nvcr.io/") and "hostNetwork" not in pod["spec"]
+    assert "nodeSelector" not in for_local_node(pod, "img")["spec"]
 
 
 def test_pick_claim_prefers_a_mig_partition() -> None:
@@ -281,6 +384,19 @@ def test_the_demo_defaults_are_the_repository_fleet_and_examples() -> None:
     args = build_parser().parse_args(["demo"])
     assert Path(args.fleet) == EXAMPLES / "fleets" / "demo.yaml" and Path(args.examples) == EXAMPLES
     assert args.driver_name == DEFAULT_DRIVER_NAME and not args.keep and args.namespace == "gpu-demo"
+    assert args.real_node is None and not args.no_real_node   # a real node for the fleet's first node
+
+
+def test_without_a_real_node_the_demo_says_why_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Here: not root. LocalNode refuses before it touches the cluster or the host."""
+    import os
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    lines: list[str] = []
+    assert demo_cmd.start_real_node(object(), "node-a", lines.append) is None
+    assert lines[0].startswith("==> starting a real node for node-a")
+    assert lines[1:] == ["==> no real node (a real node needs root (containerd, runc and the kubelet mount and make "
+                         "cgroups)): scheduling only, the pods will stay Pending"]
 
 
 @pytest.mark.parametrize("over, message", [
@@ -289,6 +405,7 @@ def test_the_demo_defaults_are_the_repository_fleet_and_examples() -> None:
     ({"driver_name": "Not_A_Name"}, "driver name 'Not_A_Name'"),
     ({"timeout": 0.0}, "--timeout 0.0: must be positive"),
     ({"describe_node": "node-z"}, "--describe-node node-z: not a node of"),
+    ({"real_node": "node-z"}, "--real-node node-z: not a node of"),
 ])
 def test_bad_arguments_exit_2_before_anything_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                       no_cluster: None, over: dict[str, Any], message: str) -> None:

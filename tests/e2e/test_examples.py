@@ -4,6 +4,7 @@ is what the example asks for. Also the demo itself: its steps on the shared clus
 from __future__ import annotations
 
 import itertools
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -211,17 +212,40 @@ def test_demo_steps_allocate_prepare_and_report_unallocatable_claims(cluster: An
 
 
 def test_gpu_dra_demo_command_end_to_end(tmp_path: Path) -> None:
-    """What `make demo` runs, with its own control plane: exit 0 and every section of the output."""
+    """What `make demo` runs, with its own control plane and a real node for node-a: exit 0, every section of
+    the output, the pods on node-a Running with what their containers saw, the machine left as found."""
+    from cli.localnode import records_dir
+
     proc = subprocess.run([sys.executable, "-m", "cli.main", "demo"], capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
+    assert "==> no real node" not in out, out[:2000]
     for example in CHECKS:
         assert f"\n{example} " in out, example
     assert "### kubectl describe resourceslice node-b-gpu.dra-driver.io-0001" in out
     assert "String:  time-slicing" in out           # real kubectl describe output
     listing = out.split("### kubectl get resourceslices\n", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
-    assert len(listing) > 1 and all(line.startswith("node-") for line in listing), listing
-    assert f"first start: {len(listing)} API write(s) (create {len(listing)})" in out
+    assert {line.split()[1] for line in listing} == {"node-a", "node-b"}, listing
+    # The slice controller publishes node-b only; node-a's plugin publishes its own node's slices.
+    node_b = [line for line in listing if line.split()[1] == "node-b"]
+    assert f"first start: {len(node_b)} API write(s) (create {len(node_b)})" in out
     assert "restart with the same fleet (second controller instance): 0 API write(s)" in out
-    assert "==> stopping the control plane" in out
+
+    # Each pod's phase in the table: Running on node-a, Pending on node-b (no kubelet there).
+    table = out.split("### Allocations (namespace gpu-demo)\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    header, rows = table[0], table[1:]
+    phase, node = header.index("PHASE"), header.index("NODE")
+    phases = {(r[node:].split()[0], r[phase:].split()[0]) for r in rows}
+    assert phases == {("node-a", "Running"), ("node-b", "Pending")}, rows
+    saw = out.split("What each pod's container saw", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+    on_a = [line for line in saw if " on node-a: " in line]
+    assert len(on_a) == sum(1 for r in rows if r[node:].startswith("node-a")), saw
+    assert all(re.search(r" on node-a: (/dev/nvidia\S+ )*/dev/nvidiactl; .*NVIDIA_VISIBLE_DEVICES=(GPU|MIG)-", line)
+               for line in on_a), on_a
+    assert any("/dev/nvidia-caps/nvidia-cap" in line and "=MIG-" in line for line in on_a), on_a
+    assert any("CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in line for line in on_a), on_a
+    assert all("which has no kubelet: not started" in line for line in saw if line not in on_a), saw
+    assert "(mig-partition; prepared by the kubelet)" in out and '"NVIDIA_VISIBLE_DEVICES=MIG-' in out
+    assert "==> stopping the real node node-a" in out and "==> stopping the control plane" in out
+    assert not list(records_dir().glob("*.json")), "the real node left its record: something was not cleaned"
