@@ -233,3 +233,58 @@ def test_metrics_and_health_endpoints(base):
         plugin.stop()
     with pytest.raises(OSError):
         urllib.request.urlopen(f"{url}/healthz", timeout=2)    # the endpoint goes with the plugin
+
+
+# --------------------------------------------------------------------------------------------------- registration first
+
+def notify_registered(plugin: KubeletPlugin) -> None:
+    """What the kubelet says once it has registered the plugin."""
+    import grpc
+
+    from api.generated.pluginregistration.v1 import api_pb2 as reg_pb
+    from api.generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+
+    with grpc.insecure_channel(f"unix://{plugin.paths.registration}") as channel:
+        reg_grpc.RegistrationStub(channel).NotifyRegistrationStatus(
+            reg_pb.RegistrationStatus(plugin_registered=True), timeout=5)
+
+
+def test_slices_are_published_only_once_the_kubelet_confirms_the_registration(base, monkeypatch):
+    """A pod scheduled onto our devices before the kubelet knows the driver fails its prepare and waits for the
+    kubelet's next resync (a minute): nothing is published before NotifyRegistrationStatus, and /healthz says
+    why. A later registration (a restarted kubelet, which deleted the node's slices) syncs the pool at once."""
+    from kubernetes import client as kclient
+
+    from kube.resourceslices import ResourceSliceController
+
+    config = kclient.Configuration()
+    config.host = f"http://127.0.0.1:{closed_port()}"      # the publisher's writes fail; they are not the point
+    port = closed_port()
+    opts = PluginOptions(
+        node_name=NODE, registry_dir=str(base / "reg"), plugin_dir=str(base / "plug"), cdi_root=str(base / "cdi"),
+        driver_root=str(base / "noroot"), fleet=str(write_fleet(base)), boot_id_path=str(base / "boot_id"),
+        health_wait_ms=100, metrics_port=port)
+    (base / "boot_id").write_text("b1\n")
+    resyncs: list[float] = []
+    monkeypatch.setattr(ResourceSliceController, "resync", lambda self: resyncs.append(time.monotonic()))
+    plugin = KubeletPlugin(opts, claim_source=DictClaimSource(), api_client=kclient.ApiClient(config),
+                           features=ApiFeatures.all())
+    plugin.start()
+    try:
+        time.sleep(0.5)
+        assert plugin.slices is None
+        assert get(f"http://127.0.0.1:{port}/livez") == (200, "ok\n")
+        status, body = get(f"http://127.0.0.1:{port}/healthz")
+        assert status == 503 and "waiting for the kubelet to register the plugin" in body, body
+
+        notify_registered(plugin)
+        deadline = time.monotonic() + 5
+        while plugin.slices is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert plugin.slices is not None and set(plugin.slices._desired or {}) == {NODE}
+        assert resyncs == []                                    # the first registration starts the publisher
+
+        notify_registered(plugin)
+        assert len(resyncs) == 1
+    finally:
+        plugin.stop()
