@@ -18,7 +18,8 @@ from api.k8snames import is_dns_label, is_dns_subdomain, is_uid
 
 class ClaimError(Exception):
     """A claim that cannot be prepared as it is (gone, replaced, not allocated, bad allocation) or cannot be
-    read now. ``reason`` is the kind, for metrics: claim, not_found, unavailable, forbidden, api, plan."""
+    read now. ``reason`` is the kind, for metrics: claim (missing, replaced, not allocated, malformed),
+    unavailable, forbidden, api (another answer of the API server), plan."""
 
     def __init__(self, message: str, reason: str = "claim") -> None:
         super().__init__(message)
@@ -98,7 +99,7 @@ class KubernetesClaimSource:
 
     Tries ``resource.k8s.io/v1`` first and falls back to older served versions when the API server does
     not serve v1 at all (the claim status shape we read is the same in v1beta1/v1beta2). API failures become
-    ClaimErrors by kind (``unavailable``, ``forbidden``, ``not_found``, ``api``) with a one-line message: the
+    ClaimErrors by kind (``claim`` for not found, ``unavailable``, ``forbidden``, ``api``) with a one-line message: the
     kubelet retries, and no traceback is logged for what is not a bug."""
 
     API_VERSIONS = ("v1", "v1beta2", "v1beta1")
@@ -126,7 +127,7 @@ class KubernetesClaimSource:
             except ApiError as err:
                 details = _details(err)
                 if err.status == 404 and details.get("name") == name:
-                    raise ClaimError(f"{what} not found", reason="not_found") from None
+                    raise ClaimError(f"{what} not found") from None
                 if err.status == 404:
                     last = f"resource.k8s.io/{version} not served"
                     continue  # this API version is not served; try the next

@@ -262,7 +262,7 @@ class ClaimStatusReporter:
             with self._cv:
                 if write.ref.uid in self._pending:     # superseded by a newer request: drop this one
                     return
-                if write.attempt < len(self.retry_delays):
+                if _retryable(err) and write.attempt < len(self.retry_delays):
                     write.not_before = time.monotonic() + self.retry_delays[write.attempt]
                     write.attempt += 1
                     self._pending[write.ref.uid] = write
@@ -280,6 +280,17 @@ class ClaimStatusReporter:
     def _count(self, operation: str, result: str) -> None:
         if self.metrics is not None:
             self.metrics.claim_status_writes.labels(operation=operation, result=result).inc()
+
+
+def _retryable(err: Exception) -> bool:
+    """An API server away, overloaded or in a conflict may take the write later; a refusal (RBAC, validation)
+    will not, so it is reported at once instead of retried for a minute."""
+    from kube.client import ApiError
+
+    cause = err.__cause__
+    if isinstance(cause, ApiError):
+        return cause.status in (408, 409, 429) or cause.status >= 500
+    return True
 
 
 @dataclass

@@ -184,6 +184,7 @@ class Driver:
         """Stop accepting work. Prepared claims, their MIG devices and MPS daemons stay as they are."""
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.reporter.close()
+        self.checkpoint.close()      # the journal folded into the snapshot: a clean stop leaves one file
 
     # ----- gRPC entry points ---------------------------------------------------------------------------------
     def prepare(self, claims: list[ClaimRef]) -> dict[str, PrepareResult]:
@@ -272,7 +273,7 @@ class Driver:
             try:
                 devices = self._prepare_claim(ref, log)
             except (ClaimError, PrepareError) as err:
-                # plan: allocation or opaque config not usable; claim / not_found: claim missing, replaced or
+                # plan: allocation or opaque config not usable; claim: claim missing, replaced or
                 # not allocated; unavailable / forbidden / api: the claim could not be read now;
                 # prepare_devices: a hardware, sharing or CDI step failed.
                 reason = err.reason if isinstance(err, ClaimError) else "prepare_devices"

@@ -278,8 +278,8 @@ class KubeletPlugin:
             # With a state file the simulated GPUs outlive the plugin, and so do their MPS daemons: real
             # processes of the simulated nvidia-cuda-mps-control, driven like the real one.
             program = write_simulated_mps_control(self.options.state_directory / "sim-tools")
-            mps = NvidiaSmiSharingControl(mps_control=str(program), env={MPS_STATE_ENV: str(state_file)},
-                                          proc_root=self.options.proc_root)
+            # The daemons are real processes of this machine: found in its own /proc, not the driver root's.
+            mps = NvidiaSmiSharingControl(mps_control=str(program), env={MPS_STATE_ENV: str(state_file)})
             return SimulatedSharingControl(nvml=self.nvml, mps=mps)
         try:
             return NvidiaSmiSharingControl.from_driver_root(driver_root, proc_root=self.options.proc_root)

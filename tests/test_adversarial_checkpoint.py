@@ -81,7 +81,7 @@ def _prepared_node(tmp_path: Path) -> tuple[Node, list]:
             node.add_claim("other-mig", [{"request": "r", "device": "gpu-0-mig-1g10gb-19-0"}])]
     for ref in refs:
         ok(node.driver, ref)
-    node.driver.checkpoint.compact()          # every record in the snapshot
+    node.driver.close()                       # the plugin stops: every record in the snapshot
     return node, refs
 
 

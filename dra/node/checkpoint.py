@@ -36,7 +36,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Callable, Iterable, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
@@ -281,44 +281,28 @@ class CheckpointStore:
             return None
         except OSError as err:
             return self._quarantine(self.journal_path, err, required=True)
-        lines = raw.split(b"\n")
-        torn = lines.pop() if lines else b""   # text after the last newline: an append cut short by a crash
-        if torn.strip():
-            log.warning("checkpoint journal %s ends in a partly written change (a crash during a write); the "
-                        "change never completed and is ignored", self.journal_path)
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                op = json.loads(line)
-                if not isinstance(op, dict):
-                    raise ValueError("not a JSON object")
-                if "schemaVersion" in op:
-                    version = op["schemaVersion"]
-                    if not isinstance(version, int):
-                        raise ValueError("schemaVersion is not an integer")
-                    self._refuse_newer(version, self.journal_path)
-                elif "remove" in op:
-                    if not isinstance(op["remove"], str):
-                        raise ValueError("remove needs a claim UID")
-                    records.pop(op["remove"], None)
-                    if op["remove"] in unreadable:
-                        unreadable.remove(op["remove"])
-                elif isinstance(op.get("put"), dict):
-                    uid = op["put"].get("uid")
-                    record = self._parse_record(op["put"], uid if isinstance(uid, str) else "?")
-                    if record is None:
-                        records.pop(str(uid), None)
-                        if str(uid) not in unreadable:
-                            unreadable.append(str(uid))
-                    else:
-                        records[record.uid] = record
-                        if record.uid in unreadable:
-                            unreadable.remove(record.uid)
+        try:
+            ops = list(journal_ops(raw, self.journal_path))
+        except ValueError as err:
+            return self._quarantine(self.journal_path, err, required=True)
+        for op in ops:
+            if "schemaVersion" in op:
+                self._refuse_newer(op["schemaVersion"], self.journal_path)
+            elif "remove" in op:
+                records.pop(op["remove"], None)
+                if op["remove"] in unreadable:
+                    unreadable.remove(op["remove"])
+            else:
+                uid = op["put"].get("uid")
+                record = self._parse_record(op["put"], uid if isinstance(uid, str) else "?")
+                if record is None:
+                    records.pop(str(uid), None)
+                    if str(uid) not in unreadable:
+                        unreadable.append(str(uid))
                 else:
-                    raise ValueError("neither put nor remove")
-            except (ValueError, UnicodeDecodeError) as err:
-                return self._quarantine(self.journal_path, ValueError(f"line {number}: {err}"), required=True)
+                    records[record.uid] = record
+                    if record.uid in unreadable:
+                        unreadable.remove(record.uid)
         return None
 
     def _parse_record(self, raw: Any, key: str) -> ClaimRecord | None:
@@ -357,7 +341,17 @@ class CheckpointStore:
         return target
 
     def _set_aside(self, path: Path, why: str) -> None:
-        if path.exists():
+        """Move a journal away whose snapshot was lost: its changes alone are not the state. One that holds no
+        change (a clean stop folds the journal in) is simply removed."""
+        try:
+            empty = all("schemaVersion" in op for op in journal_ops(path.read_bytes(), path))
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError):
+            empty = False
+        if empty:
+            path.unlink(missing_ok=True)
+        else:
             self._quarantine(path, ValueError(why), required=True)
 
     # ----- reads ---------------------------------------------------------------------------------------------
@@ -567,3 +561,59 @@ class CheckpointStore:
                     log.warning("checkpoint %s: could not fold the journal in at close (%s); the next start "
                                 "replays it", self.path, err)
                 self._close_journal()
+
+
+def journal_ops(raw: bytes, where: Path | str = "journal") -> Iterator[dict[str, Any]]:
+    """The changes of a journal, in order: ``{"schemaVersion": n}``, ``{"put": record}`` or ``{"remove": uid}``.
+    Text after the last newline is an append a crash cut short: it is skipped (with a warning). A line that
+    is not one of these raises ValueError naming it."""
+    lines = raw.split(b"\n")
+    torn = lines.pop() if lines else b""
+    if torn.strip():
+        log.warning("checkpoint journal %s ends in a partly written change (a crash during a write); the "
+                    "change never completed and is ignored", where)
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            op = json.loads(line)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise ValueError(f"line {number}: {err}") from None
+        if not isinstance(op, dict):
+            raise ValueError(f"line {number}: not a JSON object")
+        if "schemaVersion" in op and isinstance(op["schemaVersion"], int):
+            yield op
+        elif isinstance(op.get("remove"), str) or isinstance(op.get("put"), dict):
+            yield op
+        else:
+            raise ValueError(f"line {number}: neither put, remove nor a schema version")
+
+
+def read_checkpoint(path: Path | str) -> dict[str, dict[str, Any]]:
+    """The records on disk now, as raw camelCase dicts by claim UID: the snapshot with its journal replayed,
+    read without changing anything (for diagnostics and tests; a running plugin may write meanwhile, so a
+    snapshot replaced during the read is read again)."""
+    snapshot = Path(path)
+    journal = snapshot.with_name(snapshot.name + JOURNAL_SUFFIX)
+    for _ in range(5):
+        try:
+            before = snapshot.stat().st_ino
+            claims = dict(json.loads(snapshot.read_bytes()).get("claims") or {})
+        except FileNotFoundError:
+            before, claims = None, {}
+        try:
+            raw = journal.read_bytes()
+        except FileNotFoundError:
+            raw = b""
+        for op in journal_ops(raw, journal):
+            if "remove" in op:
+                claims.pop(op["remove"], None)
+            elif "put" in op:
+                claims[str(op["put"].get("uid"))] = op["put"]
+        try:
+            after = snapshot.stat().st_ino
+        except FileNotFoundError:
+            after = None
+        if before == after:
+            return claims
+    return claims

@@ -3,7 +3,9 @@ publishes and what the scheduler allocated from it, the container edits of a pre
 an unprepare left nothing behind."""
 from __future__ import annotations
 
-from typing import Any
+import time
+
+from typing import Any, Callable
 
 from kube.client import KubeApi
 from standin import ContainerEdits, PreparedPod, resolve_cdi
@@ -86,3 +88,14 @@ def assert_nothing_left(node: SimulatedNode, *, static_mig: bool = False) -> Non
     assert metrics["gpu_dra_dynamic_mig_devices"] == 0
     assert metrics['gpu_dra_devices{state="prepared"}'] == 0
     assert node.kubelet.claim_cache == {}
+
+
+def eventually(probe: Callable[[], Any], done: Callable[[Any], bool], timeout: float = 15.0) -> Any:
+    """The first value of ``probe()`` that ``done`` accepts (the plugin writes claim status after answering the
+    kubelet), else the last one once ``timeout`` passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if done(value) or time.monotonic() > deadline:
+            return value
+        time.sleep(0.1)

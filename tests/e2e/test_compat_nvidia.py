@@ -83,7 +83,7 @@ def test_nvidia_gpu_claim_with_time_slicing(kube, namespace, make_node):
     time_slice, = record["undo"]["timeSlices"]
     assert time_slice["interval"] == "Long", record      # timeSlicingConfig.interval, mapped and applied
     assert time_slice["gpuUuids"] == [devices["gpu-0"]["uuid"]]
-    assert record["undo"]["mpsDaemons"] == []
+    assert record["undo"]["mpsDevices"] == []
 
     finish(kube, node, namespace, pod)
 
@@ -109,11 +109,13 @@ def test_nvidia_mig_claim_with_mps(kube, namespace, make_node):
     record = only_claim(node)
     mig, = record["undo"]["migDevices"]                  # created for this claim (dynamic MIG)
     assert mig["device"] == dev.device_name
-    daemon, = record["undo"]["mpsDaemons"]
-    assert daemon["gpuUuids"] == [mig_uuid]              # the daemon serves the new MIG device
-    assert daemon["activeThreadPercentage"] == 50        # defaultActiveThreadPercentage
-    assert daemon["pinnedMemoryLimitMib"] == {mig_uuid: 4096}  # defaultPinnedDeviceMemoryLimit: 4Gi
-    assert {m["containerPath"]: m["hostPath"] for m in edits.mounts}["/tmp/nvidia-mps"] == daemon["pipeDir"]
+    use, = record["undo"]["mpsDevices"]
+    assert use["device"] == mig_uuid                     # the daemon serves the new MIG device
+    env = edits.env_map()
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"           # defaultActiveThreadPercentage
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4096M"       # defaultPinnedDeviceMemoryLimit: 4Gi
+    assert {m["containerPath"]: m["hostPath"] for m in edits.mounts}["/tmp/nvidia-mps"] == \
+        str(node.dirs.state / "mps" / mig_uuid / "pipe")
 
     finish(kube, node, namespace, pod)
 

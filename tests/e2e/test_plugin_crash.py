@@ -96,7 +96,7 @@ def test_crash_at_other_steps_recovers(kube, namespace, make_node, setup, exampl
     pod, = run_example(kube, node, namespace, example)
     record = crash_during_prepare(node, pod, step)
     if step == "mps-started":
-        assert record["undo"]["mpsDaemons"]        # recorded before the daemon started
+        assert record["undo"]["mpsDevices"]        # recorded before the daemon started
     node.restart_plugin()
     assert node.checkpoint_claims() == {} and node.mig_devices() == [] and node.cdi_spec_files() == []
     prepare_again_and_clean_up(kube, node, namespace, pod, claim)

@@ -23,7 +23,7 @@ import yaml
 
 from allocation_helpers import claim_with_pod, wait_unschedulable
 from kube.client import SLICES, ApiError, KubeApi, iter_json_lines
-from plugin_helpers import allocated_device, run_objects
+from plugin_helpers import allocated_device, eventually, run_objects
 from standin import resolve_cdi
 from standin.node import REPO, SimulatedNode
 from standin.workloads import (
@@ -406,7 +406,7 @@ def test_claim_status_reports_the_prepared_devices(kube, namespace, node_as_plug
             (ref,) = prepared.claims.values()
             claims.append(ref.name)
             (device,), = prepared.devices.values()
-            entries = our_entries(kube, namespace, ref.name, node.driver)
+            entries = eventually(lambda: our_entries(kube, namespace, ref.name, node.driver), bool)
             assert [(e["pool"], e["device"]) for e in entries] == [(node.name, device.device_name)], entries
             entry, = entries
             ready, = entry["conditions"]
@@ -430,8 +430,9 @@ def test_claim_status_reports_the_prepared_devices(kube, namespace, node_as_plug
         for pod in pods:
             node.kubelet.unprepare_pod(pod)
         for claim in claims:
-            assert our_entries(kube, namespace, claim, node.driver) == [], claim
-        metrics = node.metrics()
+            assert eventually(lambda: our_entries(kube, namespace, claim, node.driver), lambda e: e == []) == [], claim
+        metrics = eventually(node.metrics, lambda m: m.get(
+            'gpu_dra_claim_status_writes_total{operation="withdraw",result="ok"}') == 2)
         assert metrics['gpu_dra_claim_status_writes_total{operation="publish",result="ok"}'] == 2
         assert metrics['gpu_dra_claim_status_writes_total{operation="withdraw",result="ok"}'] == 2
         assert metrics.get('gpu_dra_claim_status_writes_total{operation="publish",result="error"}', 0) == 0
@@ -446,12 +447,16 @@ def test_claim_status_refused_by_rbac_does_not_fail_the_prepare(kube, namespace,
     node = node_as_plugin_account(drop_resources=("resourceclaims/driver",))
     pods = schedule_whole_and_mig(kube, namespace, node)
     try:
+        names = []
         for pod in pods:
             prepared = node.kubelet.prepare_pod(pod)
             (ref,) = prepared.claims.values()
+            names.append(ref.name)
             assert prepared.container_cdi_ids["cuda"], "the prepare must succeed without the status"
-            assert our_entries(kube, namespace, ref.name, node.driver) == []
-        metrics = node.metrics()
+        metrics = eventually(node.metrics, lambda m: m.get(
+            'gpu_dra_claim_status_writes_total{operation="publish",result="error"}') == 2)
+        for name in names:
+            assert our_entries(kube, namespace, name, node.driver) == []
         assert metrics['gpu_dra_claim_status_writes_total{operation="publish",result="error"}'] == 2
         assert metrics.get('gpu_dra_claim_status_writes_total{operation="publish",result="ok"}', 0) == 0
         assert metrics["gpu_dra_prepared_claims"] == 2

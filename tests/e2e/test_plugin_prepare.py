@@ -123,11 +123,11 @@ def test_mps_slot(kube, namespace, make_node):
     env = edits.env_map()
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps"
     mounts = {m["containerPath"]: m["hostPath"] for m in edits.mounts}
-    assert {"/tmp/nvidia-mps", "/var/log/nvidia-mps"} <= set(mounts)
+    assert {"/tmp/nvidia-mps", "/dev/shm"} <= set(mounts) and "/var/log/nvidia-mps" not in mounts
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"       # the slot's share, for this claim's clients
     record, = node.checkpoint_claims().values()
-    daemon, = record["undo"]["mpsDaemons"]
-    assert daemon["activeThreadPercentage"] == 25
-    assert mounts["/tmp/nvidia-mps"] == daemon["pipeDir"]
+    use, = record["undo"]["mpsDevices"]
+    assert mounts["/tmp/nvidia-mps"] == str(node.dirs.state / "mps" / use["device"] / "pipe")
 
     finish(kube, node, namespace, pod)
 

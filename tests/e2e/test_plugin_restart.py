@@ -48,7 +48,7 @@ def test_mps_slot_after_a_crash(kube, namespace, make_node):
     pod, = run_example(kube, node, namespace, "mps-slot")
     before = node.kubelet.prepare_pod(pod)
     record, = node.checkpoint_claims().values()
-    assert record["undo"]["mpsDaemons"]
+    assert record["undo"]["mpsDevices"]
 
     node.restart_plugin(crash=True)
     assert node.kubelet.prepared_pod(pod).container_cdi_ids == before.container_cdi_ids

@@ -223,6 +223,8 @@ class SimulatedNode:
     def stop(self) -> None:
         self.kubelet.stop()
         self.plugin.stop()
+        # MPS daemons outlive the plugin by design; a test that ends with claims prepared leaves them.
+        kill_mps_daemons_under(self.dirs.base)
         try:
             self.cluster.delete_node(self.name)
         except Exception:  # noqa: BLE001 - best effort at teardown
@@ -250,7 +252,10 @@ class SimulatedNode:
         return json.loads(files[0].read_text()) if files else {}
 
     def checkpoint_claims(self) -> dict[str, Any]:
-        return self.checkpoint().get("claims") or {}
+        """The plugin's prepared claims by UID, as raw records (snapshot with its journal replayed)."""
+        from dra.node.checkpoint import read_checkpoint
+
+        return read_checkpoint(self.dirs.state / "checkpoint.json")
 
     def hardware(self) -> Any:
         """The node's simulated GPUs as the plugin left them: a FakeNvml (initialised) over the plugin's
@@ -267,3 +272,24 @@ class SimulatedNode:
 
         nvml = self.hardware()
         return [m for uuid in nvml.gpu_uuids for m in hardware.list_mig_devices(nvml, uuid)]
+
+
+def kill_mps_daemons_under(root: Path) -> list[int]:
+    """SIGKILL every MPS control daemon whose pipe directory lies under ``root``; returns their pids."""
+    import signal
+
+    killed = []
+    prefix = f"CUDA_MPS_PIPE_DIRECTORY={root}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if not any(v.startswith(prefix) for v in (entry / "environ").read_bytes().split(b"\0")):
+                continue
+            if b"-d" not in (entry / "cmdline").read_bytes().split(b"\0"):
+                continue
+            os.kill(int(entry.name), signal.SIGKILL)
+            killed.append(int(entry.name))
+        except (OSError, ProcessLookupError):
+            continue
+    return killed
