@@ -78,8 +78,8 @@ def allocation_rows(claims: Sequence[PodClaim], slices: Iterable[Mapping[str, An
 
 TABLE_COLUMNS: tuple[tuple[str, str], ...] = (
     ("EXAMPLE", "example"), ("POD", "pod"), ("PHASE", "phase"), ("CLAIM", "claim"), ("REQUEST", "request"),
-    ("NODE", "node"), ("DEVICE", "device"), ("TYPE", "device_type"), ("PROFILE/SHARING", "detail"), ("MEMORY", "memory"),
-    ("PRODUCT", "product"),
+    ("NODE", "node"), ("DEVICE", "device"), ("TYPE", "device_type"), ("PROFILE/SHARING", "detail"),
+    ("MEMORY", "memory"), ("PRODUCT", "product"),
 )
 
 

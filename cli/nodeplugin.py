@@ -21,10 +21,9 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from cli.localcluster import free_port
-from cli.localnode import processes_mentioning
+from cli.localnode import LocalNode, processes_mentioning
 
 _REPO = Path(__file__).resolve().parents[1]
 _LOG_TAIL_LINES = 40
@@ -41,7 +40,7 @@ class LocalNodePlugin:
     `fleet` is a fleet file with a node named like `node`. `extra_args` are added to the command line (e.g.
     ``--compat-nvidia``, ``--health-quiet-period 0``). Every start gets a log file of its own."""
 
-    def __init__(self, node: Any, fleet: Path | str, driver: str, *, extra_args: Sequence[str] = (),
+    def __init__(self, node: LocalNode, fleet: Path | str, driver: str, *, extra_args: Sequence[str] = (),
                  log_level: str = "info", env: dict[str, str] | None = None) -> None:
         if node.workdir is None:
             raise NodePluginError("the node is not started")
@@ -101,8 +100,8 @@ class LocalNodePlugin:
 
     def start(self) -> "LocalNodePlugin":
         """Starts the process and returns at once (see `wait_registered`)."""
-        if self.alive:
-            raise NodePluginError(f"the plugin of {self.driver} already runs (pid {self.proc.pid})")  # type: ignore[union-attr]
+        if self.proc is not None and self.proc.poll() is None:
+            raise NodePluginError(f"the plugin of {self.driver} already runs (pid {self.proc.pid})")
         self.starts += 1
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.argv(), cwd=_REPO, stdout=log, stderr=subprocess.STDOUT,
