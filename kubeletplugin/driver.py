@@ -28,7 +28,9 @@ Test hook: ``GPU_DRA_FAULT=crash-after:<step>`` in the environment makes the pro
 137 (as if SIGKILLed) at that point of a prepare, so tests can prove recovery. Steps: ``checkpoint-started``
 (PrepareStarted written, nothing done), ``mig-created`` (a dynamic MIG device exists that the checkpoint does
 not know yet), ``timeslice-applied`` (a GPU's time-slice interval was changed; only the write-ahead record knows
-it), ``mps-started`` (an MPS daemon runs), ``cdi-written`` (the CDI spec exists, the claim is not yet
+it), ``mps-use-recorded`` (the claim's use of an MPS daemon is recorded, no daemon yet),
+``mps-compute-mode-set`` (the GPU is in EXCLUSIVE_PROCESS for a daemon not yet started; only the daemon's record
+on disk knows it), ``mps-started`` (an MPS daemon runs), ``cdi-written`` (the CDI spec exists, the claim is not yet
 PrepareCompleted). An unknown value stops the driver from starting. Never set it outside tests.
 """
 from __future__ import annotations
@@ -60,7 +62,8 @@ from kubeletplugin.recovery import StartupReport, recover_at_start
 from kubeletplugin.claims import PreparedDevice, PrepareResult, UnprepareResult
 
 FAULT_ENV = "GPU_DRA_FAULT"
-CRASH_STEPS = ("checkpoint-started", "mig-created", "timeslice-applied", "mps-started", "cdi-written")
+CRASH_STEPS = ("checkpoint-started", "mig-created", "timeslice-applied", "mps-use-recorded", "mps-compute-mode-set",
+               "mps-started", "cdi-written")
 
 
 def crash_step_from_env() -> str | None:

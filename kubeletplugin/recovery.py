@@ -24,6 +24,7 @@ MIG placement named by more than one claim (an admin-access claim watching it) i
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -201,9 +202,18 @@ def _live_placements(nvml: Any, gpus: Sequence[str]) -> dict[tuple[str, int, int
     return out
 
 
+def _daemon_device(base: Path) -> str | None:
+    """The device a daemon directory serves, from its record (the plugin's own file, never mounted)."""
+    try:
+        device = json.loads((base / "daemon.json").read_bytes())["device"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return device if isinstance(device, str) else None
+
+
 def _mps_uses(spec: Mapping[str, Any], mps_root: Path | None, devices: Mapping[str, Device],
               names: Sequence[str]) -> list[MpsUse]:
-    """The MPS daemons a claim's spec mounts (their pipe directories are ``<mps root>/<device>/pipe``)."""
+    """The MPS daemons a claim's spec mounts (their pipe directories are ``<mps root>/<daemon dir>/pipe``)."""
     if mps_root is None:
         return []
     named = [d for n in names if (d := devices.get(n)) is not None]
@@ -214,8 +224,9 @@ def _mps_uses(spec: Mapping[str, Any], mps_root: Path | None, devices: Mapping[s
         for mount in ((d.get("containerEdits") or {}).get("mounts") or []):
             host = Path(str(mount.get("hostPath", "")))
             if host.name == "pipe" and host.parent.parent == mps_root:
-                device = host.parent.name
-                uses[device] = MpsUse(device=device, gpu=gpus.get(device, fallback or device))
+                device = _daemon_device(host.parent)
+                if device is not None:
+                    uses[device] = MpsUse(device=device, gpu=gpus.get(device, fallback or device))
     return list(uses.values())
 
 

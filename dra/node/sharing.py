@@ -12,7 +12,7 @@ daemon itself carries no per-claim settings. A whole GPU is switched to EXCLUSIV
 (only the MPS server may hold it) and back to its previous mode after.
 
 Daemons live apart from the plugin: each is started in its own session by a helper program (and, with
-``cgroup_procs``, outside the plugin container's cgroup), and described on disk (``<root>/<device>/daemon.json``,
+``cgroup_procs``, outside the plugin container's cgroup), and described on disk (``<root>/<hash of the device UUID>/daemon.json``,
 written before anything is changed), so a plugin restart or upgrade leaves them and their clients running and
 the next plugin process takes them over. Which claims use a daemon is in the checkpoint; the daemon goes when
 its last claim does.
@@ -23,6 +23,7 @@ or parsed by this module; they are removed with a symlink-safe ``rmtree``.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -30,7 +31,7 @@ import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from dra.node.atomicfile import remove_file, write_atomic
 from dra.node.checkpoint import TimeSliceUndo
@@ -186,9 +187,11 @@ class MpsDaemons:
         self.restarts: dict[str, int] = {}
 
     def paths(self, device: str) -> MpsPaths:
+        """A short directory name per device: the control socket's path must fit a Unix socket address
+        (108 bytes), which a state directory plus a 40-character UUID would not leave room for."""
         if not device or "/" in device or device in (".", ".."):
             raise SharingError(f"MPS: {device!r} is not a device UUID")
-        return MpsPaths(self.root / device)
+        return MpsPaths(self.root / hashlib.sha256(device.encode()).hexdigest()[:12])
 
     def records(self) -> dict[str, MpsDaemonRecord]:
         """Every daemon described on disk (running or not), by device."""
@@ -198,25 +201,31 @@ class MpsDaemons:
         except FileNotFoundError:
             return out
         for entry in entries:
-            record = self._read(entry.name)
+            record = self._read_at(MpsPaths(entry))
             if record is not None:
                 out[record.device] = record
         return out
 
     def _read(self, device: str) -> MpsDaemonRecord | None:
+        return self._read_at(self.paths(device))
+
+    @staticmethod
+    def _read_at(paths: MpsPaths) -> MpsDaemonRecord | None:
         try:
-            doc = json.loads(self.paths(device).record.read_bytes())
+            doc = json.loads(paths.record.read_bytes())
             return MpsDaemonRecord(device=str(doc["device"]), gpu=str(doc["gpu"]),
                                    compute_mode_set=bool(doc["computeModeSet"]))
-        except (OSError, ValueError, KeyError, TypeError, SharingError):
+        except (OSError, ValueError, KeyError, TypeError):
             return None
 
     def running(self, device: str) -> bool:
         return self.control.mps_daemon_running(self.paths(device).pipe_dir)
 
-    def ensure(self, device: str, gpu: str, whole_gpu: bool) -> MpsPaths:
+    def ensure(self, device: str, gpu: str, whole_gpu: bool,
+               step: Callable[[str], None] = lambda _: None) -> MpsPaths:
         """The daemon serving ``device``, started if it is not running (``whole_gpu``: switch the GPU to
-        EXCLUSIVE_PROCESS while it runs). On failure what this call changed is undone."""
+        EXCLUSIVE_PROCESS while it runs). On failure what this call changed is undone. ``step`` is called after
+        each change (the driver's crash hook for tests)."""
         paths = self.paths(device)
         with self._lock:
             if self.running(device):
@@ -231,6 +240,7 @@ class MpsDaemons:
                 os.chmod(paths.log_dir, 0o700)
                 if record.compute_mode_set:
                     self.control.set_compute_mode(gpu, "EXCLUSIVE_PROCESS")
+                    step("mps-compute-mode-set")
                 self.control.start_mps_daemon(self._spec(record))
             except (SharingError, OSError) as err:
                 self._teardown(record, strict=False)

@@ -83,6 +83,11 @@ def assert_nothing_left(node: SimulatedNode, *, static_mig: bool = False) -> Non
     assert node.checkpoint_claims() == {}, "claims left in the plugin's checkpoint"
     if not static_mig:
         assert node.mig_devices() == [], "MIG devices left on the GPUs"
+    assert node.mps_daemons() == {}, "MPS daemons left running"
+    assert not any((node.dirs.state / "mps").glob("*")), "MPS daemon directories left behind"
+    hardware = node.hardware()
+    modes = {u: hardware.nvmlDeviceGetComputeMode(hardware.nvmlDeviceGetHandleByUUID(u)) for u in hardware.gpu_uuids}
+    assert set(modes.values()) <= {hardware.NVML_COMPUTEMODE_DEFAULT}, f"compute modes not restored: {modes}"
     metrics = node.metrics()
     assert metrics["gpu_dra_prepared_claims"] == 0
     assert metrics["gpu_dra_dynamic_mig_devices"] == 0

@@ -9,6 +9,7 @@ what was done to the simulated GPUs. Pods never run: there is no kubelet.
 """
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +116,7 @@ def test_nvidia_mig_claim_with_mps(kube, namespace, make_node):
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"           # defaultActiveThreadPercentage
     assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4096M"       # defaultPinnedDeviceMemoryLimit: 4Gi
     assert {m["containerPath"]: m["hostPath"] for m in edits.mounts}["/tmp/nvidia-mps"] == \
-        str(node.dirs.state / "mps" / mig_uuid / "pipe")
+        str(node.dirs.state / "mps" / hashlib.sha256(mig_uuid.encode()).hexdigest()[:12] / "pipe")
 
     finish(kube, node, namespace, pod)
 

@@ -89,13 +89,15 @@ def test_crash_after_cdi_written_is_rolled_back_and_prepared_again(kube, namespa
 
 @pytest.mark.parametrize("setup, example, claim, step", [
     (DYNAMIC_MIG, "mig-partition", "mig", "checkpoint-started"),
+    (MPS_SLOTS, "mps-slot", "slot", "mps-use-recorded"),
+    (MPS_SLOTS, "mps-slot", "slot", "mps-compute-mode-set"),
     (MPS_SLOTS, "mps-slot", "slot", "mps-started"),
-], ids=["checkpoint-started", "mps-started"])
+], ids=["checkpoint-started", "mps-use-recorded", "mps-compute-mode-set", "mps-started"])
 def test_crash_at_other_steps_recovers(kube, namespace, make_node, setup, example, claim, step):
     node = make_node(*setup)
     pod, = run_example(kube, node, namespace, example)
     record = crash_during_prepare(node, pod, step)
-    if step == "mps-started":
+    if step.startswith("mps-"):
         assert record["undo"]["mpsDevices"]        # recorded before the daemon started
     node.restart_plugin()
     assert node.checkpoint_claims() == {} and node.mig_devices() == [] and node.cdi_spec_files() == []

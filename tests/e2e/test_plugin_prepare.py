@@ -7,6 +7,8 @@ Pods never run (there is no kubelet): scheduling + allocation + prepare is the p
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -127,7 +129,8 @@ def test_mps_slot(kube, namespace, make_node):
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"       # the slot's share, for this claim's clients
     record, = node.checkpoint_claims().values()
     use, = record["undo"]["mpsDevices"]
-    assert mounts["/tmp/nvidia-mps"] == str(node.dirs.state / "mps" / use["device"] / "pipe")
+    daemon_dir = Path(mounts["/tmp/nvidia-mps"]).parent
+    assert json.loads((daemon_dir / "daemon.json").read_text())["device"] == use["device"]
 
     finish(kube, node, namespace, pod)
 

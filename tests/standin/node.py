@@ -257,6 +257,10 @@ class SimulatedNode:
 
         return read_checkpoint(self.dirs.state / "checkpoint.json")
 
+    def mps_daemons(self) -> dict[int, str]:
+        """The node's running MPS control daemons (real processes of the simulated tool): pid -> pipe dir."""
+        return mps_daemons_under(self.dirs.base)
+
     def hardware(self) -> Any:
         """The node's simulated GPUs as the plugin left them: a FakeNvml (initialised) over the plugin's
         --sim-state file, so it sees (and may make) the same MIG devices, modes and lost GPUs."""
@@ -274,22 +278,29 @@ class SimulatedNode:
         return [m for uuid in nvml.gpu_uuids for m in hardware.list_mig_devices(nvml, uuid)]
 
 
-def kill_mps_daemons_under(root: Path) -> list[int]:
-    """SIGKILL every MPS control daemon whose pipe directory lies under ``root``; returns their pids."""
-    import signal
-
-    killed = []
+def mps_daemons_under(root: Path) -> dict[int, str]:
+    """Running MPS control daemons whose pipe directory lies under ``root``: pid -> pipe directory."""
+    found: dict[int, str] = {}
     prefix = f"CUDA_MPS_PIPE_DIRECTORY={root}".encode()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            if not any(v.startswith(prefix) for v in (entry / "environ").read_bytes().split(b"\0")):
-                continue
-            if b"-d" not in (entry / "cmdline").read_bytes().split(b"\0"):
-                continue
-            os.kill(int(entry.name), signal.SIGKILL)
-            killed.append(int(entry.name))
-        except (OSError, ProcessLookupError):
+            pipe = next((v for v in (entry / "environ").read_bytes().split(b"\0") if v.startswith(prefix)), None)
+            if pipe is not None and b"-d" in (entry / "cmdline").read_bytes().split(b"\0"):
+                found[int(entry.name)] = pipe.split(b"=", 1)[1].decode()
+        except OSError:
             continue
+    return found
+
+
+def kill_mps_daemons_under(root: Path) -> list[int]:
+    """SIGKILL every MPS control daemon whose pipe directory lies under ``root``; returns their pids."""
+    killed = []
+    for pid in mps_daemons_under(root):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except ProcessLookupError:
+            pass
     return killed

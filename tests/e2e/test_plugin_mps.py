@@ -1,0 +1,88 @@
+"""MPS end to end on the real control plane with a simulated node: the plugin process drives real daemon
+processes (the simulated ``nvidia-cuda-mps-control``) through the same code as on real GPUs. Four MPS slot
+claims of one GPU share one daemon, each claim's clients get their own limits, the daemon outlives a killed
+plugin untouched, and the last unprepare stops it and gives the GPU its compute mode back."""
+from __future__ import annotations
+
+from typing import Any
+
+from kube.client import KubeApi
+from plugin_helpers import assert_nothing_left, container_edits, run_objects
+from standin.node import SimulatedNode, kill_mps_daemons_under
+from standin.workloads import for_driver
+
+H100 = {"model": "H100-80GB", "count": 1}
+SLOTS = {"default": {"wholeGpu": False, "slots": {"count": 4, "strategy": "mps"}}}
+
+
+def slot_pod(name: str, threads: int, memory: str) -> list[dict[str, Any]]:
+    """A pod and its claim for one MPS slot, with its own limits."""
+    claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
+             "spec": {"devices": {
+                 "requests": [{"name": "slot", "exactly": {"deviceClassName": "slot.gpu.dra-driver.io"}}],
+                 "config": [{"requests": ["slot"], "opaque": {"driver": "gpu.dra-driver.io", "parameters": {
+                     "apiVersion": "gpu.dra-driver.io/v1alpha1", "kind": "GpuConfig",
+                     "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": threads,
+                                                            "pinnedMemoryLimit": memory}}}}}]}}}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+           "spec": {"restartPolicy": "Never",
+                    "containers": [{"name": "cuda", "image": "cuda", "resources": {"claims": [{"name": "slot"}]}}],
+                    "resourceClaims": [{"name": "slot", "resourceClaimName": name}]}}
+    return [claim, pod]
+
+
+def compute_mode(node: SimulatedNode) -> int:
+    hw = node.hardware()
+    return hw.nvmlDeviceGetComputeMode(hw.nvmlDeviceGetHandleByUUID(hw.gpu_uuids[0]))
+
+
+def test_mps_slots_share_one_daemon_that_outlives_the_plugin(kube: KubeApi, namespace: str, make_node: Any) -> None:
+    node = make_node([H100], SLOTS)
+    limits = {"a": (10, "8Gi"), "b": (20, "16Gi"), "c": (30, "4Gi"), "d": (40, "1Gi")}
+    pods = {}
+    for name, (threads, memory) in limits.items():
+        pod, = run_objects(kube, node, namespace,
+                           [for_driver(o, node.driver) for o in slot_pod(f"mps-{name}", threads, memory)])
+        pods[name] = pod
+    envs = {}
+    for name, pod in pods.items():
+        env = container_edits(node, node.kubelet.prepare_pod(pod)).env_map()
+        envs[name] = (env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"])
+        assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps"
+    # Each claim's clients carry their own limits; one daemon serves all four.
+    assert envs == {"a": ("10", "0=8192M"), "b": ("20", "0=16384M"), "c": ("30", "0=4096M"), "d": ("40", "0=1024M")}
+    daemons = node.mps_daemons()
+    assert len(daemons) == 1, daemons
+    (pid, pipe), = daemons.items()
+    hw = node.hardware()
+    assert compute_mode(node) == hw.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
+
+    node.restart_plugin(crash=True)                               # SIGKILL: no chance to clean up
+    assert node.mps_daemons() == {pid: pipe}                      # the same process, untouched
+    for name, pod in pods.items():                                # the kubelet asks again after the restart
+        env = container_edits(node, node.kubelet.prepare_pod(pod)).env_map()
+        assert (env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]) == envs[name]
+    assert node.mps_daemons() == {pid: pipe}
+
+    for name in ("a", "b", "c"):
+        node.kubelet.unprepare_pod(pods[name])
+        assert node.mps_daemons() == {pid: pipe}                  # still serving the last claim
+    node.kubelet.unprepare_pod(pods["d"])
+    assert node.mps_daemons() == {}
+    assert compute_mode(node) == hw.NVML_COMPUTEMODE_DEFAULT
+    assert_nothing_left(node)
+
+
+def test_a_daemon_that_died_with_its_claims_prepared_is_started_again(kube: KubeApi, namespace: str,
+                                                                      make_node: Any) -> None:
+    node = make_node([H100], SLOTS)
+    pod, = run_objects(kube, node, namespace, [for_driver(o, node.driver) for o in slot_pod("mps-one", 50, "2Gi")])
+    node.kubelet.prepare_pod(pod)
+    (pid, _), = node.mps_daemons().items()
+    node.plugin.stop()
+    kill_mps_daemons_under(node.dirs.base)                        # the node lost the daemon meanwhile
+    node.restart_plugin()
+    daemons = node.mps_daemons()
+    assert len(daemons) == 1 and pid not in daemons               # a new daemon for the prepared claim
+    node.kubelet.unprepare_pod(pod)
+    assert_nothing_left(node)
