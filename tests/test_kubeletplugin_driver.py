@@ -540,7 +540,8 @@ def test_dead_mps_daemon_is_restarted(dynamic):
     ok(dynamic.driver, ref)
     [(pipe, daemon)] = [(k, d) for k, d in dynamic.control.daemons.items() if d.alive]
     dynamic.control.kill_mps_daemon(pipe)
-    assert dynamic.driver.supervise_mps() == [Path(pipe).parent.name]
+    assert dynamic.driver.supervise_mps() == [dynamic.uuids[0]]
+    assert dynamic.driver.mps.paths(dynamic.uuids[0]).pipe_dir == pipe
     again = dynamic.control.daemons[pipe]
     assert again.alive and again is not daemon and again.spec == daemon.spec
 
