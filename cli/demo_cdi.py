@@ -1,9 +1,11 @@
 """The node side of the demo: `gpu-dra kubelet-plugin` for a simulated node, asked over its DRA socket to
 prepare one allocated claim, as the kubelet would; the CDI spec it writes is what a container runtime reads.
+The demo uses it when there is no real node (`cli.demo_node`), whose kubelet would do this itself.
 
 Each plugin runs as a subprocess with its own temporary directories (registry, plugin socket, CDI root,
-state, an empty driver root). It publishes its node's ResourceSlices itself from the same fleet file, so
-the demo's fleet-wide publisher must not be running for that node at the same time.
+state, an empty driver root). It publishes no ResourceSlices: a plugin publishes only once a kubelet has
+confirmed its registration, and none watches this registry directory; the demo's fleet-wide publisher keeps
+the node's slices.
 """
 from __future__ import annotations
 

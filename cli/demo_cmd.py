@@ -419,8 +419,8 @@ def prepare_one_claim(ctx: DemoContext, claims: list[Any]) -> Any:
     """The node side: if this build has the kubelet plugin, run it for the node of one allocated claim,
     prepare that claim over the DRA socket and return the CDI spec it wrote (None when there is no plugin).
 
-    The fleet-wide publisher has finished by now (it ran once, then once more as a restart), so the plugin
-    takes over its node's pool alone; it publishes the same slices from the same fleet file."""
+    The node's slices stay those of the fleet-wide publisher: with no kubelet to confirm its registration,
+    the plugin publishes nothing."""
     from cli.demo_cdi import NodePlugin, NodePluginError, node_plugin_available, pick_claim
     from cli.demo_report import device_index
 
