@@ -14,6 +14,7 @@ BENCHMARKS: dict[str, str] = {
     "validate": "bench.validation",
     "mig": "bench.migcycle",
     "prepare": "bench.prepare",
+    "plugin": "bench.plugin_api",
     "reconcile": "bench.reconcile",
 }
 

@@ -19,6 +19,9 @@ class Params:
     reconcile_nodes: int
     reconcile_rounds: int     # first sync + resync + restart on a fresh in-memory API, each round
     fleet_file: str | None = None   # benchmark this fleet file instead of the generated fleet
+    api_rounds: int = 60            # plugin over gRPC: prepare+unprepare rounds (each beside its floor)
+    api_parallel: int = 32          # plugin over gRPC: callers at once on independent claims
+    api_startups: int = 5           # plugin starts timed to GetInfo
 
     def with_fleet(self, path: str | None) -> "Params":
         return replace(self, fleet_file=path)
@@ -29,7 +32,8 @@ FULL = Params(repeats=15, fleet_nodes=100, fleet_repeats=5, fleet_memory_nodes=N
               nvml_latency_s=0.010, reconcile_nodes=100, reconcile_rounds=3)
 QUICK = Params(repeats=5, fleet_nodes=100, fleet_repeats=2, fleet_memory_nodes=10,
                mig_cycles=300, mig_batches=3, claim_repeats=5, parallel_claims=32, parallel_rounds=1,
-               nvml_latency_s=0.010, reconcile_nodes=100, reconcile_rounds=1)
+               nvml_latency_s=0.010, reconcile_nodes=100, reconcile_rounds=1, api_rounds=20, api_startups=2)
 TINY = Params(repeats=1, fleet_nodes=3, fleet_repeats=1, fleet_memory_nodes=None,
               mig_cycles=4, mig_batches=1, claim_repeats=1, parallel_claims=8, parallel_rounds=1,
-              nvml_latency_s=0.001, reconcile_nodes=3, reconcile_rounds=1)
+              nvml_latency_s=0.001, reconcile_nodes=3, reconcile_rounds=1, api_rounds=3, api_parallel=4,
+              api_startups=1)

@@ -21,8 +21,9 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 from dra.model.devices import KIND_MIG
 from kubeletplugin.claims import ClaimRef
@@ -159,12 +160,15 @@ class ClaimStatusReporter:
     status the API server never takes is logged and counted, never an error of the prepare or unprepare.
 
     Writes of one claim happen in the order asked, and a newer request replaces one still waiting (an
-    unprepare right after a prepare sends only the withdrawal). ``writer`` None: nothing is reported."""
+    unprepare right after a prepare sends only the withdrawal). Writes wait while kubelet calls are in flight
+    (``busy``) and for ``quiet_s`` after, so they never compete with a prepare for the API server; a write
+    waits at most ``max_delay_s`` for that. ``writer`` None: nothing is reported."""
 
     RETRY_DELAYS = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 
     def __init__(self, writer: ClaimStatusWriter | None, pool_name: str, devices: Callable[[], Mapping[str, Any]],
-                 metrics: Any = None, *, workers: int = 4, retry_delays: Sequence[float] = RETRY_DELAYS) -> None:
+                 metrics: Any = None, *, workers: int = 4, retry_delays: Sequence[float] = RETRY_DELAYS,
+                 quiet_s: float = 0.05, max_delay_s: float = 5.0) -> None:
         self.writer = writer
         self.pool_name = pool_name
         self._devices = devices
@@ -177,6 +181,9 @@ class ClaimStatusReporter:
         self._inflight: set[str] = set()
         self._threads: list[threading.Thread] = []
         self._stopping = False
+        self.quiet_s, self.max_delay_s = quiet_s, max_delay_s
+        self._calls = 0                        # kubelet calls in flight
+        self._last_call = 0.0                  # when the last one ended (monotonic)
 
     def publish(self, ref: ClaimRef, record: Any, log: Any) -> None:
         """Report a completed claim's devices (``record``: its checkpoint ``ClaimRecord``), once per process."""
@@ -193,6 +200,25 @@ class ClaimStatusReporter:
             self._published.discard(ref.uid)
         if self.writer is not None:
             self._queue(_StatusWrite("withdraw", ref, (), 0.0, log))
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        """Around a kubelet call: status writes hold back meanwhile."""
+        with self._cv:
+            self._calls += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._calls -= 1
+                self._last_call = time.monotonic()
+                self._cv.notify_all()
+
+    def _quiet_in(self, now: float) -> float:
+        """Seconds until no call has been in flight for ``quiet_s`` (0: quiet now)."""
+        if self._calls:
+            return self.quiet_s
+        return max(0.0, self._last_call + self.quiet_s - now)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued write is done or given up. Returns False on timeout."""
@@ -230,14 +256,17 @@ class ClaimStatusReporter:
                 if self._stopping:
                     return None
                 now = time.monotonic()
-                due = [w for uid, w in self._pending.items() if uid not in self._inflight and w.not_before <= now]
+                quiet_in = self._quiet_in(now)
+                due = [w for uid, w in self._pending.items() if uid not in self._inflight and w.not_before <= now
+                       and (quiet_in == 0 or now - w.queued >= self.max_delay_s)]
                 if due:
                     write = min(due, key=lambda w: w.not_before)
                     del self._pending[write.ref.uid]
                     self._inflight.add(write.ref.uid)
                     return write
-                waits = [w.not_before - now for uid, w in self._pending.items() if uid not in self._inflight]
-                self._cv.wait(min(waits) if waits else 1.0)
+                waits = [max(w.not_before - now, min(quiet_in, w.queued + self.max_delay_s - now))
+                         for uid, w in self._pending.items() if uid not in self._inflight]
+                self._cv.wait(max(0.001, min(waits)) if waits else 1.0)
 
     def _run(self) -> None:
         while (write := self._next()) is not None:
@@ -302,3 +331,4 @@ class _StatusWrite:
     log: Any
     attempt: int = 0
     not_before: float = 0.0
+    queued: float = field(default_factory=time.monotonic)

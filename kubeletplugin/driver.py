@@ -208,9 +208,12 @@ class Driver:
                                     f"its {self.call_budget_s:.0f} s budget; the kubelet retries it")
             return work(ref)
 
-        with self._serialized():
-            futures = {c.uid: self._pool.submit(bounded, c) for c in claims}
-            results = {uid: f.result() for uid, f in futures.items()}
+        with self._serialized(), self.reporter.busy():
+            if len(claims) == 1:     # the common call: no hand-over to a pool thread and back
+                results = {claims[0].uid: bounded(claims[0])}
+            else:
+                futures = {c.uid: self._pool.submit(bounded, c) for c in claims}
+                results = {uid: f.result() for uid, f in futures.items()}
         self._changed()
         return results
 

@@ -1,8 +1,11 @@
 """Crash-safe file replacement.
 
 Container runtimes read CDI specs and the plugin re-reads its checkpoint after a crash, so neither may ever
-see a half-written file: write a temporary file in the same directory, fsync it, rename it over the target
-(atomic on POSIX within one file system) and fsync the directory so the rename itself survives a power cut.
+see a half-written file: write a temporary file in the same directory, rename it over the target (atomic on
+POSIX within one file system). ``durable=True`` also fsyncs the file and the directory, so the new content
+survives a power cut; files whose content a reboot makes meaningless anyway (CDI specs under /var/run, which
+name devices that exist only until the reboot) skip that: a crash of the process alone never loses what
+``write()`` handed to the kernel.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ def temp_prefix(target: Path) -> str:
     return f".{target.name}."
 
 
-def write_atomic(path: Path | str, data: bytes, mode: int = 0o644) -> None:
+def write_atomic(path: Path | str, data: bytes, mode: int = 0o644, durable: bool = True) -> None:
     """Replace ``path`` with ``data`` so that readers see either the old or the new content, never a mix."""
     target = Path(path)
     directory = target.parent
@@ -30,7 +33,8 @@ def write_atomic(path: Path | str, data: bytes, mode: int = 0o644) -> None:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
-            os.fsync(handle.fileno())
+            if durable:
+                os.fsync(handle.fileno())
         os.chmod(tmp_name, mode)
         os.replace(tmp_name, target)
     except BaseException:
@@ -39,7 +43,8 @@ def write_atomic(path: Path | str, data: bytes, mode: int = 0o644) -> None:
         except FileNotFoundError:
             pass
         raise
-    fsync_dir(directory)
+    if durable:
+        fsync_dir(directory)
 
 
 def fsync_dir(directory: Path) -> None:
@@ -56,14 +61,16 @@ def fsync_dir(directory: Path) -> None:
         os.close(dir_fd)
 
 
-def remove_file(path: Path | str) -> bool:
-    """Delete ``path`` durably; a file that is already gone is fine. Returns whether a file was removed."""
+def remove_file(path: Path | str, durable: bool = True) -> bool:
+    """Delete ``path`` (durably: the removal survives a power cut); a file that is already gone is fine.
+    Returns whether a file was removed."""
     target = Path(path)
     try:
         target.unlink()
     except FileNotFoundError:
         return False
-    fsync_dir(target.parent)
+    if durable:
+        fsync_dir(target.parent)
     return True
 
 

@@ -467,14 +467,17 @@ class CdiSpecWriter:
             data = json.dumps(spec, separators=(",", ":")).encode() + b"\n"
         else:
             data = yaml.safe_dump(spec, sort_keys=False, default_flow_style=False).encode()
-        write_atomic(self.spec_path(claim_uid), data)
+        # Not fsync'd: a spec names devices that exist only until the next reboot, and a reboot drops every
+        # prepared claim anyway (the checkpoint's boot ID); the rename alone keeps it whole for readers.
+        write_atomic(self.spec_path(claim_uid), data, durable=False)
         return ids
 
     def delete_claim_spec(self, claim_uid: str) -> bool:
         """Remove the claim's spec (either format). A missing file is fine; returns whether one was removed."""
         removed = False
-        for fmt in ("yaml", "json"):
-            removed |= remove_file(self.spec_dir / spec_file_name(self.vendor, self.cdi_class, claim_uid, fmt))
+        for fmt in ("json", "yaml"):
+            removed |= remove_file(self.spec_dir / spec_file_name(self.vendor, self.cdi_class, claim_uid, fmt),
+                                   durable=False)
         return removed
 
     def list_claim_specs(self) -> dict[str, Path]:

@@ -1,0 +1,252 @@
+"""Benchmark ``plugin``: the ``gpu-dra kubelet-plugin`` process as the kubelet sees it, against floors measured
+in the same run on the same machine and API server.
+
+A local control plane (LocalCluster) holds allocated ResourceClaims; the plugin runs as its own process with a
+simulated node (32 whole L4 GPUs, so 32 claims are independent); one client calls NodePrepareResources and
+NodeUnprepareResources over the plugin's DRA socket as the kubelet does, one claim per call.
+
+Floors, what no prepare or unprepare can avoid, done by a bare client with the same tools:
+
+* prepare: one GET of the claim from the same API server, one fsync'd atomic write of a CDI-sized file, one
+  fsync'd write of a checkpoint-record-sized file;
+* unprepare: the unlink of that CDI file (made durable) plus one checkpoint-record-sized fsync'd write.
+
+Floor and plugin calls are interleaved round by round, so machine noise hits both alike; figures are medians
+and ratios. Also: 32 callers on independent claims against the serial prepare rate of the plugin itself, and
+the time from the plugin's start to its registration socket answering GetInfo.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid as uuidlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import yaml
+
+from api.generated.dra.v1 import api_pb2 as dra_pb
+from api.generated.dra.v1 import api_pb2_grpc as dra_grpc
+from api.generated.pluginregistration.v1 import api_pb2 as reg_pb
+from api.generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from bench.core import Figure
+from bench.params import Params
+from cli.localcluster import LocalCluster
+from dra.node.atomicfile import remove_file, write_atomic
+from kube.client import RESOURCE_V1, KubeApi
+
+NAME = "plugin"
+DESCRIPTION = "gpu-dra kubelet-plugin over its DRA socket on a real API server: prepare/unprepare against floors"
+
+DRIVER = "gpu.dra-driver.io"
+NODE = "bench-node"
+GPUS = 32
+NAMESPACE = "bench"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+class _Plugin:
+    def __init__(self, work: Path, kubeconfig: Path) -> None:
+        self.work = work
+        fleet = {"nodes": [{"name": NODE, "gpus": [{"model": "L4", "count": GPUS}]}]}
+        (work / "fleet.yaml").write_text(yaml.safe_dump(fleet))
+        self.registry, self.plugins = work / "registry", work / "plugins"
+        self.cdi, self.state = work / "cdi", work / "state"
+        for d in (self.registry, self.plugins, self.cdi, self.state):
+            d.mkdir(parents=True, exist_ok=True)
+        self.argv = [sys.executable, "-m", "cli.main", "kubelet-plugin", "--node-name", NODE, "--driver-name", DRIVER,
+                     "--kubeconfig", str(kubeconfig), "--registry-dir", str(self.registry), "--plugin-dir",
+                     str(self.plugins), "--cdi-root", str(self.cdi), "--state-dir", str(self.state), "--fleet",
+                     str(work / "fleet.yaml"), "--log-level", "warning", "--log-format", "json"]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> float:
+        """Start the process; returns the seconds until its registration socket answered GetInfo."""
+        started = time.monotonic()
+        self.proc = subprocess.Popen(self.argv, cwd=REPO, stdout=open(self.work / "plugin.log", "ab"),
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        reg = self.registry / f"{DRIVER}-reg.sock"
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"plugin exited with {self.proc.returncode}: "
+                                   f"{(self.work / 'plugin.log').read_text()[-2000:]}")
+            if reg.exists():
+                try:
+                    with grpc.insecure_channel(f"unix:{reg}") as ch:
+                        reg_grpc.RegistrationStub(ch).GetInfo(reg_pb.InfoRequest(), timeout=1)
+                    return time.monotonic() - started
+                except grpc.RpcError:
+                    pass
+            if time.monotonic() - started > 120:
+                raise RuntimeError("plugin registration socket did not answer in 120 s")
+            time.sleep(0.002)
+
+    def dra(self) -> Any:
+        sock = self.plugins / "dra.sock"
+        deadline = time.monotonic() + 120
+        while not sock.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError("plugin DRA socket did not appear")
+            time.sleep(0.05)
+        return dra_grpc.DRAPluginStub(grpc.insecure_channel(f"unix:{sock}"))
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU the plugin process has used so far."""
+        assert self.proc is not None
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def _claims(kube: KubeApi, count: int) -> list[tuple[str, str]]:
+    """``count`` allocated claims, claim i holding gpu-(i % GPUS); returns (name, uid)."""
+    out = []
+    for i in range(count):
+        name = f"c{i}"
+        claim = kube.create(f"{RESOURCE_V1}/namespaces/{NAMESPACE}/resourceclaims", {
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.example.com"}}]}}})
+        claim["status"] = {"allocation": {"devices": {"results": [
+            {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": f"gpu-{i % GPUS}"}]},
+            "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+                {"key": "metadata.name", "operator": "In", "values": [NODE]}]}]}}}
+        kube.request("PUT", f"{RESOURCE_V1}/namespaces/{NAMESPACE}/resourceclaims/{name}/status", body=claim)
+        out.append((name, claim["metadata"]["uid"]))
+    return out
+
+
+def _call(stub: Any, method: str, claims: list[tuple[str, str]]) -> float:
+    request = (dra_pb.NodePrepareResourcesRequest if method == "prepare" else dra_pb.NodeUnprepareResourcesRequest)(
+        claims=[dra_pb.Claim(namespace=NAMESPACE, name=n, uid=u) for n, u in claims])
+    started = time.perf_counter()
+    reply = (stub.NodePrepareResources if method == "prepare" else stub.NodeUnprepareResources)(request, timeout=45)
+    took = time.perf_counter() - started
+    errors = [c.error for c in reply.claims.values() if c.error]
+    if errors:
+        raise RuntimeError(f"{method}: {errors[0]}")
+    return took
+
+
+class _Floor:
+    """What a prepare and an unprepare cannot avoid, done by a bare client."""
+
+    def __init__(self, kube: KubeApi, work: Path, cdi_bytes: int, record_bytes: int) -> None:
+        self.kube, self.dir = kube, work / "floor"
+        self.dir.mkdir()
+        self.cdi = b"x" * cdi_bytes
+        self.record = b"y" * record_bytes
+        self.journal = os.open(self.dir / "journal", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    def _record(self) -> None:
+        os.write(self.journal, self.record)
+        os.fsync(self.journal)
+
+    def prepare(self, name: str) -> float:
+        started = time.perf_counter()
+        self.kube.get(f"{RESOURCE_V1}/namespaces/{NAMESPACE}/resourceclaims/{name}")
+        write_atomic(self.dir / f"{name}.json", self.cdi)
+        self._record()
+        return time.perf_counter() - started
+
+    def unprepare(self, name: str) -> float:
+        started = time.perf_counter()
+        remove_file(self.dir / f"{name}.json")
+        self._record()
+        return time.perf_counter() - started
+
+
+def run(params: Params) -> list[Figure]:
+    rounds = max(3, params.api_rounds)
+    work = Path(tempfile.mkdtemp(prefix="bench-plugin-"))
+    cluster = LocalCluster(workdir=work / "cluster")
+    plugin: _Plugin | None = None
+    try:
+        cluster.start()
+        cluster.add_node(NODE)
+        kube = KubeApi(cluster.api_client())
+        kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
+        claims = _claims(kube, max(GPUS, params.api_parallel))
+        plugin = _Plugin(work, cluster.kubeconfig)
+        startup = [plugin.start()]
+        stub = plugin.dra()
+        _call(stub, "prepare", [claims[0]])            # warm: connections, first spec written
+        _call(stub, "unprepare", [claims[0]])
+        cdi_bytes = max((p.stat().st_size for p in plugin.cdi.glob("*.json")), default=1500) or 1500
+        floor = _Floor(kube, work, cdi_bytes=max(cdi_bytes, 1500), record_bytes=600)
+
+        prep, unprep, f_prep, f_unprep = [], [], [], []
+        cpu_before = plugin.cpu_seconds()
+        for r in range(rounds):                          # interleaved: plugin call, then floor, same round
+            claim = claims[r % GPUS]
+            prep.append(_call(stub, "prepare", [claim]))
+            f_prep.append(floor.prepare(claim[0]))
+            unprep.append(_call(stub, "unprepare", [claim]))
+            f_unprep.append(floor.unprepare(claim[0]))
+        cpu_per_cycle = (plugin.cpu_seconds() - cpu_before) / rounds
+
+        # 32 callers at once on independent claims, against the plugin's own serial rate.
+        batch = claims[:params.api_parallel]
+        serial_rates, parallel_rates = [], []
+        for _ in range(max(1, params.parallel_rounds)):
+            started = time.perf_counter()
+            for c in batch:
+                _call(stub, "prepare", [c])
+            serial_rates.append(len(batch) / (time.perf_counter() - started))
+            for c in batch:
+                _call(stub, "unprepare", [c])
+            started = time.perf_counter()
+            with ThreadPoolExecutor(len(batch)) as pool:
+                list(pool.map(lambda c: _call(stub, "prepare", [c]), batch))
+            parallel_rates.append(len(batch) / (time.perf_counter() - started))
+            with ThreadPoolExecutor(len(batch)) as pool:
+                list(pool.map(lambda c: _call(stub, "unprepare", [c]), batch))
+
+        plugin.stop()
+        for _ in range(max(1, params.api_startups - 1)):   # start-up again, on the now warm file cache
+            startup.append(plugin.start())
+            plugin.stop()
+    finally:
+        if plugin is not None:
+            plugin.stop()
+        cluster.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+    med = statistics.median
+    p50, fp50, u50, fu50 = med(prep), med(f_prep), med(unprep), med(f_unprep)
+    serial, parallel = med(serial_rates), med(parallel_rates)
+    return [
+        Figure("plugin.prepare.p50_ratio", f"prepare p50 / floor p50 ({p50 * 1000:.2f} / {fp50 * 1000:.2f} ms)",
+               p50 / fp50, "x", f"{rounds} rounds, whole GPU, one claim per call"),
+        Figure("plugin.prepare.p99_over_p50", f"prepare p99 / p50 ({_p(prep, 0.99) * 1000:.2f} ms p99)",
+               _p(prep, 0.99) / p50, "x"),
+        Figure("plugin.unprepare.p50_ratio", f"unprepare p50 / floor p50 ({u50 * 1000:.2f} / {fu50 * 1000:.2f} ms)",
+               u50 / fu50, "x"),
+        Figure("plugin.parallel.ratio", f"{len(batch)} callers / serial prepare rate ({parallel:.0f} / "
+               f"{serial:.0f} claims/s)", parallel / serial, "x"),
+        Figure("plugin.cpu_ms_per_cycle", "plugin CPU per prepare+unprepare cycle (status writes included)",
+               cpu_per_cycle * 1000, "ms"),
+        Figure("plugin.startup.getinfo_s", "start to GetInfo answered (median of "
+               f"{len(startup)}: {', '.join(f'{s:.2f}' for s in startup)} s)", med(startup), "s"),
+    ]
