@@ -120,7 +120,7 @@ class _Plugin:
                 self.proc.wait(5)
 
 
-def _claims(kube: KubeApi, count: int) -> list[tuple[str, str]]:
+def allocated_claims(kube: KubeApi, count: int) -> list[tuple[str, str]]:
     """``count`` allocated claims, claim i holding gpu-(i % GPUS); returns (name, uid)."""
     out = []
     for i in range(count):
@@ -187,7 +187,7 @@ def run(params: Params) -> list[Figure]:
         cluster.add_node(NODE)
         kube = KubeApi(cluster.api_client())
         kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
-        claims = _claims(kube, max(GPUS, params.api_parallel))
+        claims = allocated_claims(kube, max(GPUS, params.api_parallel))
         plugin = _Plugin(work, cluster.kubeconfig)
         startup = [plugin.start()]
         stub = plugin.dra()

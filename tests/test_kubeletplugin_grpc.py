@@ -234,3 +234,30 @@ def test_health_board_watch_ends_on_close():
     board.close()
     t.join(timeout=3)
     assert not t.is_alive() and len(seen) == 1
+
+
+def test_names_from_the_kubelet_are_checked_before_use(short_tmp):
+    """Namespace, name and UID go into API paths and file names: each must be a Kubernetes name, or its
+    claim fails alone (a namespace '..' and name '..' once fetched /apis/resource.k8s.io/v1/)."""
+    driver = RecordingDriver()
+    server = DRAServer(short_tmp / "dra.sock", driver)
+    server.start()
+    try:
+        with channel(short_tmp / "dra.sock") as ch:
+            stub = v1_grpc.DRAPluginStub(ch)
+            bad = [v1_pb.Claim(namespace="..", uid="u1", name=".."),
+                   v1_pb.Claim(namespace="ns", uid="../../etc", name="x"),
+                   v1_pb.Claim(namespace="ns", uid="u3", name="a/b"),
+                   v1_pb.Claim(namespace="NS", uid="u4", name="x")]
+            good = v1_pb.Claim(namespace="ns", uid="u5", name="fine")
+            reply = stub.NodePrepareResources(v1_pb.NodePrepareResourcesRequest(claims=[*bad, good]), timeout=5)
+            assert "namespace '..'" in reply.claims["u1"].error
+            assert "not a Kubernetes UID" in reply.claims["../../etc"].error
+            assert "name 'a/b'" in reply.claims["u3"].error
+            assert "namespace 'NS'" in reply.claims["u4"].error
+            assert reply.claims["u5"].error == ""
+            assert [c.uid for c in driver.prepared[0]] == ["u5"]          # only the good claim reached the driver
+            un = stub.NodeUnprepareResources(v1_pb.NodeUnprepareResourcesRequest(claims=bad), timeout=5)
+            assert all(un.claims[c.uid].error for c in bad) and driver.unprepared == []
+    finally:
+        server.stop()
