@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=_env_number("HEALTH_QUIET_PERIOD", 300.0, float), metavar="SECONDS",
                         help="remove a device's XID/ECC taint after this many seconds without a new event on it "
                              "(0: never; a lost GPU's taint goes when it answers again) [env HEALTH_QUIET_PERIOD]")
+    parser.add_argument("--mps-cgroup-procs", default=os.environ.get("MPS_CGROUP_PROCS", ""), metavar="FILES",
+                        help="comma-separated cgroup.procs files MPS daemons move into, outside this container's "
+                             "cgroup, so a container restart does not end them [env MPS_CGROUP_PROCS]")
     parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "info"), type=str.lower,
                         choices=["debug", "info", "warning", "error"], help="log level, any case [env LOG_LEVEL]")
     parser.add_argument("--log-format", default=os.environ.get("LOG_FORMAT", "json"), choices=["json", "text"],
@@ -91,6 +94,7 @@ def options_from_args(args: argparse.Namespace) -> "PluginOptions":  # noqa: F82
         fleet=args.fleet, sim_state=args.sim_state, compat_nvidia=args.compat_nvidia, metrics_port=args.metrics_port,
         health_interval=args.health_interval, boot_id_path=args.boot_id_path,
         health_quiet_period=args.health_quiet_period,
+        mps_cgroup_procs=tuple(p for p in args.mps_cgroup_procs.split(",") if p),
     )
 
 

@@ -96,6 +96,7 @@ class PluginOptions:
     boot_id_path: str = DEFAULT_BOOT_ID_PATH
     mps_supervise_interval: float = 5.0
     health_wait_ms: int = 1000             # NVML event wait per monitor round (bounds shutdown time)
+    mps_cgroup_procs: tuple[str, ...] = ()  # cgroup.procs files MPS daemons move into (outside this container)
     health_quiet_period: float = 300.0     # XID/ECC taints go after this many seconds without a new event (0: never)
     publish_failure_grace: float = 300.0   # /healthz turns unhealthy when a pool's slices fail this long
     max_parallel: int = 8
@@ -282,7 +283,8 @@ class KubeletPlugin:
             mps = NvidiaSmiSharingControl(mps_control=str(program), env={MPS_STATE_ENV: str(state_file)})
             return SimulatedSharingControl(nvml=self.nvml, mps=mps)
         try:
-            return NvidiaSmiSharingControl.from_driver_root(driver_root, proc_root=self.options.proc_root)
+            return NvidiaSmiSharingControl.from_driver_root(driver_root, proc_root=self.options.proc_root,
+                                                            cgroup_procs=self.options.mps_cgroup_procs)
         except Exception as err:  # noqa: BLE001 - sharing is optional; whole GPUs and MIG still work
             log.warning("GPU sharing tools unavailable; time-slicing and MPS claims will fail", error=str(err))
             return UnavailableSharingControl(str(err))

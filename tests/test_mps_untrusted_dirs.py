@@ -96,3 +96,19 @@ def test_starting_a_daemon_never_writes_through_a_planted_link(tmp_path: Path) -
     with pytest.raises(SharingError):
         tools.start_mps_daemon(MpsDaemonSpec(str(pipe_dir), str(log_dir), ("GPU-0",)))
     assert victim.read_text() == "precious"
+
+
+def test_the_launcher_moves_the_daemon_out_of_the_plugin_cgroup_before_it_runs(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    procs = tmp_path / "cgroup.procs"            # a cgroup's process list, as the kernel offers it
+    procs.write_text("")
+    out = tmp_path / "pid"
+    done = subprocess.run([sys.executable, "-m", "dra.node.mpslaunch", "--cgroup-procs", str(procs), "--",
+                           "sh", "-c", f"echo $$ > {out}"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert procs.read_text() == out.read_text().strip()      # the same process, moved, then the program ran
+    bad = subprocess.run([sys.executable, "-m", "dra.node.mpslaunch", "--cgroup-procs", str(tmp_path / "no" / "x"),
+                          "--", "true"], capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 1 and "cannot move into cgroup" in bad.stderr
