@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> "PluginOptions":  # noqa: F821 - imported lazily
-    from kubeletplugin.plugin import PluginOptions
+    from kubeletplugin.options import PluginOptions
 
     driver = args.driver_name
     if args.compat_nvidia and driver == DEFAULT_DRIVER_NAME:
@@ -99,18 +99,33 @@ def options_from_args(args: argparse.Namespace) -> "PluginOptions":  # noqa: F82
 
 
 def run(args: argparse.Namespace) -> int:
-    from kube.connect import ConnectError
-    from kubeletplugin.logs import configure_logging
-    from kubeletplugin.plugin import KubeletPlugin, PluginConfigError
     from kubeletplugin.sockets import SocketPathError
 
-    configure_logging(args.log_level, json_output=args.log_format == "json")
+    # The sockets first, with nothing slow imported yet: the kubelet registers the plugin at once and its calls
+    # wait for the driver, instead of finding no plugin for as long as imports, discovery and recovery take.
+    endpoints = None
     try:
         options = options_from_args(args)
         if not options.node_name:
-            raise PluginConfigError("--node-name (or NODE_NAME) is required")
-        plugin = KubeletPlugin(options)
-        return plugin.run()
+            print("gpu-dra kubelet-plugin: --node-name (or NODE_NAME) is required", file=sys.stderr)
+            return 2
+        from kubeletplugin.endpoints import start_endpoints
+
+        endpoints = start_endpoints(options)
+    except (SocketPathError, ValueError, OSError) as exc:
+        print(f"gpu-dra kubelet-plugin: {exc}", file=sys.stderr)
+        return 2
+
+    from kube.connect import ConnectError
+    from kubeletplugin.logs import configure_logging
+    from kubeletplugin.plugin import KubeletPlugin, PluginConfigError
+
+    configure_logging(args.log_level, json_output=args.log_format == "json")
+    try:
+        plugin = KubeletPlugin(options, endpoints=endpoints)
+        return plugin.run()          # stops the sockets too, also after a failed start
     except (PluginConfigError, SocketPathError, ConnectError, ValueError) as exc:
         print(f"gpu-dra kubelet-plugin: {exc}", file=sys.stderr)
         return 2
+    finally:
+        endpoints.stop()             # idempotent: gone already after a normal stop

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import signal
 import threading
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -34,7 +32,6 @@ from api.generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
 from dra.node.cdi import CdiSpecWriter, ToolkitSpecs
 from api.yamlfiles import load_yaml_file
-from dra.node.bootid import DEFAULT_BOOT_ID_PATH
 from dra.node.checkpoint import CheckpointStore, CheckpointTooNew, CheckpointUnusable
 from dra.model.devices import Device, DeviceModel, build_devices
 from dra.node.driverroot import DriverRoot, DriverRootError
@@ -58,11 +55,12 @@ from kubeletplugin.metrics import PluginMetrics
 from kubeletplugin.registration import RegistrationServer, supported_services
 from kubeletplugin.server import DRAServer
 from dra.sim.driverroot import SimulatedDriverRoot
-from kubeletplugin.sockets import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR, SocketPaths, socket_paths
+from kubeletplugin.endpoints import Endpoints
+from kubeletplugin.options import PluginOptions
+from kubeletplugin.sockets import SocketPaths, socket_paths
 
 log = structlog.get_logger("kubelet-plugin")
 
-SIMULATED_STATE_FILE = "simulated-gpus.json"
 REGISTRATION_WARN_S = 30.0     # first warning that the kubelet has not registered the plugin (then doubling)
 
 
@@ -70,51 +68,6 @@ class PluginConfigError(ValueError):
     """A flag or file the plugin cannot start with; the message names it."""
 
 
-@dataclass
-class PluginOptions:
-    """Everything ``gpu-dra kubelet-plugin`` is told (flags / environment)."""
-
-    node_name: str
-    driver_name: str = DEFAULT_DRIVER_NAME
-    kubeconfig: str | None = None
-    registry_dir: str = DEFAULT_REGISTRY_DIR
-    plugin_dir: str | None = None          # default <plugins dir>/<driver>
-    cdi_root: str = "/var/run/cdi"
-    driver_root: str = "/"
-    host_driver_root: str | None = None    # the driver root as the host sees it (CDI hostPaths)
-    dev_root: str = "/"
-    proc_root: str = "/proc"
-    state_dir: str | None = None           # default: the plugin directory
-    pod_uid: str | None = None             # rolling-update mode
-    node_policy: str | None = None         # YAML file
-    fleet: str | None = None               # simulated node: fleet file
-    sim_state: str | None = None           # simulated node: GPU state file (default <state dir>/simulated-gpus.json;
-                                           # "none": in memory only, gone with the process)
-    compat_nvidia: bool = False
-    metrics_port: int = 0                  # 0: no metrics endpoint
-    health_interval: float = 10.0          # re-send period of the health stream
-    boot_id_path: str = DEFAULT_BOOT_ID_PATH
-    mps_supervise_interval: float = 5.0
-    health_wait_ms: int = 1000             # NVML event wait per monitor round (bounds shutdown time)
-    mps_cgroup_procs: tuple[str, ...] = ()  # cgroup.procs files MPS daemons move into (outside this container)
-    health_quiet_period: float = 300.0     # XID/ECC taints go after this many seconds without a new event (0: never)
-    publish_failure_grace: float = 300.0   # /healthz turns unhealthy when a pool's slices fail this long
-    max_parallel: int = 8
-
-    @property
-    def plugin_directory(self) -> Path:
-        return Path(self.plugin_dir or f"{DEFAULT_PLUGINS_DIR}/{self.driver_name}")
-
-    @property
-    def state_directory(self) -> Path:
-        return Path(self.state_dir) if self.state_dir else self.plugin_directory
-
-    @property
-    def simulated_state_file(self) -> Path | None:
-        """Where a simulated node's GPUs keep their state across plugin restarts (None: not kept)."""
-        if not self.fleet or self.sim_state == "none":
-            return None
-        return Path(self.sim_state) if self.sim_state else self.state_directory / SIMULATED_STATE_FILE
 
 
 def load_node_policy(path: str | None, fleet_policy: dict[str, Any] | None = None) -> NodePolicy:
@@ -185,6 +138,7 @@ class KubeletPlugin:
         publish: bool = True,
         metrics: PluginMetrics | None = None,
         status_writer: ClaimStatusWriter | None = None,
+        endpoints: Endpoints | None = None,
     ) -> None:
         if options.compat_nvidia and options.driver_name == DEFAULT_DRIVER_NAME:
             options.driver_name = NVIDIA_DRIVER_NAME
@@ -200,9 +154,11 @@ class KubeletPlugin:
         self._status_writer = status_writer
         self.publish = publish
         self.metrics = metrics or PluginMetrics()
-        self.paths: SocketPaths = socket_paths(options.driver_name, options.registry_dir, options.plugin_directory,
-                                               options.pod_uid)
-        self.health_board = HealthBoard(resend_interval=options.health_interval)
+        # Sockets already served by the command (kubeletplugin.endpoints) are taken over, not opened again.
+        self.endpoints = endpoints
+        self.paths: SocketPaths = endpoints.paths if endpoints else socket_paths(
+            options.driver_name, options.registry_dir, options.plugin_directory, options.pod_uid)
+        self.health_board = endpoints.health if endpoints else HealthBoard(resend_interval=options.health_interval)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._model_lock = threading.Lock()
@@ -212,8 +168,8 @@ class KubeletPlugin:
         self.driver: Driver | None = None
         self.monitor: HealthMonitor | None = None
         self.slices: Any = None
-        self.dra_server: DRAServer | None = None
-        self.registration: RegistrationServer | None = None
+        self.dra_server: DRAServer | None = endpoints.dra if endpoints else None
+        self.registration: RegistrationServer | None = endpoints.registration if endpoints else None
         self.startup: StartupReport | None = None
         self.fleet_node: Any = None
         self.nvml: Any = None
@@ -414,14 +370,21 @@ class KubeletPlugin:
         self._spawn(self._run_monitor, "health-monitor")
         self._spawn(self._run_mps_supervisor, "mps-supervisor")
 
-        self.dra_server = DRAServer(self.paths.dra, self.driver, health=self.health_board, metrics=self.metrics,
-                                    log=structlog.get_logger("dra-service"))
-        self.dra_server.start()
-        self.registration = RegistrationServer(
-            o.driver_name, self.paths.registration, self.paths.dra, supported_services(),
-            on_status=self._on_registration_status,
-            log=structlog.get_logger("registration"))
-        self.registration.start()
+        if self.endpoints is not None:
+            assert self.dra_server is not None and self.registration is not None
+            self.dra_server.attach(self.driver, self.metrics, structlog.get_logger("dra-service"))
+            self.registration.servicer.on_status = self._on_registration_status
+            if self.registration.state.registered:      # the kubelet registered us while we were starting
+                self.metrics.registered.set(1)
+        else:
+            self.dra_server = DRAServer(self.paths.dra, self.driver, health=self.health_board, metrics=self.metrics,
+                                        log=structlog.get_logger("dra-service"))
+            self.dra_server.start()
+            self.registration = RegistrationServer(
+                o.driver_name, self.paths.registration, self.paths.dra, supported_services(),
+                on_status=self._on_registration_status,
+                log=structlog.get_logger("registration"))
+            self.registration.start()
         self._set_phase(None)
         log.info("kubelet plugin serving", registration_socket=str(self.paths.registration),
                  dra_socket=str(self.paths.dra), driver=o.driver_name, pool=self.pool)

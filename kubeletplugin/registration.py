@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import grpc
-import structlog
 
 from api.generated.pluginregistration.v1 import api_pb2 as reg_pb
 from api.generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
@@ -71,11 +70,18 @@ class RegistrationServicer(reg_grpc.RegistrationServicer):
         self._info = reg_pb.PluginInfo(type=PLUGIN_TYPE, name=driver_name, endpoint=str(endpoint),
                                        supported_versions=list(services))
         self._state = state
-        self._on_status = on_status
-        self._log = log or structlog.get_logger("registration")
+        self.on_status = on_status
+        self._log_given = log
+
+    @property
+    def _log(self) -> Any:
+        if self._log_given is None:
+            import structlog   # not at import time: answering GetInfo must not wait for it
+
+            self._log_given = structlog.get_logger("registration")
+        return self._log_given
 
     def GetInfo(self, request: reg_pb.InfoRequest, context: grpc.ServicerContext) -> reg_pb.PluginInfo:
-        self._log.debug("kubelet asked for plugin info")
         return self._info
 
     def NotifyRegistrationStatus(self, request: reg_pb.RegistrationStatus,
@@ -88,9 +94,9 @@ class RegistrationServicer(reg_grpc.RegistrationServicer):
             # The kubelet retries with back-off; stay up so the next attempt can succeed.
             self._log.error("kubelet rejected the registration", error=request.error,
                             endpoint=self._info.endpoint)
-        if self._on_status is not None:
+        if self.on_status is not None:
             try:
-                self._on_status(request.plugin_registered, request.error)
+                self.on_status(request.plugin_registered, request.error)
             except Exception:  # a callback bug must not turn into a kubelet-visible failure
                 self._log.exception("registration status callback failed")
         return reg_pb.RegistrationStatusResponse()

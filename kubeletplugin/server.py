@@ -4,16 +4,21 @@
 
 Per-claim failures travel in the response's ``error`` field; a gRPC error is reserved for a call that
 could not be handled at all (the kubelet then retries the whole pod).
+
+The server can listen before the driver exists (``attach`` supplies it): the plugin registers with the
+kubelet within a fraction of a second of starting, and a call that comes before the driver is ready waits for
+it (or fails its claims with an error the kubelet retries). Only grpc and the generated stubs are imported on
+that path.
 """
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
-import structlog
 
 from api.generated.dra.v1 import api_pb2 as v1_pb
 from api.generated.dra.v1 import api_pb2_grpc as v1_grpc
@@ -23,20 +28,48 @@ from api.generated.dra_health.v1 import api_pb2 as health_v1_pb
 from api.generated.dra_health.v1 import api_pb2_grpc as health_v1_grpc
 from api.generated.dra_health.v1alpha1 import api_pb2 as health_v1alpha1_pb
 from api.generated.dra_health.v1alpha1 import api_pb2_grpc as health_v1alpha1_grpc
-from kubeletplugin.claims import ClaimRef, claim_ref_problem
+from kubeletplugin.claims import ClaimRef, NodeDriver, PrepareResult, UnprepareResult, claim_ref_problem
 from kubeletplugin.health import MAX_MESSAGE, HealthBoard
-from kubeletplugin.metrics import PluginMetrics
-from kubeletplugin.claims import NodeDriver
 from kubeletplugin.unixserver import UnixGrpcServer
+
+if TYPE_CHECKING:
+    from kubeletplugin.metrics import PluginMetrics
+
+# How long a call that arrives while the plugin starts waits for its driver before its claims fail (the
+# kubelet's own deadline is 45 s).
+READY_WAIT_S = 30.0
+
+
+def _logger(name: str) -> Any:
+    import structlog   # not at import time: it is not needed to answer the kubelet's first calls
+
+    return structlog.get_logger(name)
 
 
 class DRAService:
     """Converts between the DRA messages of one API version and the driver's version-free calls."""
 
-    def __init__(self, driver: NodeDriver, metrics: PluginMetrics | None = None, log: Any = None):
+    def __init__(self, driver: NodeDriver | None, metrics: PluginMetrics | None = None, log: Any = None):
         self.driver = driver
         self.metrics = metrics
-        self.log = log or structlog.get_logger("dra-service")
+        self._log = log
+        self._ready = threading.Event()
+        if driver is not None:
+            self._ready.set()
+
+    @property
+    def log(self) -> Any:
+        if self._log is None:
+            self._log = _logger("dra-service")
+        return self._log
+
+    def attach(self, driver: NodeDriver, metrics: PluginMetrics | None = None, log: Any = None) -> None:
+        """The driver is ready: calls waiting for it go on."""
+        self.driver, self.metrics, self._log = driver, metrics, log or self._log
+        self._ready.set()
+
+    def _driver(self) -> NodeDriver | None:
+        return self.driver if self._ready.wait(READY_WAIT_S) else None
 
     @staticmethod
     def _claims(request: Any) -> list[ClaimRef]:
@@ -64,7 +97,11 @@ class DRAService:
         if self.metrics:
             self.metrics.requests.labels(method="NodePrepareResources", version=version).inc()
         valid, errors = self._check(claims, context)
-        results = self.driver.prepare(valid) if valid else {}
+        driver = self._driver() if valid else None
+        if valid and driver is None:
+            results = {c.uid: PrepareResult(error="the plugin is still starting; the kubelet retries") for c in valid}
+        else:
+            results = driver.prepare(valid) if driver is not None else {}
         response = pb.NodePrepareResourcesResponse()
         with_share_id = version == "v1"
         for claim in claims:
@@ -92,7 +129,12 @@ class DRAService:
         if self.metrics:
             self.metrics.requests.labels(method="NodeUnprepareResources", version=version).inc()
         valid, errors = self._check(claims, context)
-        results = self.driver.unprepare(valid) if valid else {}
+        driver = self._driver() if valid else None
+        if valid and driver is None:
+            results = {c.uid: UnprepareResult(error="the plugin is still starting; the kubelet retries")
+                       for c in valid}
+        else:
+            results = driver.unprepare(valid) if driver is not None else {}
         response = pb.NodeUnprepareResourcesResponse()
         for claim in claims:
             result = results.get(claim.uid)
@@ -132,7 +174,7 @@ _HEALTH_ENUM = {"Healthy": "HEALTHY", "Unhealthy": "UNHEALTHY", "Unknown": "UNKN
 
 
 def _health_stream(board: HealthBoard, pb: ModuleType, context: grpc.ServicerContext):
-    for devices in board.watch(context.is_active):
+    for devices in board.watch(context.is_active):   # an unattached board waits for its first devices
         msg = pb.NodeWatchResourcesResponse()
         for d in devices:
             msg.devices.add(device=pb.DeviceIdentifier(pool_name=d.pool, device_name=d.device),
@@ -160,9 +202,10 @@ class ResourceHealthV1alpha1(health_v1alpha1_grpc.DRAResourceHealthServicer):
 
 
 class DRAServer:
-    """Serves the DRA services (and health, when a board is given) on the plugin's socket."""
+    """Serves the DRA services (and health, when a board is given) on the plugin's socket. ``driver`` None:
+    calls wait for ``attach``."""
 
-    def __init__(self, socket_path: Path, driver: NodeDriver, health: HealthBoard | None = None,
+    def __init__(self, socket_path: Path, driver: NodeDriver | None, health: HealthBoard | None = None,
                  metrics: PluginMetrics | None = None, log: Any = None, max_workers: int = 16,
                  serve_v1: bool = True, serve_v1beta1: bool = True):
         self.service = DRAService(driver, metrics, log)
@@ -179,6 +222,9 @@ class DRAServer:
 
         # Health streams hold a worker each for their lifetime; keep room for prepare/unprepare calls.
         self._server = UnixGrpcServer(socket_path, register, max_workers=max_workers, name="dra")
+
+    def attach(self, driver: NodeDriver, metrics: PluginMetrics | None = None, log: Any = None) -> None:
+        self.service.attach(driver, metrics, log)
 
     @property
     def socket_path(self) -> Path:

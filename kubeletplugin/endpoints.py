@@ -1,0 +1,45 @@
+"""The plugin's two sockets, served before anything slow is loaded or done.
+
+The kubelet finds a starting plugin through its registration socket and then talks to its DRA socket; both
+listen within a fraction of a second of the process starting, while discovery, the API server and start-up
+recovery are still to come. Calls that arrive meanwhile wait for the driver (``kubeletplugin.server``); slices
+are published only once the kubelet has confirmed the registration. Only grpc, the generated stubs and small
+modules of this package are imported here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kubeletplugin.health import HealthBoard
+from kubeletplugin.options import PluginOptions
+from kubeletplugin.registration import RegistrationServer, supported_services
+from kubeletplugin.server import DRAServer
+from kubeletplugin.sockets import SocketPaths, socket_paths
+
+
+@dataclass
+class Endpoints:
+    paths: SocketPaths
+    health: HealthBoard
+    dra: DRAServer
+    registration: RegistrationServer
+
+    def stop(self) -> None:
+        self.registration.stop()
+        self.dra.stop()
+
+
+def start_endpoints(options: PluginOptions) -> Endpoints:
+    """Listen on the DRA socket, then on the registration socket (the kubelet dials the DRA endpoint as soon as
+    it registers the plugin)."""
+    paths = socket_paths(options.driver_name, options.registry_dir, options.plugin_directory, options.pod_uid)
+    health = HealthBoard(resend_interval=options.health_interval)
+    dra = DRAServer(paths.dra, None, health=health)
+    dra.start()
+    registration = RegistrationServer(options.driver_name, paths.registration, paths.dra, supported_services())
+    try:
+        registration.start()
+    except BaseException:
+        dra.stop()
+        raise
+    return Endpoints(paths, health, dra, registration)

@@ -1,0 +1,59 @@
+"""What ``gpu-dra kubelet-plugin`` is told, in a module light enough to read before anything slow is
+imported (the plugin's sockets are up before the rest of it loads)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from api.names import DEFAULT_DRIVER_NAME
+from dra.node.bootid import DEFAULT_BOOT_ID_PATH
+from kubeletplugin.sockets import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
+
+SIMULATED_STATE_FILE = "simulated-gpus.json"
+
+
+@dataclass
+class PluginOptions:
+    """Everything ``gpu-dra kubelet-plugin`` is told (flags / environment)."""
+
+    node_name: str
+    driver_name: str = DEFAULT_DRIVER_NAME
+    kubeconfig: str | None = None
+    registry_dir: str = DEFAULT_REGISTRY_DIR
+    plugin_dir: str | None = None          # default <plugins dir>/<driver>
+    cdi_root: str = "/var/run/cdi"
+    driver_root: str = "/"
+    host_driver_root: str | None = None    # the driver root as the host sees it (CDI hostPaths)
+    dev_root: str = "/"
+    proc_root: str = "/proc"
+    state_dir: str | None = None           # default: the plugin directory
+    pod_uid: str | None = None             # rolling-update mode
+    node_policy: str | None = None         # YAML file
+    fleet: str | None = None               # simulated node: fleet file
+    sim_state: str | None = None           # simulated node: GPU state file (default <state dir>/simulated-gpus.json;
+                                           # "none": in memory only, gone with the process)
+    compat_nvidia: bool = False
+    metrics_port: int = 0                  # 0: no metrics endpoint
+    health_interval: float = 10.0          # re-send period of the health stream
+    boot_id_path: str = DEFAULT_BOOT_ID_PATH
+    mps_supervise_interval: float = 5.0
+    health_wait_ms: int = 1000             # NVML event wait per monitor round (bounds shutdown time)
+    mps_cgroup_procs: tuple[str, ...] = ()  # cgroup.procs files MPS daemons move into (outside this container)
+    health_quiet_period: float = 300.0     # XID/ECC taints go after this many seconds without a new event (0: never)
+    publish_failure_grace: float = 300.0   # /healthz turns unhealthy when a pool's slices fail this long
+    max_parallel: int = 8
+
+    @property
+    def plugin_directory(self) -> Path:
+        return Path(self.plugin_dir or f"{DEFAULT_PLUGINS_DIR}/{self.driver_name}")
+
+    @property
+    def state_directory(self) -> Path:
+        return Path(self.state_dir) if self.state_dir else self.plugin_directory
+
+    @property
+    def simulated_state_file(self) -> Path | None:
+        """Where a simulated node's GPUs keep their state across plugin restarts (None: not kept)."""
+        if not self.fleet or self.sim_state == "none":
+            return None
+        return Path(self.sim_state) if self.sim_state else self.state_directory / SIMULATED_STATE_FILE
