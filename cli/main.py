@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "controller": ("cli.controller_cmd", "run the cluster controller (DeviceClasses, stale slices, metrics)"),
     "publish": ("cli.publish_cmd", "publish ResourceSlices for a simulated fleet and keep them exact"),
     "kubelet-plugin": ("cli.kubeletplugin_cmd", "run the node plugin: register with the kubelet, prepare claims"),
+    "webhook": ("cli.webhook_cmd", "serve the validating admission webhook for ResourceClaim configs (TLS)"),
     "simulate": ("cli.simulate_cmd", "inject faults (XIDs, lost GPUs, recoveries) into a simulated node's GPUs"),
     "demo": ("cli.demo_cmd", "start a local control plane with a simulated fleet and allocate the examples"),
 }

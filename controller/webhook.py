@@ -1,0 +1,194 @@
+"""Validating admission webhook: refuses ResourceClaims and ResourceClaimTemplates whose opaque device
+configurations for this driver do not decode, at `kubectl apply` time instead of at prepare time.
+
+The check is the plugin's own (`api.config.decode_opaque_config`) and so is the message; only the path prefix
+says where the entry sits in the object (`spec.devices.config[0].opaque.parameters...`, or `spec.spec...` in a
+template). Whether a config fits the device type it ends up on is known only after allocation; that stays with
+the plugin.
+
+Served over TLS by `serve`: POST /validate (AdmissionReview admission.k8s.io/v1), GET /healthz and /readyz.
+The certificate and key are read again whenever their files change (a rotated Secret), for new connections.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import ssl
+import sys
+import threading
+from collections.abc import Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_latest
+
+from api.config import ConfigError, decode_opaque_config
+
+log = logging.getLogger(__name__)
+
+REVIEWS = Counter("gpu_dra_webhook_reviews", "Admission reviews answered, by resource and result "
+                  "(allowed, denied).", ["resource", "result"])
+
+# resource -> where the claim spec sits in the object; the three served versions (v1, v1beta2, v1beta1) agree
+# on spec.devices.config[].opaque.{driver, parameters}.
+CLAIM_SPEC_PATHS: dict[str, tuple[str, ...]] = {
+    "resourceclaims": ("spec",),
+    "resourceclaimtemplates": ("spec", "spec"),
+}
+MAX_BODY = 16 << 20  # well above the API server's 3 MiB request limit
+
+
+def config_problems(obj: Any, resource: str, *, driver_name: str, compat_nvidia: bool) -> list[str]:
+    """One message per opaque config entry of `driver_name` in the object that the plugin would refuse."""
+    path = CLAIM_SPEC_PATHS.get(resource)
+    if path is None or not isinstance(obj, Mapping):
+        return []
+    spec: Any = obj
+    for key in path:
+        spec = spec.get(key) if isinstance(spec, Mapping) else None
+    devices = spec.get("devices") if isinstance(spec, Mapping) else None
+    configs = devices.get("config") if isinstance(devices, Mapping) else None
+    problems: list[str] = []
+    for i, entry in enumerate(configs if isinstance(configs, list) else []):
+        opaque = entry.get("opaque") if isinstance(entry, Mapping) else None
+        if not isinstance(opaque, Mapping) or opaque.get("driver") != driver_name:
+            continue
+        try:
+            decode_opaque_config(opaque.get("parameters"), compat_nvidia=compat_nvidia)
+        except ConfigError as exc:
+            where = ".".join(path) + f".devices.config[{i}].opaque.parameters"
+            problems.append(str(exc.with_prefix(where)))
+    return problems
+
+
+def review(body: Any, *, driver_name: str, compat_nvidia: bool) -> dict[str, Any]:
+    """The AdmissionReview answer to an AdmissionReview request. Raises ValueError for a body that is not one."""
+    request = body.get("request") if isinstance(body, Mapping) else None
+    if not isinstance(request, Mapping) or not isinstance(request.get("uid"), str):
+        raise ValueError("not an AdmissionReview request (admission.k8s.io/v1): no request.uid")
+    resource = request.get("resource") if isinstance(request.get("resource"), Mapping) else {}
+    name = resource.get("resource", "")
+    problems: list[str] = []
+    if request.get("operation") in ("CREATE", "UPDATE") and resource.get("group") == "resource.k8s.io" \
+            and not request.get("subResource"):
+        problems = config_problems(request.get("object"), name, driver_name=driver_name, compat_nvidia=compat_nvidia)
+    response: dict[str, Any] = {"uid": request["uid"], "allowed": not problems}
+    if problems:
+        response["status"] = {"code": 422, "reason": "Invalid", "message": "; ".join(problems)}
+        obj = request.get("object") if isinstance(request.get("object"), Mapping) else {}
+        meta = obj.get("metadata") if isinstance(obj.get("metadata"), Mapping) else {}
+        log.info("denied %s %s/%s: %s", name, request.get("namespace", ""),
+                 meta.get("name") or meta.get("generateName", ""), response["status"]["message"])
+    REVIEWS.labels(name or "unknown", "allowed" if not problems else "denied").inc()
+    return {"apiVersion": body.get("apiVersion", "admission.k8s.io/v1"), "kind": "AdmissionReview",
+            "response": response}
+
+
+class _CertReloader:
+    """A server-side SSLContext, made again when the certificate or key file changes (mtime, size, inode)."""
+
+    def __init__(self, cert_file: str, key_file: str) -> None:
+        self.cert_file, self.key_file = cert_file, key_file
+        self._lock = threading.Lock()
+        self._stamp: tuple[Any, ...] | None = None
+        self._context: ssl.SSLContext | None = None
+        self.context()  # a bad certificate fails the start, with the file named
+
+    def _files_stamp(self) -> tuple[Any, ...]:
+        return tuple((st.st_mtime_ns, st.st_size, st.st_ino)
+                     for st in (os.stat(self.cert_file), os.stat(self.key_file)))
+
+    def context(self) -> ssl.SSLContext:
+        with self._lock:
+            try:
+                stamp = self._files_stamp()
+            except OSError as exc:
+                if self._context is None:
+                    raise
+                log.warning("serving certificate unreadable (%s); keeping the loaded one", exc)
+                return self._context
+            if stamp != self._stamp:
+                ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+                ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+                try:
+                    ctx.load_cert_chain(self.cert_file, self.key_file)
+                except (ssl.SSLError, OSError) as exc:
+                    if self._context is None:
+                        raise
+                    log.warning("new serving certificate unusable (%s); keeping the loaded one", exc)
+                    return self._context
+                if self._context is not None:
+                    log.info("serving certificate reloaded from %s", self.cert_file)
+                self._context, self._stamp = ctx, stamp
+            assert self._context is not None
+            return self._context
+
+
+class _TLSServer(ThreadingHTTPServer):
+    daemon_threads = True
+    reloader: _CertReloader
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        sock, addr = self.socket.accept()
+        # The handshake happens in the handler's thread (first read): a slow client cannot stall accept().
+        return self.reloader.context().wrap_socket(sock, server_side=True, do_handshake_on_connect=False), addr
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # Failed handshakes (a client that does not trust the CA, a TCP probe) are routine: one line, no traceback.
+        log.warning("connection from %s: %s", client_address[0], sys.exc_info()[1])
+
+
+def serve(address: str, port: int, cert_file: str, key_file: str, *, driver_name: str,
+          compat_nvidia: bool) -> ThreadingHTTPServer:
+    """Starts serving in a background thread; port 0 picks a free one (server.server_address). Stop with
+    server.shutdown(). Raises OSError or ssl.SSLError when the certificate or key cannot be loaded."""
+
+    class Handler(BaseHTTPRequestHandler):
+        timeout = 30  # per connection: a client that stops sending does not hold a thread for ever
+
+        def do_POST(self) -> None:  # noqa: N802 - http.server naming
+            if self.path.split("?", 1)[0] != "/validate":
+                self._reply(404, "text/plain; charset=utf-8", b"not found\n")
+                return
+            try:
+                length = int(self.headers.get("Content-Length", ""))
+            except ValueError:
+                self._reply(411, "text/plain; charset=utf-8", b"Content-Length required\n")
+                return
+            if not 0 < length <= MAX_BODY:
+                self._reply(413, "text/plain; charset=utf-8", b"body too large or empty\n")
+                return
+            try:
+                answer = review(json.loads(self.rfile.read(length)), driver_name=driver_name,
+                                compat_nvidia=compat_nvidia)
+            except (ValueError, UnicodeDecodeError) as exc:
+                self._reply(400, "text/plain; charset=utf-8", f"{exc}\n".encode())
+                return
+            self._reply(200, "application/json", json.dumps(answer).encode())
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server naming
+            path = self.path.split("?", 1)[0]
+            if path in ("/healthz", "/readyz", "/livez"):
+                self._reply(200, "text/plain; charset=utf-8", b"ok\n")
+            elif path == "/metrics":
+                self._reply(200, CONTENT_TYPE_LATEST, generate_latest(REGISTRY))
+            else:
+                self._reply(404, "text/plain; charset=utf-8", b"not found\n")
+
+        def _reply(self, code: int, content_type: str, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - probes and reviews stay out
+            return
+
+    reloader = _CertReloader(cert_file, key_file)
+    server = _TLSServer((address, port), Handler)
+    server.reloader = reloader
+    threading.Thread(target=server.serve_forever, name="webhook", daemon=True).start()
+    return server
