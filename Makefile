@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # K8S_VERSION (the target release), K8S_SKEW_VERSION (the oldest supported one), ETCD_VERSION.
 include hack/versions.env
 
-.PHONY: demo test unit e2e bench control-plane control-plane-target control-plane-skew node-binaries protos clean
+.PHONY: demo test unit e2e bench control-plane control-plane-target control-plane-skew node-binaries helm image image-lock protos clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,21 @@ control-plane-skew:
 node-binaries: control-plane-target
 	K8S_VERSION=$(K8S_VERSION) CONTAINERD_VERSION=$(CONTAINERD_VERSION) RUNC_VERSION=$(RUNC_VERSION) bash hack/build-node.sh
 
+# Builds (or reuses) Helm (HELM_VERSION) from its Go module into ~/.cache/gpu-dra/helm/<version>/bin: the chart
+# tests run `helm lint` and `helm template` with it.
+helm:
+	HELM_VERSION=$(HELM_VERSION) bash hack/build-helm.sh
+
+# The driver image as an OCI archive, without Docker or a registry: Debian packages and wheels pinned in
+# deploy/image/*.lock, cached by input hash under ~/.cache/gpu-dra/image. Prints the image name and the archive's
+# path (deploy/README.md: pushing it). IMAGE_REPOSITORY=... IMAGE_TAG=... name it otherwise.
+image: $(STAMP)
+	$(PY) hack/build-image.py build
+
+# Re-resolves deploy/image/*.lock: Debian packages from this host's apt lists (Debian 12), wheels from PyPI.
+image-lock: $(STAMP)
+	$(PY) hack/build-image.py lock
+
 # The demo runs on the target release only. Its real node is optional: not root, no cgroups or node binaries
 # that cannot be built (no Go, gcc, libseccomp download), and the demo says why in one line and only schedules.
 demo: $(STAMP) control-plane-target
@@ -39,13 +54,13 @@ demo: $(STAMP) control-plane-target
 	  RUNC_VERSION=$(RUNC_VERSION) bash hack/build-node.sh >/dev/null
 	$(VENV)/bin/gpu-dra demo
 
-test: $(STAMP) control-plane node-binaries
+test: $(STAMP) control-plane node-binaries helm image
 	$(PY) -m pytest
 
 unit: $(STAMP)
 	$(PY) -m pytest -m 'not e2e'
 
-e2e: $(STAMP) control-plane node-binaries
+e2e: $(STAMP) control-plane node-binaries helm
 	$(PY) -m pytest -m e2e
 
 bench: $(STAMP)

@@ -44,3 +44,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "gpu-dra-driver.controllerServiceAccount" -}}
 {{ include "gpu-dra-driver.fullname" . }}-controller
 {{- end }}
+
+{{/* envFrom of the processes that talk to the API server: the explicit endpoint, when k8sServiceHost is set. */}}
+{{- define "gpu-dra-driver.kubernetesApiEnvFrom" -}}
+{{- if .Values.k8sServiceHost }}
+# KUBERNETES_SERVICE_HOST/PORT from the chart override those the kubelet derives from the kubernetes Service.
+envFrom:
+- configMapRef:
+    name: {{ include "gpu-dra-driver.fullname" . }}-kubernetes-api
+{{- end }}
+{{- end }}
