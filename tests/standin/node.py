@@ -190,15 +190,23 @@ class SimulatedNode:
         return self
 
     def wait_registered(self, timeout: float = 60.0, newer_than: float | None = None):
-        """Wait until the stand-in has registered the plugin; fails at once if the plugin process exits."""
+        """Wait until the stand-in has registered the plugin and the plugin has finished starting (its sockets
+        come first, before start-up recovery); fails at once if the plugin process exits."""
         deadline = time.monotonic() + timeout
         while True:
             self.plugin.check_alive()
             try:
-                return self.kubelet.wait_for_plugin(self.driver, min(1.0, timeout), newer_than=newer_than)
+                registered = self.kubelet.wait_for_plugin(self.driver, min(1.0, timeout), newer_than=newer_than)
+                break
             except TimeoutError as exc:
                 if time.monotonic() >= deadline:
                     raise AssertionError(f"{exc}\nplugin log:\n{self.plugin.log_tail()}") from None
+        while "kubelet plugin serving" not in self.plugin.log_path.read_text(errors="replace"):
+            self.plugin.check_alive()
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"plugin registered but not serving after {timeout} s\n{self.plugin.log_tail()}")
+            time.sleep(0.05)
+        return registered
 
     def wait_for_slices(self, timeout: float = 60.0) -> list[dict[str, Any]]:
         def ready():
