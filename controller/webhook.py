@@ -19,12 +19,13 @@ import ssl
 import sys
 import threading
 from collections.abc import Mapping
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_latest
+from prometheus_client import Counter
 
 from api.config import ConfigError, decode_opaque_config
+from kube.httpserver import ProbeHandler
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ def serve(address: str, port: int, cert_file: str, key_file: str, *, driver_name
     """Starts serving in a background thread; port 0 picks a free one (server.server_address). Stop with
     server.shutdown(). Raises OSError or ssl.SSLError when the certificate or key cannot be loaded."""
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(ProbeHandler):
         timeout = 30  # per connection: a client that stops sending does not hold a thread for ever
 
         def do_POST(self) -> None:  # noqa: N802 - http.server naming
@@ -167,25 +168,6 @@ def serve(address: str, port: int, cert_file: str, key_file: str, *, driver_name
                 self._reply(400, "text/plain; charset=utf-8", f"{exc}\n".encode())
                 return
             self._reply(200, "application/json", json.dumps(answer).encode())
-
-        def do_GET(self) -> None:  # noqa: N802 - http.server naming
-            path = self.path.split("?", 1)[0]
-            if path in ("/healthz", "/readyz", "/livez"):
-                self._reply(200, "text/plain; charset=utf-8", b"ok\n")
-            elif path == "/metrics":
-                self._reply(200, CONTENT_TYPE_LATEST, generate_latest(REGISTRY))
-            else:
-                self._reply(404, "text/plain; charset=utf-8", b"not found\n")
-
-        def _reply(self, code: int, content_type: str, body: bytes) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - probes and reviews stay out
-            return
 
     reloader = _CertReloader(cert_file, key_file)
     server = _TLSServer((address, port), Handler)
