@@ -146,30 +146,12 @@ class LocalNodePlugin:
 
     def metrics(self) -> dict[str, float]:
         """The plugin's Prometheus samples, ``name{labels}`` -> value."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
-            text = resp.read().decode()
-        samples = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                samples[key] = float(value)
-        return samples
+        return scrape_metrics(self.metrics_port)
 
     def mps_daemons(self) -> dict[int, Path]:
         """The (simulated) MPS control daemons this plugin started that run now: pid -> pipe directory. They
         run in their own sessions and outlive the plugin process, as on a real node."""
-        found = {}
-        for pid in processes_mentioning(f"{self.base}/", environ=True):
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if Path(argv[0].decode(errors="replace")).name == "nvidia-cuda-mps-control" and b"-d" in argv[1:]:
-                pipe = next((e.partition(b"=")[2].decode() for e in environ
-                             if e.startswith(b"CUDA_MPS_PIPE_DIRECTORY=")), "")
-                found[pid] = Path(pipe)
-        return found
+        return mps_daemons_under(self.base)
 
     def registered(self) -> bool:
         """Whether the kubelet has accepted this process's registration (its NotifyRegistrationStatus)."""
@@ -188,3 +170,32 @@ class LocalNodePlugin:
                                       f"{timeout:.0f}s\n--- plugin log ---\n{self.log_tail()}\n"
                                       f"{self.node.logs_tail()}")
             time.sleep(0.2)
+
+
+def scrape_metrics(port: int) -> dict[str, float]:
+    """A plugin's Prometheus samples on 127.0.0.1:``port``, ``name{labels}`` -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            samples[key] = float(value)
+    return samples
+
+
+def mps_daemons_under(root: Path) -> dict[int, Path]:
+    """Running MPS control daemons (``nvidia-cuda-mps-control -d``) whose environment names a directory under
+    ``root``: pid -> pipe directory."""
+    found = {}
+    for pid in processes_mentioning(f"{root}/", environ=True):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if Path(argv[0].decode(errors="replace")).name == "nvidia-cuda-mps-control" and b"-d" in argv[1:]:
+            pipe = next((e.partition(b"=")[2].decode() for e in environ
+                         if e.startswith(b"CUDA_MPS_PIPE_DIRECTORY=")), "")
+            found[pid] = Path(pipe)
+    return found

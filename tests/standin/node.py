@@ -11,12 +11,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
+
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from cli.nodeplugin import mps_daemons_under, scrape_metrics
 from kube.client import KubeApi
 from standin.kubelet import KubeletStandin
 from standin.workloads import complete_pool, node_slices, wait_until
@@ -166,14 +167,7 @@ class SimulatedNode:
 
     def metrics(self) -> dict[str, float]:
         """The plugin's Prometheus samples, ``name{labels}`` -> value."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
-            text = resp.read().decode()
-        samples = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                samples[key] = float(value)
-        return samples
+        return scrape_metrics(self.metrics_port)
 
     # --- lifecycle --------------------------------------------------------------------------------------
 
@@ -265,7 +259,7 @@ class SimulatedNode:
 
         return read_checkpoint(self.dirs.state / "checkpoint.json")
 
-    def mps_daemons(self) -> dict[int, str]:
+    def mps_daemons(self) -> dict[int, Path]:
         """The node's running MPS control daemons (real processes of the simulated tool): pid -> pipe dir."""
         return mps_daemons_under(self.dirs.base)
 
@@ -284,22 +278,6 @@ class SimulatedNode:
 
         nvml = self.hardware()
         return [m for uuid in nvml.gpu_uuids for m in hardware.list_mig_devices(nvml, uuid)]
-
-
-def mps_daemons_under(root: Path) -> dict[int, str]:
-    """Running MPS control daemons whose pipe directory lies under ``root``: pid -> pipe directory."""
-    found: dict[int, str] = {}
-    prefix = f"CUDA_MPS_PIPE_DIRECTORY={root}".encode()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            pipe = next((v for v in (entry / "environ").read_bytes().split(b"\0") if v.startswith(prefix)), None)
-            if pipe is not None and b"-d" in (entry / "cmdline").read_bytes().split(b"\0"):
-                found[int(entry.name)] = pipe.split(b"=", 1)[1].decode()
-        except OSError:
-            continue
-    return found
 
 
 def kill_mps_daemons_under(root: Path) -> list[int]:
