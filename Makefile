@@ -60,7 +60,7 @@ test: $(STAMP) control-plane node-binaries helm image
 unit: $(STAMP)
 	$(PY) -m pytest -m 'not e2e'
 
-e2e: $(STAMP) control-plane node-binaries helm
+e2e: $(STAMP) control-plane node-binaries helm image
 	$(PY) -m pytest -m e2e
 
 bench: $(STAMP)

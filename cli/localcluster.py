@@ -6,6 +6,14 @@ Used by the end-to-end tests and by the demo. Nodes are plain Node objects regis
 everything a kubelet-less cluster can do. The node-lifecycle controller is disabled so that nodes without
 heartbeats are not tainted.
 
+Three opt-in options bring it closer to a real cluster, for pods that run on a real node (`cli.localnode`):
+`service_accounts` turns the ServiceAccount admission plugin on, so pods get projected service-account tokens
+through TokenRequest (the controller-manager's service-account and token controllers run either way);
+`node_authorization` adds the Node authorizer and the NodeRestriction admission plugin, with client
+certificates for kubelets (`node_kubeconfig`: user system:node:<name>, group system:nodes);
+`endpoint_routing` makes the API server call webhooks at their Service's endpoints, since nothing routes
+ClusterIPs here (no kube-proxy).
+
     with LocalCluster() as cluster:
         cluster.add_node("node-a")
         api = cluster.api_client()
@@ -151,8 +159,12 @@ class LocalCluster:
     """Starts and stops the control plane. Not thread-safe; one instance per test session or demo."""
 
     def __init__(self, bin_dir: Path | str | None = None, workdir: Path | str | None = None,
-                 keep_workdir: bool = False, startup_timeout: float = 90.0) -> None:
+                 keep_workdir: bool = False, startup_timeout: float = 90.0, *, service_accounts: bool = False,
+                 node_authorization: bool = False, endpoint_routing: bool = False) -> None:
         self._bin_dir = Path(bin_dir) if bin_dir else None
+        self.service_accounts = service_accounts
+        self.node_authorization = node_authorization
+        self.endpoint_routing = endpoint_routing
         self._given_workdir = Path(workdir) if workdir else None
         self.keep_workdir = keep_workdir
         self.startup_timeout = startup_timeout
@@ -288,6 +300,40 @@ class LocalCluster:
     def delete_node(self, name: str) -> None:
         self.request("DELETE", f"/api/v1/nodes/{name}")
 
+    def node_kubeconfig(self, name: str) -> Path:
+        """A kubeconfig for the kubelet of node `name`: a client certificate of user system:node:<name> in group
+        system:nodes, which the Node authorizer and NodeRestriction recognise (`node_authorization` only)."""
+        if not self.node_authorization:
+            raise ClusterError("node_kubeconfig needs LocalCluster(node_authorization=True)")
+        d = self._dir / "nodes" / name
+        path = d / "kubeconfig"
+        if path.is_file():
+            return path
+        d.mkdir(parents=True, exist_ok=True)
+        key, csr, crt, ext = d / "client.key", d / "client.csr", d / "client.crt", d / "client.ext"
+        ext.write_text("keyUsage=critical,digitalSignature\nextendedKeyUsage=clientAuth\n")
+        _run_checked(["openssl", "req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                      "-nodes", "-keyout", str(key), "-out", str(csr),
+                      "-subj", f"/O=system:nodes/CN=system:node:{name}"], f"make the client key of node {name}")
+        ca_crt, ca_key = self._client_ca
+        _run_checked(["openssl", "x509", "-req", "-in", str(csr), "-CA", str(ca_crt), "-CAkey", str(ca_key),
+                      "-set_serial", str(secrets.randbits(63)), "-days", "30", "-extfile", str(ext),
+                      "-out", str(crt)], f"sign the client certificate of node {name}")
+        key.chmod(0o600)
+        cfg = {
+            "apiVersion": "v1", "kind": "Config", "current-context": "node",
+            "clusters": [{"name": "local", "cluster": {"server": self.server,
+                                                        "certificate-authority": str(self.ca_file)}}],
+            "users": [{"name": f"system:node:{name}", "user": {"client-certificate": str(crt),
+                                                                "client-key": str(key)}}],
+            "contexts": [{"name": "node", "context": {"cluster": "local", "user": f"system:node:{name}"}}],
+        }
+        tmp = d / "kubeconfig.tmp"
+        tmp.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        tmp.chmod(0o600)
+        tmp.rename(path)
+        return path
+
     # ---- start-up ---------------------------------------------------------------------------------
 
     @property
@@ -312,6 +358,17 @@ class LocalCluster:
         _run_checked(["openssl", "genrsa", "-out", str(key), "2048"], "generate service-account key")
         _run_checked(["openssl", "rsa", "-in", str(key), "-pubout", "-out", str(pub)], "derive service-account public key")
         (d / "tokens.csv").write_text(f'{self.token},admin,admin-uid,"system:masters"\n')
+        if self.node_authorization:
+            # The CA that signs kubelet client certificates (node_kubeconfig).
+            ca_crt, ca_key = self._client_ca
+            _run_checked(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                          "-nodes", "-keyout", str(ca_key), "-out", str(ca_crt), "-days", "30",
+                          "-subj", "/CN=gpu-dra-local-client-ca"], "make the client CA")
+
+    @property
+    def _client_ca(self) -> tuple[Path, Path]:
+        """(certificate, key) of the CA of kubelet client certificates."""
+        return self._dir / "client-ca.crt", self._dir / "client-ca.key"
 
     def _spawn(self, name: str, argv: list[str]) -> _Component:
         log_path = self._dir / "logs" / f"{name}.log"
@@ -355,6 +412,20 @@ class LocalCluster:
 
         self._wait(comp, "etcd /health", probe)
 
+    def _apiserver_access_flags(self) -> list[str]:
+        """Authorization and admission flags; without the options exactly those of a kubelet-less cluster."""
+        authorization = "Node,RBAC" if self.node_authorization else "RBAC"
+        # Pods never run without a kubelet: nothing would mount a token, and the ServiceAccount admission plugin
+        # would race the namespace's default ServiceAccount creation. TaintNodesByCondition taints every new Node
+        # not-ready until the (disabled) node-lifecycle controller clears it.
+        disabled = ["TaintNodesByCondition"] if self.service_accounts else ["ServiceAccount", "TaintNodesByCondition"]
+        flags = [f"--authorization-mode={authorization}", f"--disable-admission-plugins={','.join(disabled)}"]
+        if self.node_authorization:
+            flags += ["--enable-admission-plugins=NodeRestriction", f"--client-ca-file={self._client_ca[0]}"]
+        if self.endpoint_routing:
+            flags.append("--enable-aggregator-routing=true")
+        return flags
+
     def _start_apiserver(self, bin_dir: Path) -> None:
         d = self._dir
         comp = self._spawn("kube-apiserver", [
@@ -365,13 +436,8 @@ class LocalCluster:
             "--service-cluster-ip-range=10.0.0.0/24",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={d / 'sa.pub'}", f"--service-account-signing-key-file={d / 'sa.key'}",
-            f"--token-auth-file={d / 'tokens.csv'}", "--authorization-mode=RBAC",
+            f"--token-auth-file={d / 'tokens.csv'}", *self._apiserver_access_flags(),
             "--allow-privileged=true",
-            # Pods here never run; without a kubelet there is nothing to mount a token into, and the
-            # ServiceAccount admission plugin would race the namespace's default ServiceAccount creation.
-            # TaintNodesByCondition taints every new Node not-ready until the (disabled) node-lifecycle
-            # controller clears it.
-            "--disable-admission-plugins=ServiceAccount,TaintNodesByCondition",
             # The 'kubernetes' Service endpoints would be 127.0.0.1, which Endpoints validation rejects.
             "--endpoint-reconciler-type=none",
             "--profiling=false",

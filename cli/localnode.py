@@ -529,7 +529,9 @@ class LocalNode:
     `cdi_dirs` are containerd's CDI spec directories, where a DRA kubelet plugin writes its specs (default:
     ``cdi`` in the work dir); those that do not exist are created, and removed on stop.
     `workdir` holds everything of the node (default: a new directory under /tmp, removed on stop); sockets
-    live in it, so it must be short. `kubelet_config` is merged over the generated KubeletConfiguration."""
+    live in it, so it must be short. `kubelet_config` is merged over the generated KubeletConfiguration.
+    On a cluster with `node_authorization` the kubelet authenticates as system:node:<name> (a client
+    certificate), else as the cluster's admin."""
 
     def __init__(self, cluster: LocalCluster, name: str | None = None, labels: dict[str, str] | None = None,
                  cdi_dirs: Sequence[Path | str] = (), workdir: Path | str | None = None,
@@ -1023,8 +1025,11 @@ temp = {q(str(d / 'containerd' / 'tmp'))}
 
     def _kubelet_argv(self, bin_dir: Path) -> list[str]:
         d = self._dir
+        # With the Node authorizer the kubelet must be system:node:<name>, as in a real cluster; else the admin.
+        kubeconfig = (self.cluster.node_kubeconfig(self.name) if self.cluster.node_authorization
+                      else self.cluster.kubeconfig)
         argv = [str(bin_dir / "kubelet"), f"--config={d / 'kubelet-config.yaml'}",
-                f"--kubeconfig={self.cluster.kubeconfig}", f"--root-dir={self.root_dir}",
+                f"--kubeconfig={kubeconfig}", f"--root-dir={self.root_dir}",
                 f"--cert-dir={d / 'kubelet-pki'}", f"--hostname-override={self.name}", f"--node-ip={self.node_ip}",
                 f"--v={self.kubelet_verbosity}"]
         if self.labels:

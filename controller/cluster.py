@@ -162,7 +162,11 @@ class ClusterController:
                 log.info("created DeviceClass %s", name)
                 continue
             labels = existing.get("metadata", {}).get("labels") or {}
-            want_labels = desired["metadata"].get("labels") or {}
+            want_labels = dict(desired["metadata"].get("labels") or {})
+            if labels.get(MANAGED_BY_LABEL) not in (None, MANAGED_BY):
+                # Installed by another manager (Helm, from the chart): its label stays. Taking it over made every
+                # `helm upgrade` fail with a server-side apply conflict; such classes are never ours to delete.
+                del want_labels[MANAGED_BY_LABEL]
             if (prune_empty(existing.get("spec", {})) == prune_empty(desired.get("spec", {}))
                     and all(labels.get(k) == v for k, v in want_labels.items())):
                 continue

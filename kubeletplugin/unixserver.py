@@ -25,7 +25,8 @@ class UnixGrpcServer:
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=self._max_workers,
                                                         thread_name_prefix=self._name))
         self._register(server)
-        if server.add_insecure_port(f"unix://{self.path}") == 0:
+        # "unix:<path>", not "unix://<path>": gRPC refuses the URI form two bytes before the AF_UNIX limit.
+        if server.add_insecure_port(f"unix:{self.path}") == 0:
             raise OSError(f"cannot listen on unix socket {self.path}")
         server.start()
         restrict_socket(self.path)

@@ -207,9 +207,19 @@ def test_simulated_fleet_values(tmp_path: Path) -> None:
     config = one(objects, "ConfigMap")
     fleet = yaml.safe_load(config["data"]["fleet.yaml"])
     assert [n["name"] for n in fleet["nodes"]] == ["kind-worker", "kind-worker2"]
-    assert yaml.safe_load(config["data"]["node-policy.yaml"]) == {"default": {"wholeGpu": True}, "rules": []}
+    # No nodePolicy: each fleet node's own policy applies (NODE_POLICY would replace it).
+    assert "node-policy.yaml" not in config["data"] and "NODE_POLICY" not in env_of(c)
+    assert fleet["nodes"][1]["policy"]["default"]["slots"]["strategy"] == "time-slicing"
     for d in (o for o in objects if o["kind"] == "Deployment"):
         assert container(d)["imagePullPolicy"] == "Never"
+
+
+def test_a_node_policy_is_written_and_named_to_the_plugin() -> None:
+    objects = render("--set-json", 'nodePolicy={"default": {"wholeGpu": true}, "rules": [{"match": {"model": "H100"}, '
+                                   '"mig": "dynamic"}]}')
+    assert env_of(container(one(objects, "DaemonSet")))["NODE_POLICY"] == "/etc/gpu-dra/node-policy.yaml"
+    policy = yaml.safe_load(one(objects, "ConfigMap")["data"]["node-policy.yaml"])
+    assert policy == {"default": {"wholeGpu": True}, "rules": [{"match": {"model": "H100"}, "mig": "dynamic"}]}
 
 
 def test_nvidia_compat_mode() -> None:
@@ -243,6 +253,10 @@ def test_explicit_api_endpoint_for_clusters_without_kube_proxy() -> None:
         assert (pod["hostNetwork"], pod["dnsPolicy"]) == (True, "ClusterFirstWithHostNet")
     # The webhook talks to no API server.
     assert "envFrom" not in container(one(objects, "Deployment", "webhook"))
+    # In the node's network its replicas hold a node port each: no surge pod on upgrades (it would find no port).
+    assert "strategy" not in one(objects, "Deployment", "webhook")["spec"]
+    webhook = one(render("--set", "webhook.hostNetwork=true"), "Deployment", "webhook")["spec"]
+    assert webhook["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
     # Changing the endpoint restarts the pods that read it.
     before = one(render(), "DaemonSet")["spec"]["template"]["metadata"]["annotations"]
     after = one(objects, "DaemonSet")["spec"]["template"]["metadata"]["annotations"]

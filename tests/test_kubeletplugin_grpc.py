@@ -28,6 +28,7 @@ from kubeletplugin.registration import RegistrationServer, supported_services
 from kubeletplugin.claims import PreparedDevice, PrepareResult, UnprepareResult
 from kubeletplugin.server import DRAServer
 from kubeletplugin.sockets import MAX_UNIX_PATH, SocketPathError, socket_paths
+from kubeletplugin.unixserver import UnixGrpcServer
 
 DRIVER = "gpu.dra-driver.io"
 
@@ -90,6 +91,22 @@ def test_rolling_update_names_shortened_to_fit_af_unix():
     assert other.registration != p.registration and other.dra != p.dra
     with pytest.raises(SocketPathError, match="longer than"):
         socket_paths(DRIVER, "/" + "y" * 120, "/tmp", pod_uid=uid)
+
+
+def test_a_socket_path_at_the_af_unix_limit_is_served(short_tmp):
+    """socket_paths allows MAX_UNIX_PATH bytes, so the server must bind that long a path (gRPC's "unix://" form
+    failed from 106 bytes on, e.g. under a kubelet root dir in /tmp)."""
+    name = "s" * (MAX_UNIX_PATH - len(str(short_tmp)) - 1)
+    path = short_tmp / name
+    assert len(str(path)) == MAX_UNIX_PATH
+    server = UnixGrpcServer(path, lambda _server: None)
+    server.start()
+    try:
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(str(path))
+    finally:
+        server.stop(0)
+    assert not path.exists()
 
 
 def test_registration_getinfo_and_notify(short_tmp):

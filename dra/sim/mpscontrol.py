@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import signal
 import socket
 import sys
@@ -281,8 +280,9 @@ def write_simulated_mps_control(directory: Path) -> Path:
     # Under another argv[0] Python does not find its environment by itself: hand it this process's path.
     package_root = str(Path(__file__).resolve().parents[2])
     search = ":".join(dict.fromkeys([package_root, *(p for p in sys.path if p and os.path.isdir(p))]))
-    script = (f"#!/bin/bash\nexport PYTHONPATH={shlex.quote(search)}\n"
-              f'exec -a nvidia-cuda-mps-control {shlex.quote(sys.executable)} -m dra.sim.mpscontrol "$@"\n')
+    # Python, not a shell script: the driver image has no shell.
+    script = (f"#!{sys.executable}\nimport os, sys\nos.environ['PYTHONPATH'] = {search!r}\n"
+              f"os.execv({sys.executable!r}, ['nvidia-cuda-mps-control', '-m', 'dra.sim.mpscontrol', *sys.argv[1:]])\n")
     tmp = path.with_suffix(".tmp")
     tmp.write_text(script)
     tmp.chmod(0o755)

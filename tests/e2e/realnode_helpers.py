@@ -58,10 +58,14 @@ def fleet_node(name: str) -> dict[str, Any]:
 
 
 class RealNode:
-    """A LocalCluster, a LocalNode and the plugins running for it. `start` fails the test (never skips)."""
+    """A LocalCluster, a LocalNode and the plugins running for it. `start` fails the test (never skips).
+    `cluster_options` go to LocalCluster (e.g. service_accounts=True), `labels` to the node's kubelet."""
 
-    def __init__(self, kubelet_config: dict[str, Any] | None = None) -> None:
+    def __init__(self, kubelet_config: dict[str, Any] | None = None, *,
+                 cluster_options: dict[str, Any] | None = None, labels: dict[str, str] | None = None) -> None:
         self.kubelet_config = kubelet_config
+        self.cluster_options = dict(cluster_options or {})
+        self.labels = dict(labels or {})
         self.cluster: LocalCluster | None = None
         self.node: LocalNode | None = None
         self.api_client: Any = None
@@ -72,8 +76,8 @@ class RealNode:
     def start(self) -> "RealNode":
         try:
             cleanup_leftovers()
-            self.cluster = LocalCluster().start()
-            self.node = LocalNode(self.cluster, kubelet_config=self.kubelet_config).start()
+            self.cluster = LocalCluster(**self.cluster_options).start()
+            self.node = LocalNode(self.cluster, labels=self.labels, kubelet_config=self.kubelet_config).start()
         except ClusterError as exc:  # NodeError included
             self.stop()
             pytest.fail(f"the real node did not start: {exc}", pytrace=False)
@@ -148,7 +152,21 @@ class RealNode:
     def namespace(self, name: str) -> str:
         assert self.kube is not None
         self.kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+        if self.cluster is not None and self.cluster.service_accounts:
+            # ServiceAccount admission refuses pods until the controller-manager has made the default account.
+            wait_until(lambda: self.exists(f"/api/v1/namespaces/{name}/serviceaccounts/default"), 30,
+                       f"the default ServiceAccount of namespace {name}")
         return name
+
+    def exists(self, path: str) -> bool:
+        assert self.kube is not None
+        try:
+            self.kube.get(path)
+        except ApiError as exc:
+            if exc.not_found:
+                return False
+            raise
+        return True
 
     def apply(self, namespace: str, objects: list[dict[str, Any]]) -> list[str]:
         """Creates the objects, pods made runnable here and pinned to the node; returns the pod names."""

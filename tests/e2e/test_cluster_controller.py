@@ -60,6 +60,31 @@ def test_device_classes_are_created_kept_and_restored(api_client: Any, driver_na
     assert _class_names(api_client, driver_name) == {c["metadata"]["name"] for c in classes[:2]}
 
 
+def test_classes_installed_by_helm_keep_helms_label(api_client: Any, driver_name: str) -> None:
+    """The chart's classes carry Helm's app.kubernetes.io/managed-by: the controller adds its driver label once and
+    leaves Helm's (taking it over made every `helm upgrade` fail with an apply conflict), and never deletes them."""
+    kube = KubeApi(api_client)
+    classes = device_classes(driver_name)
+    for cls in classes:
+        kube.create(DEVICE_CLASSES, {**cls, "metadata": {**cls["metadata"], "labels": {
+            **(cls["metadata"].get("labels") or {}), "app.kubernetes.io/managed-by": "Helm"}}})
+    try:
+        ctl = ClusterController(api_client, driver_name, classes)
+        ctl.reconcile_once()
+        assert ctl.writes_by_operation == {"deviceclass-update": len(classes)}
+        ctl.reconcile_once()
+        assert ctl.writes == len(classes)
+        for cls in classes:
+            labels = kube.get(f"{DEVICE_CLASSES}/{cls['metadata']['name']}")["metadata"]["labels"]
+            assert (labels["app.kubernetes.io/managed-by"], labels[DRIVER_LABEL]) == ("Helm", driver_name)
+        fewer = ClusterController(api_client, driver_name, classes[:2])
+        fewer.reconcile_once()
+        assert fewer.writes == 0
+    finally:
+        for cls in classes:
+            kube.request("DELETE", f"{DEVICE_CLASSES}/{cls['metadata']['name']}")
+
+
 def test_slices_of_vanished_nodes_are_removed(api_client: Any, cluster: Any, driver_name: str) -> None:
     kube = KubeApi(api_client)
     prefix = driver_name.split(".")[0]

@@ -1,0 +1,479 @@
+"""The chart installed the way users install it, on a real node: the image that `make image` builds imported into the
+node's containerd, `helm install` of deploy/helm/gpu-dra-driver, and the DaemonSet's plugin pod running on a real
+kubelet v1.37 + containerd 2 + runc with the node's GPUs simulated (the chart's simulatedFleet).
+
+The local cluster runs with what a real cluster has and a kubelet-less one turns off: ServiceAccount admission (pods
+get projected tokens through TokenRequest), the Node authorizer and NodeRestriction (the kubelet is
+system:node:<name> with a client certificate), and webhooks called at their endpoints (no kube-proxy routes a
+ClusterIP here; `--enable-aggregator-routing`). The chart is told the API server's address (k8sServiceHost and
+k8sServicePort, as on kube-proxy-free clusters) and runs its pods in the node's network (no CNI).
+
+Proven here: the plugin pod runs from the imported image, registers with the kubelet under socket names with its
+pod UID, and publishes the node's slices; the controller and the webhook run, and the webhook pod refuses a bad
+claim; examples run with their devices; the admission policy holds for the plugin's own projected token; `helm
+upgrade` to another tag rolls the plugin while running pods keep their devices and a later delete unprepares;
+`helm uninstall` leaves no slices, classes or CDI specs behind. The tests run in file order on one installation.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client as kclient
+from kubernetes import config as kconfig
+
+from api.names import DEFAULT_DRIVER_NAME
+from cli.localcluster import free_port
+from cli.nodeplugin import LocalNodePlugin, NodePluginError
+from helmchart import CHART, helm
+from kube.client import DEVICE_CLASSES, SLICES, ApiError, KubeApi
+from kubeletplugin.sockets import socket_paths
+from realnode_helpers import EXAMPLES, RealNode, fleet_node, load_objects
+from standin.workloads import wait_until
+from test_realnode_examples import Checked, check_pod, finish
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+RELEASE = "gpu-dra"
+NAMESPACE = "gpu-dra"
+FULLNAME = f"{RELEASE}-gpu-dra-driver"
+DRIVER = DEFAULT_DRIVER_NAME
+GPU_LABEL = {"nvidia.com/gpu.present": "true"}
+UPGRADE_TAG = "0.1.1"
+PODS = "/api/v1/namespaces/{ns}/pods"
+
+
+def build_image() -> tuple[str, Path]:
+    """(name:tag, archive) of `make image`: hack/build-image.py reports them on its last line (cached: under a
+    second when nothing changed, about 30 s cold)."""
+    proc = subprocess.run([sys.executable, str(REPO / "hack" / "build-image.py"), "build"], capture_output=True,
+                          text=True, timeout=1800, env={**os.environ, "IMAGE_TAG": "", "IMAGE_REPOSITORY": ""})
+    assert proc.returncode == 0, f"hack/build-image.py build failed:\n{proc.stderr[-3000:]}"
+    name, path = proc.stdout.strip().splitlines()[-1].split()
+    return name, Path(path)
+
+
+class ChartPlugin(LocalNodePlugin):
+    """The DaemonSet's plugin on the real node, seen from the host: its state directory (a hostPath at the same
+    path), its metrics on the node's network (hostNetwork), its log from the kubelet's CRI log files. The kubelet
+    runs the process; this class never starts or stops it."""
+
+    def __init__(self, real: RealNode, metrics_port: int, driver_root: Path) -> None:
+        # Not LocalNodePlugin.__init__: it makes directories for a process of its own.
+        assert real.node is not None and real.kube is not None and real.fleet is not None
+        self.real, self.node, self.kube = real, real.node, real.kube
+        self.fleet = real.fleet
+        self.driver = DRIVER
+        self.extra_args, self.log_level, self.env = [], "info", {}
+        self.state_dir = Path(self.node.plugins_dir) / DRIVER   # the chart's default: the plugin directory
+        self.base = self.state_dir                              # MPS daemons' environment names it
+        self.driver_root = driver_root
+        self.metrics_port = metrics_port
+        self.proc, self.starts = None, 0
+
+    def start(self) -> "ChartPlugin":
+        raise NodePluginError("the kubelet runs the chart's plugin")
+
+    def pod(self) -> dict[str, Any] | None:
+        """The DaemonSet's current pod (not one being deleted)."""
+        pods = self.kube.list(PODS.format(ns=NAMESPACE), label_selector="app.kubernetes.io/component=kubelet-plugin")
+        live = [p for p in pods["items"] if not p["metadata"].get("deletionTimestamp")]
+        return live[0] if live else None
+
+    def running_pod(self) -> dict[str, Any]:
+        pod = self.pod()
+        if pod is None or pod["status"].get("phase") != "Running" or not all(
+                "running" in (s.get("state") or {}) for s in pod["status"].get("containerStatuses") or [{}]):
+            status = json.dumps((pod or {}).get("status"))[:1500]
+            raise NodePluginError(f"the chart's plugin pod is not running: {status}\n--- plugin log ---\n"
+                                  f"{self.log_tail()}")
+        return pod
+
+    def check_alive(self) -> None:
+        self.running_pod()
+
+    def log_tail(self, lines: int = 40) -> str:
+        pod = self.pod()
+        if pod is None:
+            return "(no plugin pod)"
+        try:
+            text = self.node.container_log(NAMESPACE, pod["metadata"]["name"], "plugin")
+        except Exception as exc:  # noqa: BLE001 - only for messages
+            return f"(no log: {exc})"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def sockets(self) -> list[Path]:
+        """The plugin sockets in the kubelet's registry directory and in the plugin directory (only this driver registers here)."""
+        return sorted([*Path(self.node.plugins_registry_dir).glob("*-reg.sock"),
+                       *self.state_dir.glob("dra*.sock")])
+
+
+class Installation:
+    """The cluster, the node, the imported image and the chart's release."""
+
+    def __init__(self, real: RealNode, image: str, values: Path, plugin: ChartPlugin, controller_port: int,
+                 webhook_port: int) -> None:
+        self.real, self.image, self.values, self.plugin = real, image, values, plugin
+        self.controller_port, self.webhook_port = controller_port, webhook_port
+
+    @property
+    def kube(self) -> KubeApi:
+        assert self.real.kube is not None
+        return self.real.kube
+
+    def helm(self, *args: str) -> subprocess.CompletedProcess[str]:
+        assert self.real.cluster is not None
+        return helm(*args, "--kubeconfig", str(self.real.cluster.kubeconfig), "--namespace", NAMESPACE)
+
+    def component_pod(self, component: str, timeout: float = 60.0, ready: bool = False) -> dict[str, Any]:
+        """The running (and, with `ready`, Ready) pod of a chart component, on the real node."""
+        assert self.real.node is not None
+        node = self.real.node
+
+        def running() -> dict[str, Any] | None:
+            node.check_running()
+            for pod in self.kube.list(PODS.format(ns=NAMESPACE),
+                                      label_selector=f"app.kubernetes.io/component={component}")["items"]:
+                conditions = {c["type"]: c["status"] for c in pod["status"].get("conditions") or []}
+                if pod["status"].get("phase") == "Running" and not pod["metadata"].get("deletionTimestamp") \
+                        and (not ready or conditions.get("Ready") == "True"):
+                    return pod
+            return None
+
+        try:
+            return wait_until(running, timeout, f"a running {component} pod")
+        except AssertionError as exc:
+            pods = self.kube.list(PODS.format(ns=NAMESPACE))["items"]
+            events = {p["metadata"]["name"]: self.real.events(NAMESPACE, p["metadata"]["name"]) for p in pods}
+            raise AssertionError(f"{exc}\npods: {json.dumps({n: p['status'] for n, p in zip(events, pods)})[:3000]}\n"
+                                 f"events: {events}\n{node.logs_tail(15)}") from None
+
+
+def chart_values(real: RealNode, image: str, plugin_port: int, controller_port: int, webhook_port: int,
+                 driver_root: Path) -> dict[str, Any]:
+    """The values for this cluster: the imported image never pulled, the API server's address, the node's
+    network, paths under the node's kubelet root and CDI directory, the simulated fleet for the node."""
+    assert real.node is not None and real.cluster is not None
+    repository, tag = image.rsplit(":", 1)
+    on_the_node = {"kubernetes.io/hostname": real.node.name}
+    return {
+        "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
+        # No kube-proxy: the `kubernetes` Service's ClusterIP goes nowhere; the API server listens on loopback,
+        # which pods in the node's network reach.
+        "k8sServiceHost": "127.0.0.1", "k8sServicePort": real.cluster.ports["apiserver"],
+        "kubeletDir": str(real.node.root_dir), "cdiRoot": str(real.node.cdi_dirs[0]), "driverRoot": str(driver_root),
+        # As in deploy/kind/values-simulated.yaml: the node's policy in its fleet entry, no nodePolicy.
+        "simulatedFleet": {"nodes": [fleet_node(real.node.name)]},
+        # Ports are node ports with hostNetwork: free ones of this host.
+        "kubeletPlugin": {"hostNetwork": True, "metricsPort": plugin_port, "nodeSelector": GPU_LABEL},
+        "controller": {"hostNetwork": True, "metricsPort": controller_port, "nodeSelector": on_the_node},
+        # One replica: two would need the same node port on the one node.
+        "webhook": {"hostNetwork": True, "port": webhook_port, "replicas": 1, "nodeSelector": on_the_node},
+    }
+
+
+@pytest.fixture(scope="module")
+def installed() -> Iterator[Installation]:
+    t0 = time.monotonic()
+    image, archive = build_image()
+    print(f"\nmake image: {time.monotonic() - t0:.1f}s")
+    real = RealNode(cluster_options={"service_accounts": True, "node_authorization": True, "endpoint_routing": True},
+                    labels=GPU_LABEL).start()
+    try:
+        assert real.node is not None and real.node.workdir is not None
+        node = real.node
+        # As `kind load image-archive` does it: the OCI archive into the CRI namespace of the node's containerd.
+        node.ctr("images", "import", "--snapshotter", node.snapshotter, str(archive), timeout=180)
+        repository = image.rsplit(":", 1)[0]
+        node.ctr("images", "tag", "--force", image, f"{repository}:{UPGRADE_TAG}")
+        names = node.ctr("images", "ls", "-q").stdout.split()
+        assert image in names and f"{repository}:{UPGRADE_TAG}" in names, names
+        driver_root = node.workdir / "driver-root"   # a simulated node has no driver files
+        driver_root.mkdir()
+        # The chart mounts the driver root with HostToContainer propagation, which containerd allows only from a
+        # shared or slave mount, as / is on systemd hosts; here / is private. Node.stop unmounts it.
+        for argv in (["mount", "--bind", driver_root, driver_root], ["mount", "--make-shared", driver_root]):
+            subprocess.run(argv, check=True, capture_output=True)
+        ports = (free_port(), free_port(), free_port())
+        values = node.workdir / "values.yaml"
+        values.write_text(yaml.safe_dump(chart_values(real, image, *ports, driver_root), sort_keys=False))
+        inst = Installation(real, image, values, ChartPlugin(real, ports[0], driver_root), ports[1], ports[2])
+        proc = inst.helm("install", RELEASE, str(CHART), "--create-namespace", "-f", str(values))
+        assert proc.returncode == 0, proc.stderr
+        print(f"\ncluster, node, image import and helm install: {time.monotonic() - t0:.1f}s")
+        yield inst
+    finally:
+        try:
+            if real.cluster is not None and real.kube is not None:
+                helm("uninstall", RELEASE, "--kubeconfig", str(real.cluster.kubeconfig), "--namespace", NAMESPACE,
+                     "--ignore-not-found")
+        finally:
+            real.stop()
+
+
+def token_client(real: RealNode, token: str) -> KubeApi:
+    assert real.cluster is not None
+    conf = kclient.Configuration()
+    conf.host = real.cluster.server
+    conf.ssl_ca_cert = str(real.cluster.ca_file)
+    conf.api_key = {"authorization": f"Bearer {token}"}
+    return KubeApi(kclient.ApiClient(conf))
+
+
+def claims_of(token: str) -> dict[str, Any]:
+    payload = token.split(".")[1]
+    return dict(json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4))))
+
+
+# ---- the local cluster's options ------------------------------------------------------------------
+
+
+def test_the_kubelet_is_its_node_and_may_change_only_that_node(installed: Installation) -> None:
+    """Node authorizer and NodeRestriction: the kubelet's identity is system:node:<name>; it may patch its own Node
+    but not another one, nor set a node-restriction.kubernetes.io label (both refusals are NodeRestriction's)."""
+    cluster, node = installed.real.cluster, installed.real.node
+    assert cluster is not None and node is not None
+    kubeconfig = cluster.node_kubeconfig(node.name)
+    whoami = json.loads(cluster.kubectl("auth", "whoami", "-o", "json", "--kubeconfig", str(kubeconfig)).stdout)
+    assert whoami["status"]["userInfo"]["username"] == f"system:node:{node.name}"
+    assert "system:nodes" in whoami["status"]["userInfo"]["groups"]
+    kubelet = KubeApi(kconfig.new_client_from_config(config_file=str(kubeconfig)))
+    other = "restricted-node-b"
+    cluster.add_node(other)
+
+    def label(name: str, key: str) -> dict[str, Any]:
+        return kubelet.request("PATCH", f"/api/v1/nodes/{name}", body={"metadata": {"labels": {key: "kubelet"}}},
+                               content_type="application/merge-patch+json")
+
+    try:
+        label(node.name, "example.com/patched-by")
+        with pytest.raises(ApiError, match=f'node "{node.name}" is not allowed to modify node "{other}"'):
+            label(other, "example.com/patched-by")
+        with pytest.raises(ApiError, match="is not allowed to modify labels: node-restriction.kubernetes.io/x"):
+            label(node.name, "node-restriction.kubernetes.io/x")
+    finally:
+        cluster.delete_node(other)
+        kubelet.api_client.close()
+
+
+# ---- install --------------------------------------------------------------------------------------
+
+
+def test_the_plugin_pod_runs_the_imported_image_registers_and_publishes(installed: Installation) -> None:
+    plugin, node = installed.plugin, installed.real.node
+    assert node is not None
+    pod = installed.component_pod("kubelet-plugin", timeout=90)
+    assert pod["spec"]["nodeName"] == node.name
+    status, = pod["status"]["containerStatuses"]
+    # imagePullPolicy Never: it can only have run from the image imported into the node's containerd.
+    assert status["image"] == installed.image and pod["spec"]["containers"][0]["imagePullPolicy"] == "Never"
+    try:
+        plugin.wait_registered(60)
+    except NodePluginError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    # Rolling-update socket names: both carry the pod's UID.
+    uid = pod["metadata"]["uid"]
+    expected = socket_paths(DRIVER, node.plugins_registry_dir, plugin.state_dir, uid)
+    assert plugin.sockets() == sorted([expected.registration, expected.dra])
+    devices = installed.real.devices(plugin)
+    kinds = {a["type"] for a in devices.values()}
+    assert kinds == {"gpu", "mig", "slot", "shared"}, kinds
+    assert plugin.sim_state.is_file(), "the simulated GPUs keep their state in the hostPath state directory"
+
+
+def test_the_controller_and_the_webhook_run(installed: Installation) -> None:
+    installed.component_pod("controller")
+    with urllib.request.urlopen(f"http://127.0.0.1:{installed.controller_port}/healthz", timeout=5) as resp:
+        assert resp.status == 200
+    webhook = installed.component_pod("webhook", ready=True)
+    classes = [c["metadata"]["name"] for c in installed.kube.list(DEVICE_CLASSES)["items"]]
+    assert len([c for c in classes if c.endswith(DRIVER)]) == 8, classes
+
+    def endpoints() -> list[str]:
+        slices = installed.kube.list(f"/apis/discovery.k8s.io/v1/namespaces/{NAMESPACE}/endpointslices",
+                                     label_selector=f"kubernetes.io/service-name={FULLNAME}-webhook")["items"]
+        return [a for s in slices for e in s.get("endpoints") or [] if (e.get("conditions") or {}).get("ready")
+                for a in e["addresses"]]
+
+    # The API server calls the webhook at this address (endpoint routing): the pod's, which is the node's.
+    assert wait_until(endpoints, 30, "the webhook's ready endpoint") == [webhook["status"]["podIP"]]
+
+
+def test_a_claim_with_a_bad_config_is_refused_by_the_webhook_pod(installed: Installation, tmp_path: Path) -> None:
+    cluster = installed.real.cluster
+    assert cluster is not None
+    template, _pod = load_objects(EXAMPLES / "mps-slot" / "claim.yaml")
+    template["spec"]["spec"]["devices"]["config"][0]["opaque"]["parameters"]["sharing"]["mps"][
+        "activeThreadPercentage"] = 150
+    path = tmp_path / "claim.yaml"
+    path.write_text(yaml.safe_dump(template))
+    installed.real.namespace("bad-config")
+    proc = cluster.kubectl("apply", "-n", "bad-config", "-f", str(path), check=False)
+    assert proc.returncode != 0
+    assert f'admission webhook "resourceclaimtemplates.{DRIVER}" denied the request' in proc.stderr, proc.stderr
+    assert "spec.spec.devices.config[0].opaque.parameters.sharing.mps.activeThreadPercentage: must be between 1 " \
+           "and 100, got 150" in proc.stderr, proc.stderr
+    # The valid example is admitted.
+    proc = cluster.kubectl("apply", "-n", "bad-config", "-f", str(EXAMPLES / "mps-slot" / "claim.yaml"),
+                           "--dry-run=server", check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+# ---- workloads ------------------------------------------------------------------------------------
+
+
+def run_example(installed: Installation, example: str) -> tuple[str, list[str], list[Checked]]:
+    namespace = f"chart-{example}"
+    installed.real.namespace(namespace)
+    pods = installed.real.apply(namespace, load_objects(EXAMPLES / example / "claim.yaml"))
+    for pod in pods:
+        installed.real.wait_running(namespace, pod)
+    return namespace, pods, [check_pod(installed.real, installed.plugin, namespace, p) for p in pods]
+
+
+@pytest.mark.parametrize("example", ["gpu-by-family", "mps-slot"])
+def test_an_example_runs_with_its_devices(installed: Installation, example: str) -> None:
+    namespace, pods, checked = run_example(installed, example)
+    finish(installed.real, installed.plugin, namespace, pods, checked)
+
+
+def test_the_admission_policy_holds_for_the_plugins_own_token(installed: Installation) -> None:
+    """The DaemonSet pod's projected token (read on the host, where the kubelet wrote it) is bound to the pod and
+    its node: with it, the plugin may write its own node's slices and no other's, and only in its own pool and
+    under its own driver name."""
+    real, plugin = installed.real, installed.plugin
+    assert real.node is not None and real.cluster is not None
+    pod = plugin.running_pod()
+    tokens = list((Path(real.node.root_dir) / "pods" / pod["metadata"]["uid"] / "volumes").glob(
+        "kubernetes.io~projected/kube-api-access-*/token"))
+    assert len(tokens) == 1, tokens
+    token = tokens[0].read_text()
+    claims = claims_of(token)["kubernetes.io"]
+    assert (claims["serviceaccount"]["name"], claims["node"]["name"], claims["pod"]["uid"]) == (
+        f"{FULLNAME}-kubelet-plugin", real.node.name, pod["metadata"]["uid"])
+    a, b, other = real.node.name, "policy-node-b", "other.example.com"
+    as_plugin = token_client(real, token)
+    real.cluster.add_node(b)
+    try:
+        theirs = installed.kube.create(SLICES, slice_body(f"{b}-by-admin", b, b, DRIVER))
+        own = as_plugin.create(SLICES, slice_body(f"{a}-extra", a, a, DRIVER))
+        as_plugin.delete(SLICES, own["metadata"]["name"])
+        for name, node, pool, driver, says in (
+                (f"{a}-on-b", b, b, DRIVER, f"may only write ResourceSlices of its own node, not slices of node {b}"),
+                (f"{a}-in-b", a, b, DRIVER, f"may only write ResourceSlices of pool {a} (its node), not of pool {b}"),
+                (f"{a}-other", a, a, other, f"may only write ResourceSlices of that driver, not of driver {other}")):
+            assert says in refused(lambda: as_plugin.create(SLICES, slice_body(name, node, pool, driver)))
+        theirs["metadata"]["labels"] = {"changed-by": a}
+        refused(lambda: as_plugin.replace(SLICES, theirs))
+        refused(lambda: as_plugin.delete(SLICES, theirs["metadata"]["name"]))
+        assert installed.kube.get(f"{SLICES}/{b}-by-admin")["metadata"].get("labels") is None
+    finally:
+        installed.kube.request("DELETE", f"{SLICES}/{b}-by-admin")
+        real.cluster.delete_node(b)
+        as_plugin.api_client.close()
+
+
+def slice_body(name: str, node: str, pool: str, driver: str) -> dict[str, Any]:
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": name},
+            "spec": {"driver": driver, "nodeName": node,
+                     "pool": {"name": pool, "generation": 1, "resourceSliceCount": 1},
+                     "devices": [{"name": "gpu-0", "attributes": {"type": {"string": "gpu"}}}]}}
+
+
+def refused(call: Any) -> str:
+    """The message of the admission policy's refusal (422 Invalid, naming the ValidatingAdmissionPolicy)."""
+    with pytest.raises(ApiError) as err:
+        call()
+    assert err.value.status == 422 and "ValidatingAdmissionPolicy" in err.value.message, err.value
+    return err.value.message
+
+
+# ---- upgrade and uninstall ------------------------------------------------------------------------
+
+
+def test_helm_upgrade_rolls_the_plugin_and_running_pods_keep_their_devices(installed: Installation) -> None:
+    real, plugin, node = installed.real, installed.plugin, installed.real.node
+    assert node is not None
+    running = [run_example(installed, e) for e in ("mig-partition", "time-slicing-slot")]
+    containers = {(ns, p): node.container_ids(ns, p) for ns, pods, _ in running for p in pods}
+    old = plugin.running_pod()
+    slices_before = {d: a for d, a in real.devices(plugin).items()}
+
+    proc = installed.helm("upgrade", RELEASE, str(CHART), "--reuse-values", "--set", f"image.tag={UPGRADE_TAG}")
+    assert proc.returncode == 0, proc.stderr
+    repository = installed.image.rsplit(":", 1)[0]
+
+    def rolled() -> dict[str, Any] | None:
+        pod = plugin.pod()
+        if pod is None or pod["metadata"]["uid"] == old["metadata"]["uid"] or pod["status"].get("phase") != "Running":
+            return None
+        return pod
+
+    new = wait_until(rolled, 90, "the DaemonSet's new plugin pod")
+    # The same archive under a second tag: the image ID is the same (containerd reports either tag as the image).
+    assert new["spec"]["containers"][0]["image"] == f"{repository}:{UPGRADE_TAG}"
+    assert new["status"]["containerStatuses"][0]["imageID"] == old["status"]["containerStatuses"][0]["imageID"]
+    try:
+        plugin.wait_registered(60)
+    except NodePluginError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    expected = socket_paths(DRIVER, node.plugins_registry_dir, plugin.state_dir, new["metadata"]["uid"])
+    wait_until(lambda: plugin.sockets() == sorted([expected.registration, expected.dra]), 30,
+               f"only the new pod's sockets (now: {plugin.sockets()})")
+    assert real.devices(plugin).keys() == slices_before.keys()
+    # The webhook rolls too, although its one replica holds the node port (no surge pod with hostNetwork).
+    def webhook_images() -> list[tuple[str, bool]]:
+        pods = installed.kube.list(PODS.format(ns=NAMESPACE), label_selector="app.kubernetes.io/component=webhook")
+        return [(p["spec"]["containers"][0]["image"], any(
+            c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions") or []))
+            for p in pods["items"]]
+
+    wait_until(lambda: webhook_images() == [(f"{repository}:{UPGRADE_TAG}", True)], 60,
+               f"the webhook to run the new image alone (now: {webhook_images()})")
+
+    # The pods ran through it: same containers, never restarted, their tasks still running in containerd.
+    tasks = node.running_tasks()
+    for (ns, name), ids in containers.items():
+        pod = real.pod(ns, name)
+        assert pod["status"]["phase"] == "Running" and node.container_ids(ns, name) == ids
+        assert all(s["restartCount"] == 0 for s in pod["status"]["containerStatuses"])
+        assert set(ids.values()) <= set(tasks), (ids, tasks)
+    # ... and still see their devices; deleting them now makes the new plugin unprepare what the old one prepared.
+    for ns, pods, checked in running:
+        assert [check_pod(real, plugin, ns, p).claim_uids for p in pods] == [c.claim_uids for c in checked]
+    for ns, pods, _ in running[:-1]:
+        for pod_name in pods:
+            real.delete_pod(ns, pod_name)
+    ns, pods, _ = running[-1]
+    finish(real, plugin, ns, pods, [c for _, _, checked in running for c in checked])
+
+
+def test_helm_uninstall_leaves_no_slices_classes_or_cdi_specs(installed: Installation) -> None:
+    real, plugin = installed.real, installed.plugin
+    assert real.cluster is not None
+    proc = installed.helm("uninstall", RELEASE)
+    assert proc.returncode == 0, proc.stderr
+    assert not [c for c in installed.kube.list(DEVICE_CLASSES)["items"] if c["metadata"]["name"].endswith(DRIVER)]
+    for kind, name in (("validatingwebhookconfiguration", f"{FULLNAME}-webhook"),
+                       ("validatingadmissionpolicy", f"{FULLNAME}-resourceslices"),
+                       ("clusterrole", f"{FULLNAME}-kubelet-plugin")):
+        assert real.cluster.kubectl("get", kind, name, check=False).returncode != 0, f"{kind} {name} left behind"
+    wait_until(lambda: not installed.kube.list(PODS.format(ns=NAMESPACE))["items"], 60, "the chart's pods to be gone")
+    assert plugin.sockets() == [], "the plugin's sockets are left behind"
+    # The kubelet wipes the slices of a driver whose plugin has been gone for 30 s (its wiping delay).
+    t0 = time.monotonic()
+    wait_until(lambda: not installed.kube.list(SLICES, field_selector=f"spec.driver={DRIVER}")["items"], 60,
+               "the kubelet to wipe the driver's ResourceSlices")
+    print(f"\nslices wiped {time.monotonic() - t0:.1f}s after the plugin pod was gone")
+    assert real.cdi_files() == [], "CDI specs left behind"
