@@ -280,6 +280,40 @@ def test_two_containers_share_one_claim(real: RealNode, ours: LocalNodePlugin) -
     finish(real, ours, "two-containers", pods, checked)
 
 
+def mps_template(name: str, parent_uuid: str, threads: int, memory: str) -> dict[str, Any]:
+    """A template for one MPS slot of the GPU `parent_uuid` with its own client limits."""
+    a = f"device.attributes['{DEFAULT_DRIVER_NAME}']"
+    template = claim_template(name, f"slot.{DEFAULT_DRIVER_NAME}",
+                              f"{a}.sharing == 'mps' && {a}.parentUUID == '{parent_uuid}'")
+    template["spec"]["spec"]["devices"]["config"] = [{"requests": ["gpu"], "opaque": {
+        "driver": DEFAULT_DRIVER_NAME,
+        "parameters": {"apiVersion": f"{DEFAULT_DRIVER_NAME}/v1alpha1", "kind": "GpuConfig",
+                       "sharing": {"strategy": "MPS",
+                                   "mps": {"activeThreadPercentage": threads, "pinnedMemoryLimit": memory}}}}}]
+    return template
+
+
+def test_two_pods_on_mps_slots_of_one_gpu_are_clients_of_one_daemon(real: RealNode, ours: LocalNodePlugin) -> None:
+    """Two pods, each with its own claim on an MPS slot of the same GPU: both run, each container's environment
+    carries its own claim's limits, and both wrote into the pipe directory of the one daemon serving that GPU."""
+    slots = [a for a in real.devices(ours).values() if a["type"] == "slot" and a.get("sharing") == "mps"]
+    assert slots, "the node publishes no MPS slot"
+    parent = slots[0]["parentUUID"]
+    namespace = "mps-two-pods"
+    pods, checked = run_and_check(real, ours, namespace, [
+        mps_template("mps-a", parent, 30, "8Gi"), mps_template("mps-b", parent, 60, "12Gi"),
+        pod_with("mps-a", "mps-a", ["cuda"]), pod_with("mps-b", "mps-b", ["cuda"])])
+    a, b = (real.view(namespace, p, "cuda").env for p in ("mps-a", "mps-b"))
+    assert (a["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], a["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]) == ("30", "0=8192M"), a
+    assert (b["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], b["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]) == ("60", "0=12288M"), b
+    assert a["NVIDIA_VISIBLE_DEVICES"] == b["NVIDIA_VISIBLE_DEVICES"] == parent
+    # check_pod found each container's markers in a running daemon's pipe directory: the same one for both.
+    pipes = {c.mps_dirs[0] for c in checked}
+    assert len(pipes) == 1, f"the two pods are clients of different daemons: {pipes}"
+    assert len(ours.mps_daemons()) == 1, ours.mps_daemons()
+    finish(real, ours, namespace, pods, checked)
+
+
 # ---- NVIDIA compatibility mode --------------------------------------------------------------------
 
 COMPAT = EXAMPLES / "nvidia-compat"
