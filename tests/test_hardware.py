@@ -426,6 +426,42 @@ def test_real_tools_mps_daemon_lifecycle(programs, tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
+def test_the_simulated_program_refuses_what_the_real_one_refuses(programs, tmp_path):
+    """The simulated nvidia-cuda-mps-control reads the simulated node's state file: a second control daemon for a
+    GPU in EXCLUSIVE_PROCESS compute mode is refused (one process may hold such a GPU), so is a pinned memory
+    limit above the device's memory; at the device's memory it is accepted."""
+    from dra.model.catalog import get_model
+    from dra.sim.fleet import nvml_for_node, parse_fleet
+    from dra.sim.mpscontrol import STATE_ENV
+
+    state = tmp_path / "gpus.json"
+    fleet = parse_fleet({"nodes": [{"name": "n", "gpus": [{"model": "H100-80GB", "count": 1}]}]})
+    nvml = nvml_for_node(fleet.node("n"), state_file=state)
+    nvml.nvmlInit()
+    uuid, = nvml.gpu_uuids
+    memory = get_model("H100-80GB").memory_mib
+    SimulatedSharingControl(nvml=nvml).set_compute_mode(uuid, "EXCLUSIVE_PROCESS")
+    tools = NvidiaSmiSharingControl(mps_control=str(programs / "nvidia-cuda-mps-control"),
+                                    env={STATE_ENV: str(state)}, timeout_s=10, isolate_shm=False)
+    specs = []
+    for name in ("a", "b"):
+        (tmp_path / f"pipe-{name}").mkdir()
+        (tmp_path / f"log-{name}").mkdir()
+        specs.append(MpsDaemonSpec(str(tmp_path / f"pipe-{name}"), str(tmp_path / f"log-{name}"), (uuid,)))
+    try:
+        tools.start_mps_daemon(specs[0])
+        with pytest.raises(SharingError, match="EXCLUSIVE_PROCESS"):
+            tools.start_mps_daemon(specs[1])
+        with pytest.raises(SharingError, match="exceeds"):
+            tools.mps_command(specs[0].pipe_dir, f"set_default_device_pinned_mem_limit {uuid} {memory + 1}M")
+        tools.mps_command(specs[0].pipe_dir, f"set_default_device_pinned_mem_limit {uuid} {memory}M")
+        assert tools.mps_command(specs[0].pipe_dir, f"get_default_device_pinned_mem_limit {uuid}") == f"{memory}M"
+    finally:
+        for spec in specs:
+            for pid in tools._daemon_pids(spec.pipe_dir):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_the_control_program_is_never_pointed_at_a_planted_socket(programs, tmp_path):
     tools = real_tools(programs, tmp_path)
     pipe, logs = tmp_path / "pipe", tmp_path / "log"
