@@ -57,6 +57,7 @@ from kubeletplugin.claimstatus import ClaimStatusReporter, ClaimStatusWriter
 from kubeletplugin.keyedlocks import KeyedLocks
 from kubeletplugin.deviceactions import Applied, ClaimActions, DeviceCatalog, MigListener, PrepareError
 from kubeletplugin.metrics import PluginMetrics
+from kubeletplugin.options import MAX_PARALLEL_CLAIMS
 from kubeletplugin.plan import DevicePlan, plan_claim
 from kubeletplugin.recovery import StartupReport, recover_at_start
 from kubeletplugin.claims import PreparedDevice, PrepareResult, UnprepareResult
@@ -112,7 +113,7 @@ class Driver:
         time_slicing: TimeSlicing,
         compat_nvidia: bool = False,
         metrics: PluginMetrics | None = None,
-        max_parallel: int = 64,
+        max_parallel: int = MAX_PARALLEL_CLAIMS,
         call_budget_s: float = 30.0,
         serialize_lock: Path | str | None = None,
         mig_listener: MigListener | None = None,

@@ -10,6 +10,9 @@ from dra.node.bootid import DEFAULT_BOOT_ID_PATH
 from kubeletplugin.sockets import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
 
 SIMULATED_STATE_FILE = "simulated-gpus.json"
+# Claims of one call prepared side by side. They are I/O-bound and wait only for the GPUs they share, so the
+# bound is high: a kubelet call with hundreds of claims still answers well inside its 45 s deadline.
+MAX_PARALLEL_CLAIMS = 64
 
 
 @dataclass
@@ -41,7 +44,7 @@ class PluginOptions:
     mps_cgroup_procs: tuple[str, ...] = ()  # cgroup.procs files MPS daemons move into (outside this container)
     health_quiet_period: float = 300.0     # XID/ECC taints go after this many seconds without a new event (0: never)
     publish_failure_grace: float = 300.0   # /healthz turns unhealthy when a pool's slices fail this long
-    max_parallel: int = 8
+    max_parallel: int = MAX_PARALLEL_CLAIMS
 
     @property
     def plugin_directory(self) -> Path:

@@ -286,7 +286,8 @@ def test_slices_are_published_only_once_the_kubelet_confirms_the_registration(ba
 
         notify_registered(plugin)
         deadline = time.monotonic() + 5
-        while plugin.slices is None and time.monotonic() < deadline:
+        # The publisher exists a moment before it is handed the pool: wait for both.
+        while (plugin.slices is None or not plugin.slices._desired) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert plugin.slices is not None and set(plugin.slices._desired or {}) == {NODE}
         assert resyncs == []                                    # the first registration starts the publisher
