@@ -35,6 +35,12 @@ _STRING_FLAGS: dict[str, tuple[str, str | None, str]] = {
     "--sim-state": ("SIM_STATE", None, "simulated node: file where the GPUs' MIG instances, MIG and compute modes "
                                        "outlive plugin restarts as on hardware (default "
                                        "<state-dir>/simulated-gpus.json; 'none': in memory only)"),
+    "--mps-cgroup": ("MPS_CGROUP", "", "a cgroup, as a path below the host's cgroup root (e.g. gpu-dra-mps), that MPS "
+                                       "daemons join in every hierarchy under --mps-cgroup-root, created where "
+                                       "missing, so a container restart does not end them; needs the host's PID "
+                                       "namespace where the container has a private cgroup namespace (empty: off)"),
+    "--mps-cgroup-root": ("MPS_CGROUP_ROOT", "/sys/fs/cgroup",
+                          "where this process sees the host's cgroup hierarchies (its /sys/fs/cgroup mounted here)"),
     "--boot-id-path": ("BOOT_ID_PATH", "/proc/sys/kernel/random/boot_id", "kernel boot ID file (reboot detection)"),
 }
 
@@ -95,7 +101,16 @@ def options_from_args(args: argparse.Namespace) -> "PluginOptions":  # noqa: F82
         health_interval=args.health_interval, boot_id_path=args.boot_id_path,
         health_quiet_period=args.health_quiet_period,
         mps_cgroup_procs=tuple(p for p in args.mps_cgroup_procs.split(",") if p),
+        mps_cgroup=_cgroup_path(args.mps_cgroup or ""), mps_cgroup_root=args.mps_cgroup_root,
     )
+
+
+def _cgroup_path(path: str) -> str:
+    """A cgroup below the root: '/a/b' and 'a/b' alike, never '.' or '..' ("": off)."""
+    parts = [p for p in path.strip().split("/") if p]
+    if any(p in (".", "..") for p in parts) or (path.strip() and not parts):
+        raise ValueError(f"--mps-cgroup {path!r}: must name a cgroup below the cgroup root, without '.' or '..'")
+    return "/".join(parts)
 
 
 def run(args: argparse.Namespace) -> int:

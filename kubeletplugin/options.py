@@ -42,6 +42,8 @@ class PluginOptions:
     mps_supervise_interval: float = 5.0
     health_wait_ms: int = 1000             # NVML event wait per monitor round (bounds shutdown time)
     mps_cgroup_procs: tuple[str, ...] = ()  # cgroup.procs files MPS daemons move into (outside this container)
+    mps_cgroup: str = ""                   # cgroup (below mps_cgroup_root) MPS daemons join, made where missing
+    mps_cgroup_root: str = "/sys/fs/cgroup"  # where this process sees the host's cgroup hierarchies
     health_quiet_period: float = 300.0     # XID/ECC taints go after this many seconds without a new event (0: never)
     publish_failure_grace: float = 300.0   # /healthz turns unhealthy when a pool's slices fail this long
     max_parallel: int = MAX_PARALLEL_CLAIMS

@@ -236,14 +236,21 @@ class KubeletPlugin:
             # processes of the simulated nvidia-cuda-mps-control, driven like the real one.
             program = write_simulated_mps_control(self.options.state_directory / "sim-tools")
             # The daemons are real processes of this machine: found in its own /proc, not the driver root's.
-            mps = NvidiaSmiSharingControl(mps_control=str(program), env={MPS_STATE_ENV: str(state_file)})
+            mps = NvidiaSmiSharingControl(mps_control=str(program), env={MPS_STATE_ENV: str(state_file)},
+                                          **self._mps_cgroup_options(proc_root="/proc"))
             return SimulatedSharingControl(nvml=self.nvml, mps=mps)
         try:
-            return NvidiaSmiSharingControl.from_driver_root(driver_root, proc_root=self.options.proc_root,
-                                                            cgroup_procs=self.options.mps_cgroup_procs)
+            return NvidiaSmiSharingControl.from_driver_root(driver_root, **self._mps_cgroup_options())
         except Exception as err:  # noqa: BLE001 - sharing is optional; whole GPUs and MIG still work
             log.warning("GPU sharing tools unavailable; time-slicing and MPS claims will fail", error=str(err))
             return UnavailableSharingControl(str(err))
+
+    def _mps_cgroup_options(self, proc_root: str | None = None) -> dict[str, Any]:
+        """Where MPS daemons are looked for (``proc_root``: their PID namespace's /proc, whose PID 1 gives the
+        cgroup namespace to enter) and which cgroup they join, outside this container's (docs/mps.md)."""
+        o = self.options
+        return dict(proc_root=proc_root or o.proc_root, cgroup=o.mps_cgroup, cgroup_root=o.mps_cgroup_root,
+                    cgroup_procs=o.mps_cgroup_procs)
 
     # ----- devices -------------------------------------------------------------------------------------------
     def _rebuild(self) -> None:

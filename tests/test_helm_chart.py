@@ -107,6 +107,31 @@ def test_kubelet_plugin_daemonset(default: list[dict[str, Any]]) -> None:
     assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
 
 
+def test_mps_daemons_go_to_a_host_cgroup_by_default(default: list[dict[str, Any]]) -> None:
+    """The plugin pod runs in the host's PID namespace, sees the host's cgroup tree and names the cgroup MPS daemons
+    join (docs/mps.md); with the value empty, none of it."""
+    ds = one(default, "DaemonSet")
+    pod, c = ds["spec"]["template"]["spec"], container(ds)
+    assert pod["hostPID"] is True
+    env = env_of(c)
+    assert (env["MPS_CGROUP"], env["MPS_CGROUP_ROOT"]) == ("gpu-dra-mps", "/host/sys/fs/cgroup")
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert mounts["host-cgroup"] == {"name": "host-cgroup", "mountPath": "/host/sys/fs/cgroup"}  # writable
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["host-cgroup"]["hostPath"] == {"path": "/sys/fs/cgroup", "type": "Directory"}
+    # The flags the environment sets are the plugin's.
+    args = build_parser().parse_args(["kubelet-plugin", "--mps-cgroup", "/gpu-dra-mps/"])
+    from cli.kubeletplugin_cmd import options_from_args
+
+    assert options_from_args(args).mps_cgroup == "gpu-dra-mps"
+    off = one(render("--set", "mps.daemonCgroup="), "DaemonSet")
+    assert "hostPID" not in off["spec"]["template"]["spec"]
+    assert not {"MPS_CGROUP", "MPS_CGROUP_ROOT"} & set(env_of(container(off)))
+    assert "host-cgroup" not in {v["name"] for v in off["spec"]["template"]["spec"]["volumes"]}
+    custom = one(render("--set", "mps.daemonCgroup=system.slice/gpu-dra-mps"), "DaemonSet")
+    assert env_of(container(custom))["MPS_CGROUP"] == "system.slice/gpu-dra-mps"
+
+
 def test_controller_deployment(default: list[dict[str, Any]]) -> None:
     d = one(default, "Deployment", "controller")
     c = container(d)
@@ -308,8 +333,9 @@ def test_components_can_be_turned_off() -> None:
     (["--set", "controller.replicas=2"], "at '/controller/replicas': maximum"),
     (["--set", "webhook.tls.mode=secret"], "at '/webhook/tls/secretName'"),
     (["--set", "kubeletDir=var/lib/kubelet"], "at '/kubeletDir'"),
+    (["--set", "mps.daemonCgroup=../escape"], "at '/mps/daemonCgroup'"),
 ], ids=["wrong-type", "string-port", "string-bool", "unknown-key", "typo-top-level", "enum", "driver-name",
-        "controller-replicas", "secret-mode-without-secret", "relative-path"])
+        "controller-replicas", "secret-mode-without-secret", "relative-path", "cgroup-dot-dot"])
 def test_values_schema_refuses_bad_values(args: list[str], error: str) -> None:
     proc = helm(*template_args(*args))
     assert proc.returncode != 0, f"helm template {args} succeeded"

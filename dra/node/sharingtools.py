@@ -112,7 +112,13 @@ class NvidiaSmiSharingControl(SharingControl):
     nvidia_smi / mps_control:  program paths as this process sees them (e.g. found in the driver root)
     env:                       extra environment for both (e.g. LD_LIBRARY_PATH of the driver root's libraries)
     isolate_shm:               start daemons in a private mount namespace with the daemon's shm dir as /dev/shm
+    cgroup:                    a cgroup (path below the cgroup root) that daemons join in every hierarchy mounted
+                               at ``cgroup_root``, created where missing (outside the plugin container's cgroup)
+    cgroup_root:               where the host's cgroup hierarchies are mounted in this container
     cgroup_procs:              cgroup.procs files to move daemons into (outside the plugin container's cgroup)
+
+    With ``cgroup`` or ``cgroup_procs``, the launcher first enters the cgroup namespace of ``<proc_root>/1`` (the
+    host's, with the host's PID namespace): from a private one, cgroups outside the container cannot be joined.
     """
 
     def __init__(
@@ -123,6 +129,8 @@ class NvidiaSmiSharingControl(SharingControl):
         env: Mapping[str, str] | None = None,
         timeout_s: float = 30.0,
         isolate_shm: bool = True,
+        cgroup: str = "",
+        cgroup_root: str = "/sys/fs/cgroup",
         cgroup_procs: Sequence[str] = (),
         proc_root: str = "/proc",
         runner: Runner = subprocess.run,
@@ -132,6 +140,8 @@ class NvidiaSmiSharingControl(SharingControl):
         self.extra_env = dict(env or {})
         self.timeout_s = timeout_s
         self.isolate_shm = isolate_shm
+        self.cgroup = cgroup
+        self.cgroup_root = cgroup_root
         self.cgroup_procs = tuple(cgroup_procs)
         self.proc_root = Path(proc_root)
         self.run = runner
@@ -202,6 +212,10 @@ class NvidiaSmiSharingControl(SharingControl):
         launcher: list[str] = []
         if self.isolate_shm and spec.shm_dir:
             launcher += ["--shm", spec.shm_dir]
+        if self.cgroup or self.cgroup_procs:
+            launcher += ["--cgroupns", str(self.proc_root / "1" / "ns" / "cgroup")]
+        if self.cgroup:
+            launcher += ["--cgroup-root", self.cgroup_root, "--cgroup", self.cgroup]
         for procs in self.cgroup_procs:
             launcher += ["--cgroup-procs", procs]
         if launcher:

@@ -34,6 +34,7 @@ from kubernetes import config as kconfig
 
 from api.names import DEFAULT_DRIVER_NAME
 from cli.localcluster import free_port
+from cli.localnode import cgroup_dirs
 from cli.nodeplugin import LocalNodePlugin, NodePluginError
 from helmchart import CHART, helm
 from kube.client import DEVICE_CLASSES, SLICES, ApiError, KubeApi
@@ -180,7 +181,16 @@ def chart_values(real: RealNode, image: str, plugin_port: int, controller_port: 
         "controller": {"hostNetwork": True, "metricsPort": controller_port, "nodeSelector": on_the_node},
         # One replica: two would need the same node port on the one node.
         "webhook": {"hostNetwork": True, "port": webhook_port, "replicas": 1, "nodeSelector": on_the_node},
+        # The chart's mechanism with a cgroup under the node's own cgroup root instead of the host's top level
+        # (the default gpu-dra-mps), so that stopping the node removes it with everything else it made.
+        "mps": {"daemonCgroup": mps_cgroup(real)},
     }
+
+
+def mps_cgroup(real: RealNode) -> str:
+    """The cgroup, below the host's cgroup root, that the chart's plugin moves MPS daemons into."""
+    assert real.node is not None
+    return f"{real.node.cgroup_root.strip('/')}/gpu-dra-mps"
 
 
 @pytest.fixture(scope="module")
@@ -333,8 +343,8 @@ def test_a_claim_with_a_bad_config_is_refused_by_the_webhook_pod(installed: Inst
 # ---- workloads ------------------------------------------------------------------------------------
 
 
-def run_example(installed: Installation, example: str) -> tuple[str, list[str], list[Checked]]:
-    namespace = f"chart-{example}"
+def run_example(installed: Installation, example: str, prefix: str = "chart") -> tuple[str, list[str], list[Checked]]:
+    namespace = f"{prefix}-{example}"
     installed.real.namespace(namespace)
     pods = installed.real.apply(namespace, load_objects(EXAMPLES / example / "claim.yaml"))
     for pod in pods:
@@ -402,13 +412,79 @@ def refused(call: Any) -> str:
 # ---- upgrade and uninstall ------------------------------------------------------------------------
 
 
+def cgroups_of(pid: int) -> dict[str, str]:
+    """Hierarchy (its controllers; "" for cgroup v2's) -> the process's cgroup, as the host sees it."""
+    out = {}
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        out[controllers] = path
+    return out
+
+
+def start_time(pid: int) -> int:
+    """The process's start time in clock ticks since boot: with the PID, it names one process (no PID reuse)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rpartition(")")[2].split()[19])
+
+
+def process_status(pid: int) -> str:
+    """State and parent of a process, for messages."""
+    try:
+        status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                      if ":\t" in line)
+        ppid = status["PPid"].strip()
+        parent = Path(f"/proc/{ppid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        return f"pid {pid}: {status['State'].strip()}, parent {ppid} ({parent[:200]})"
+    except OSError as err:
+        return f"pid {pid}: {err}"
+
+
+def alive(pid: int, born: int) -> bool:
+    """The process that started at `born` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat.rpartition(")")[2].split()
+    return int(fields[19]) == born and fields[0] != "Z"
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    return dict(e.split("=", 1) for e in entries if "=" in e)
+
+
+def compute_mode(installed: Installation, gpu_uuid: str) -> str:
+    """The simulated GPU's compute mode, as the plugin left it in the node's state file."""
+    nvml = installed.real.hardware(installed.plugin)
+    mode = nvml.nvmlDeviceGetComputeMode(nvml.nvmlDeviceGetHandleByUUID(gpu_uuid))
+    names = {nvml.NVML_COMPUTEMODE_DEFAULT: "DEFAULT", nvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS: "EXCLUSIVE_PROCESS"}
+    return names.get(mode, str(mode))
+
+
 def test_helm_upgrade_rolls_the_plugin_and_running_pods_keep_their_devices(installed: Installation) -> None:
+    """... and MPS clients keep their daemon: the chart's plugin moved it out of its container's cgroup (into
+    `mps.daemonCgroup`) and runs in the host's PID namespace, so replacing the plugin pod does not end it; the new
+    plugin takes it over untouched and stops it with its last claim."""
     real, plugin, node = installed.real, installed.plugin, installed.real.node
     assert node is not None
-    running = [run_example(installed, e) for e in ("mig-partition", "time-slicing-slot")]
+    running = [run_example(installed, e, "upgrade") for e in ("mig-partition", "time-slicing-slot", "mps-slot")]
     containers = {(ns, p): node.container_ids(ns, p) for ns, pods, _ in running for p in pods}
     old = plugin.running_pod()
     slices_before = {d: a for d, a in real.devices(plugin).items()}
+    # The mps-slot pod's daemon, started by the chart's plugin: in the cgroup the chart names, in every hierarchy,
+    # and so in none of the plugin container's cgroups; its GPU in EXCLUSIVE_PROCESS.
+    daemons = plugin.mps_daemons()
+    assert len(daemons) == 1, daemons
+    (daemon, pipe), = daemons.items()
+    born = start_time(daemon)
+    gpu = environ_of(daemon)["CUDA_VISIBLE_DEVICES"]
+    assert compute_mode(installed, gpu) == "EXCLUSIVE_PROCESS"
+    plugin_container = node.container_ids(NAMESPACE, old["metadata"]["name"])["plugin"]
+    plugin_cgroups = cgroups_of(node.running_tasks()[plugin_container])
+    assert any(plugin_container in c for c in plugin_cgroups.values()), plugin_cgroups
+    expected_cgroups = {h: f"/{mps_cgroup(real)}" for h in plugin_cgroups}
+    assert cgroups_of(daemon) == expected_cgroups, (cgroups_of(daemon), plugin_cgroups)
 
     proc = installed.helm("upgrade", RELEASE, str(CHART), "--reuse-values", "--set", f"image.tag={UPGRADE_TAG}")
     assert proc.returncode == 0, proc.stderr
@@ -442,6 +518,15 @@ def test_helm_upgrade_rolls_the_plugin_and_running_pods_keep_their_devices(insta
     wait_until(lambda: webhook_images() == [(f"{repository}:{UPGRADE_TAG}", True)], 60,
                f"the webhook to run the new image alone (now: {webhook_images()})")
 
+    # The MPS daemon ran through it: the same process, still outside any container's cgroup, while the old plugin
+    # container's cgroups are gone; the new plugin took it over (it restarted none) and the GPU stayed exclusive.
+    assert plugin.mps_daemons() == {daemon: pipe}
+    assert start_time(daemon) == born and cgroups_of(daemon) == expected_cgroups
+    wait_until(lambda: not [d for d in cgroup_dirs(node.cgroup_root) if plugin_container in d.name], 30,
+               "the old plugin container's cgroups to be removed")
+    assert compute_mode(installed, gpu) == "EXCLUSIVE_PROCESS"
+    assert "restarting it" not in plugin.log_tail(1000), plugin.log_tail(1000)
+
     # The pods ran through it: same containers, never restarted, their tasks still running in containerd.
     tasks = node.running_tasks()
     for (ns, name), ids in containers.items():
@@ -456,7 +541,11 @@ def test_helm_upgrade_rolls_the_plugin_and_running_pods_keep_their_devices(insta
         for pod_name in pods:
             real.delete_pod(ns, pod_name)
     ns, pods, _ = running[-1]
+    assert plugin.mps_daemons() == {daemon: pipe}   # the MPS pod's claim still holds it
+    # The last unprepare stops the daemon (finish: no daemon, no MPS directory left) and gives the GPU its mode back.
     finish(real, plugin, ns, pods, [c for _, _, checked in running for c in checked])
+    assert not alive(daemon, born), process_status(daemon)
+    assert compute_mode(installed, gpu) == "DEFAULT"
 
 
 def test_helm_uninstall_leaves_no_slices_classes_or_cdi_specs(installed: Installation) -> None:
