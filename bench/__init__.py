@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, str] = {
     "prepare": "bench.prepare",
     "plugin": "bench.plugin_api",
     "reconcile": "bench.reconcile",
+    "publish": "bench.publish",
 }
 
 

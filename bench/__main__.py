@@ -25,6 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--targets", default=str(TARGETS_FILE), metavar="FILE", help="targets file (default: %(default)s)")
     p.add_argument("--fleet", metavar="FILE", help="benchmark this fleet file instead of the generated 100-node fleet")
     p.add_argument("--json", metavar="FILE", help="also write the figures and verdicts to FILE as JSON")
+    p.add_argument("--publish-nodes", type=int, metavar="N",
+                   help="publish: nodes of the fleet published on the API server (default 100; 1000 takes ~15 min)")
     return p
 
 
@@ -75,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TargetsError as exc:
         print(f"python -m bench: {exc}", file=sys.stderr)
         return 2
-    params = (QUICK if args.quick else FULL).with_fleet(args.fleet)
+    params = (QUICK if args.quick else FULL).with_fleet(args.fleet).with_publish_nodes(args.publish_nodes)
     started = time.perf_counter()
     figures, errors = run_benchmarks(names, params)
     ran = [n for n in names if n not in errors]

@@ -1,12 +1,13 @@
 """An in-memory stand-in for the API server's ResourceSlice and Node endpoints, with the verbs of
-``kube.client.KubeApi`` that a reconcile pass uses (list, get, create, replace, delete).
+``kube.client.KubeApi`` that a reconcile pass uses (list, list_metadata, iter_list, get, create, replace, delete;
+Nodes: get and an unselected list).
 
 It keeps what the server's optimistic concurrency needs (uid, resourceVersion, preconditions, 404/409 as
 ``ApiError``) and field selectors on ``spec.driver``, ``spec.nodeName`` and ``spec.pool.name``. It stores
 what it is sent as it is: no defaulting and no quantity normalisation, which the controller's comparison
 already tolerates. Objects are kept as JSON text and decoded for every answer, so each call costs the
-client what decoding a server's answer would. No watch: the benchmark drives
-``ResourceSliceController.run_once``.
+client what decoding a server's answer would. As the real server does, ``metadata.generation`` starts at 1 and
+goes up only when an update changes the spec. No watch: the benchmark drives ``ResourceSliceController.run_once``.
 """
 from __future__ import annotations
 
@@ -15,12 +16,18 @@ import json
 import threading
 import uuid as uuidlib
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from kube.client import NODES, SLICES, ApiError
 
 _SELECTABLE = ("spec.driver", "spec.nodeName", "spec.pool.name")
+
+
+def _decoded(obj: dict[str, Any] | bytes) -> dict[str, Any]:
+    """A request body as a dict: the controller sends bodies it encoded itself (kube.client.EncodedObject)."""
+    return json.loads(obj) if isinstance(obj, (bytes, str)) else obj
 
 
 def _status(method: str, path: str, code: int, reason: str, message: str) -> ApiError:
@@ -66,6 +73,10 @@ class InMemorySliceApi:
 
     def list(self, collection: str, field_selector: str | None = None,
              label_selector: str | None = None) -> dict[str, Any]:
+        if collection == NODES and not field_selector and not label_selector:
+            with self._lock:
+                self.reads += 1
+                return {"items": [json.loads(t) for t in self._nodes.values()], "resourceVersion": str(next(self._rv))}
         if collection != SLICES or label_selector:
             raise _status("GET", collection, 400, "BadRequest", "only ResourceSlices, by field selector")
         terms = []
@@ -80,23 +91,40 @@ class InMemorySliceApi:
             rv = str(next(self._rv))
         return {"items": [json.loads(t) for t in texts], "resourceVersion": rv}
 
+    def list_metadata(self, collection: str, field_selector: str | None = None,
+                      label_selector: str | None = None) -> dict[str, Any]:
+        """What the server answers to an Accept of PartialObjectMetadataList: metadata only."""
+        listed = self.list(collection, field_selector, label_selector)
+        return {"items": [{"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata", "metadata": o["metadata"]}
+                          for o in listed["items"]], "resourceVersion": listed["resourceVersion"]}
+
+    def iter_list(self, collection: str, field_selector: str | None = None, page_size: int = 100) -> Iterator[dict[str, Any]]:
+        yield from self.list(collection, field_selector)["items"]
+
     def get(self, path: str, **query: Any) -> dict[str, Any]:
-        name = path[len(NODES) + 1:] if path.startswith(f"{NODES}/") else None
         with self._lock:
             self.reads += 1
-            text = self._nodes.get(name) if name else None
+            if path.startswith(f"{NODES}/"):
+                text = self._nodes.get(path[len(NODES) + 1:])
+            elif path.startswith(f"{SLICES}/"):
+                stored = self._slices.get(path[len(SLICES) + 1:])
+                text = stored.text if stored else None
+            else:
+                text = None
         if text is None:
             raise _status("GET", path, 404, "NotFound", f"{path} not found")
         return json.loads(text)
 
-    def create(self, collection: str, obj: dict[str, Any]) -> dict[str, Any]:
+    def create(self, collection: str, obj: dict[str, Any] | bytes) -> dict[str, Any]:
+        obj = _decoded(obj)
         name = obj["metadata"]["name"]
         with self._lock:
             if name in self._slices:
                 raise _status("POST", collection, 409, "AlreadyExists", f"resourceslices {name!r} already exists")
             return self._store(name, obj, str(uuidlib.uuid4()), 1, "create")
 
-    def replace(self, collection: str, obj: dict[str, Any]) -> dict[str, Any]:
+    def replace(self, collection: str, obj: dict[str, Any] | bytes) -> dict[str, Any]:
+        obj = _decoded(obj)
         name = obj["metadata"]["name"]
         path = f"{collection}/{name}"
         with self._lock:
@@ -105,7 +133,8 @@ class InMemorySliceApi:
                 raise _status("PUT", path, 404, "NotFound", f"resourceslices {name!r} not found")
             if obj["metadata"].get("resourceVersion") != current.resource_version:
                 raise _status("PUT", path, 409, "Conflict", "the object has been modified")
-            return self._store(name, obj, current.uid, current.generation + 1, "update")
+            spec_changed = json.loads(current.text).get("spec") != json.loads(json.dumps(obj)).get("spec")
+            return self._store(name, obj, current.uid, current.generation + spec_changed, "update")
 
     def delete(self, collection: str, name: str, uid: str | None = None,
                resource_version: str | None = None) -> dict[str, Any]:

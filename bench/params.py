@@ -22,9 +22,14 @@ class Params:
     api_rounds: int = 60            # plugin over gRPC: prepare+unprepare rounds (each beside its floor)
     api_parallel: int = 32          # plugin over gRPC: callers at once on independent claims
     api_startups: int = 5           # plugin starts timed to GetInfo
+    publish_nodes: int = 100        # publish: nodes of 8 × H100 (5 slices each) published on a real API server
+    publish_workers: int = 8        # publish: writes in flight, for gpu-dra publish and its raw-ingest floor alike
 
     def with_fleet(self, path: str | None) -> "Params":
         return replace(self, fleet_file=path)
+
+    def with_publish_nodes(self, nodes: int | None) -> "Params":
+        return self if nodes is None else replace(self, publish_nodes=nodes)
 
 
 FULL = Params(repeats=15, fleet_nodes=100, fleet_repeats=5, fleet_memory_nodes=None,
@@ -32,8 +37,9 @@ FULL = Params(repeats=15, fleet_nodes=100, fleet_repeats=5, fleet_memory_nodes=N
               nvml_latency_s=0.010, reconcile_nodes=100, reconcile_rounds=3)
 QUICK = Params(repeats=5, fleet_nodes=100, fleet_repeats=2, fleet_memory_nodes=10,
                mig_cycles=300, mig_batches=3, claim_repeats=5, parallel_claims=32, parallel_rounds=1,
-               nvml_latency_s=0.010, reconcile_nodes=100, reconcile_rounds=1, api_rounds=20, api_startups=2)
+               nvml_latency_s=0.010, reconcile_nodes=100, reconcile_rounds=1, api_rounds=20, api_startups=2,
+               publish_nodes=40)
 TINY = Params(repeats=1, fleet_nodes=3, fleet_repeats=1, fleet_memory_nodes=None,
               mig_cycles=4, mig_batches=1, claim_repeats=1, parallel_claims=8, parallel_rounds=1,
               nvml_latency_s=0.001, reconcile_nodes=3, reconcile_rounds=1, api_rounds=3, api_parallel=4,
-              api_startups=1)
+              api_startups=1, publish_nodes=3, publish_workers=2)

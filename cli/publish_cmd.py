@@ -5,6 +5,13 @@ as on a real node; one ResourceSlice controller serves all the fleet's pools. It
 in the cluster: pools of nodes that are not in the fleet are deleted, so do not run it next to kubelet plugins
 of the same driver. Without --once it keeps running, restores slices changed by others and re-publishes when
 the fleet file changes.
+
+Nodes are handed to the controller as a stream: a node's slices are being written while the next nodes are
+computed, `--workers` pools are synced at once (that many writes in flight), and no more than a few pools per
+worker wait computed but unwritten. With `--jobs` above 1 (the default on a machine with several CPUs, for
+fleets of at least MIN_NODES_PER_JOB nodes a job) the nodes are computed in that many processes, each handing
+back the pool in its compact, prepared form (`kube.resourceslices.prepare_pool`: tens of kilobytes, not the
+megabyte of dicts): an unchanged restart is CPU-bound on exactly that computation.
 """
 from __future__ import annotations
 
@@ -14,6 +21,9 @@ import os
 import signal
 import sys
 import threading
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future
 from typing import Any
 
 from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
@@ -21,6 +31,8 @@ from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
 log = logging.getLogger("gpu-dra.publish")
 PROG = "gpu-dra publish"
 SIMULATED_LABEL = "gpu.dra-driver.io/simulated"
+# A worker process costs about a second to start (imports); below this many nodes per job it does not pay.
+MIN_NODES_PER_JOB = 32
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,42 +47,104 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sync-delay", type=float, default=5.0,
                         help="seconds between noticing a foreign change and repairing it (default 5)")
     parser.add_argument("--timeout", type=float, default=120.0, help="--once: give up after this many seconds")
+    parser.add_argument("--workers", type=int, default=8, metavar="N",
+                        help="pools synced at once, so at most N writes in flight (default 8)")
+    parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), metavar="N",
+                        help="processes computing the nodes' slices (default: the CPUs, at most 4; one process for "
+                             f"fleets under {MIN_NODES_PER_JOB} nodes a job)")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve /healthz and /metrics on this port (default: not served)")
     parser.add_argument("--metrics-address", default="0.0.0.0", help="address for /healthz and /metrics")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
-def desired_fleet_pools(fleet: Any, fleet_path: str, driver: str, features: Any) -> dict[str, Any]:
-    """node name -> DesiredPool for every node of the fleet (simulated NVML -> inventory -> slices)."""
+def iter_fleet_pools(fleet: Any, fleet_path: str, driver: str, features: Any) -> Iterator[tuple[str, Any]]:
+    """(node name, DesiredPool) for each node of the fleet in turn (simulated NVML -> inventory -> slices),
+    computed only when the next one is asked for."""
+    for node in fleet.nodes:
+        pool, lines = _node_pool(node, fleet_path, driver, features)
+        _log_lines(node.name, lines)
+        yield node.name, pool
+
+
+def iter_prepared_fleet_pools(fleet: Any, fleet_path: str, driver: str, features: Any,
+                              jobs: int) -> Iterator[tuple[str, Any]]:
+    """(node name, PreparedPool) for each node of the fleet in order, computed by `jobs` processes (in this one
+    when jobs is 1 or the fleet is small), at most two nodes a job ahead of what was taken."""
+    from kube.resourceslices import prepare_pool
+
+    jobs = min(jobs, len(fleet.nodes) // MIN_NODES_PER_JOB)
+    if jobs <= 1:
+        for name, pool in iter_fleet_pools(fleet, fleet_path, driver, features):
+            yield name, prepare_pool(driver, name, pool)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # spawn, not fork: the controller's threads may hold locks a forked child would inherit held.
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool_of_jobs:
+        pending: deque[tuple[str, Future[Any]]] = deque()
+        nodes = iter(fleet.nodes)
+        try:
+            while True:
+                while len(pending) < 2 * jobs:
+                    node = next(nodes, None)
+                    if node is None:
+                        break
+                    pending.append((node.name, pool_of_jobs.submit(_prepared_node_pool, node, fleet_path, driver,
+                                                                  features)))
+                if not pending:
+                    return
+                name, future = pending.popleft()
+                prepared, lines = future.result()
+                _log_lines(name, lines)
+                yield name, prepared
+        finally:
+            for _, future in pending:
+                future.cancel()
+
+
+def _node_pool(node: Any, fleet_path: str, driver: str, features: Any) -> tuple[Any, list[str]]:
+    """One node's DesiredPool and the warnings and notes a human should see."""
     from kube.resourceslices import DesiredPool
     from dra.sim.fleet import nvml_for_node
     from dra.node.inventory import discover
     from dra.model.policy import parse_node_policy
     from dra.model.slices import plan_pool
 
-    pools = {}
-    for node in fleet.nodes:
-        policy = parse_node_policy(node.policy, source=f"{fleet_path}: node {node.name}: policy")
-        nvml = nvml_for_node(node)
-        nvml.nvmlInit()
-        try:
-            inventory = discover(nvml)
-        finally:
-            nvml.nvmlShutdown()
-        plan = plan_pool(inventory, policy, driver, node.name, features)
-        for warning in plan.warnings:
-            log.warning("node %s: %s", node.name, warning)
-        for note in plan.notes:
-            log.warning("node %s: %s", node.name, note)
-        pools[node.name] = DesiredPool.from_slice_specs(plan.slices, node.name)
-    return pools
+    policy = parse_node_policy(node.policy, source=f"{fleet_path}: node {node.name}: policy")
+    nvml = nvml_for_node(node)
+    nvml.nvmlInit()
+    try:
+        inventory = discover(nvml)
+    finally:
+        nvml.nvmlShutdown()
+    plan = plan_pool(inventory, policy, driver, node.name, features)
+    return DesiredPool.from_slice_specs(plan.slices, node.name), [*plan.warnings, *plan.notes]
+
+
+def _prepared_node_pool(node: Any, fleet_path: str, driver: str, features: Any) -> tuple[Any, list[str]]:
+    """In a job process: the node's pool, prepared (what crosses back is its compact form)."""
+    from kube.resourceslices import prepare_pool
+
+    pool, lines = _node_pool(node, fleet_path, driver, features)
+    return prepare_pool(driver, node.name, pool), lines
+
+
+def _log_lines(node: str, lines: list[str]) -> None:
+    for line in lines:
+        log.warning("node %s: %s", node, line)
+
+
+def desired_fleet_pools(fleet: Any, fleet_path: str, driver: str, features: Any) -> dict[str, Any]:
+    """node name -> DesiredPool for every node of the fleet, all at once (for callers that need the whole map)."""
+    return dict(iter_fleet_pools(fleet, fleet_path, driver, features))
 
 
 def missing_nodes(api: Any, names: list[str]) -> list[str]:
     from kube.client import NODES, KubeApi
 
-    existing = {n["metadata"]["name"] for n in KubeApi(api).list(NODES)["items"]}
+    existing = {n["metadata"]["name"] for n in KubeApi(api).list_metadata(NODES)["items"]}
     return [n for n in names if n not in existing]
 
 
@@ -110,11 +184,13 @@ def run(args: argparse.Namespace) -> int:
               f"--driver-name {args.driver_name}", file=sys.stderr)
         return 2
     driver = NVIDIA_DRIVER_NAME if args.compat_nvidia else (args.driver_name or DEFAULT_DRIVER_NAME)
+    if args.workers < 1 or args.jobs < 1:
+        print(f"{PROG}: --workers and --jobs must be at least 1", file=sys.stderr)
+        return 2
     try:
         fleet = load_fleet(args.fleet)
         api = api_client_from(args.kubeconfig)
         features = api_features(api, timeout=args.timeout)
-        pools = desired_fleet_pools(fleet, args.fleet, driver, features)
         if args.create_nodes:
             created = register_missing_nodes(api, fleet.node_names)
             if created:
@@ -125,30 +201,30 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{PROG}: no Node objects for {', '.join(missing)}: node-local slices need their Node "
                       "(register them, or pass --create-nodes for simulated ones)", file=sys.stderr)
                 return 2
-        ctl = ResourceSliceController(api, driver, Owner.cluster(), sync_delay=args.sync_delay)
-        ctl.update(pools)
+        ctl = ResourceSliceController(api, driver, Owner.cluster(), sync_delay=args.sync_delay, workers=args.workers)
+        pools = iter_prepared_fleet_pools(fleet, args.fleet, driver, features, args.jobs)
+        if args.once:
+            # Nodes are computed while the earlier ones are written; a node that cannot be computed stops the
+            # stream, and then no pool is deleted (the fleet is not known in full).
+            ctl.run_once(timeout=args.timeout, pools=pools)
+            writes = ctl.writes_by_operation
+            print(f"driver {driver}: {len(fleet.nodes)} pool(s), {ctl.desired_slices} ResourceSlice(s) in line; "
+                  f"writes: {', '.join(f'{k} {v}' for k, v in sorted(writes.items())) or 'none'}")
+            return 0
     except (ValueError, OSError, ConnectError, FleetError, PolicyError, DeviceModelError, InvalidPoolError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
+    except PoolSyncError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
     except (ApiError, ApiUnavailable) as exc:
         print(f"{PROG}: API server: {exc}", file=sys.stderr)
         return 1
-    slice_count = sum(len(p.slices) for p in pools.values())
-
-    if args.once:
-        try:
-            ctl.run_once(timeout=args.timeout)
-        except PoolSyncError as exc:
-            print(f"{PROG}: {exc}", file=sys.stderr)
-            return 1
-        writes = ctl.writes_by_operation
-        print(f"driver {driver}: {len(pools)} pool(s), {slice_count} ResourceSlice(s) in line; "
-              f"writes: {', '.join(f'{k} {v}' for k, v in sorted(writes.items())) or 'none'}")
-        return 0
-    return _serve(args, ctl, fleet, driver, features)
+    return _serve(args, ctl, pools, fleet, driver, features)
 
 
-def _serve(args: argparse.Namespace, ctl: Any, fleet: Any, driver: str, features: Any) -> int:
+def _serve(args: argparse.Namespace, ctl: Any, pools: Iterator[tuple[str, Any]], fleet: Any, driver: str,
+           features: Any) -> int:
     from kube.httpserver import serve_health_and_metrics
     from dra.sim.fleet import load_fleet
 
@@ -161,6 +237,14 @@ def _serve(args: argparse.Namespace, ctl: Any, fleet: Any, driver: str, features
             args.metrics_port, lambda: (not ctl.errors, "; ".join(f"{k}: {v}" for k, v in ctl.errors.items()) or "ok"),
             args.metrics_address)
     ctl.start()
+    try:
+        ctl.update_from(pools)
+    except ValueError as exc:   # a node that cannot be computed: what was written stays, nothing is removed
+        ctl.stop()
+        if server is not None:
+            server.shutdown()
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
     if ctl.wait_for_sync(args.timeout):
         log.info("driver %s: %d pool(s) published; writes %s", driver, len(fleet.nodes), ctl.writes_by_operation or "none")
     else:
@@ -174,8 +258,8 @@ def _serve(args: argparse.Namespace, ctl: Any, fleet: Any, driver: str, features
             mtime = now
             try:
                 fleet = load_fleet(args.fleet)
-                ctl.update(desired_fleet_pools(fleet, args.fleet, driver, features))
                 log.info("fleet file changed: re-publishing %d pool(s)", len(fleet.nodes))
+                ctl.update_from(iter_prepared_fleet_pools(fleet, args.fleet, driver, features, args.jobs))
             except ValueError as exc:   # FleetError, PolicyError, InvalidPoolError are ValueErrors
                 log.error("fleet file changed but cannot be used, keeping the previous state: %s", exc)
     finally:

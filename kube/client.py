@@ -18,6 +18,22 @@ RESOURCE_V1 = "/apis/resource.k8s.io/v1"
 SLICES = f"{RESOURCE_V1}/resourceslices"
 DEVICE_CLASSES = f"{RESOURCE_V1}/deviceclasses"
 NODES = "/api/v1/nodes"
+# Accept header that makes the API server answer a LIST (or a WATCH) with metadata only (PartialObjectMetadata):
+# a thousandth of the bytes of full ResourceSlices, for readers that need names, versions and annotations.
+METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
+METADATA_OBJECT = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
+
+
+class EncodedObject(bytes):
+    """A request body the caller already encoded as JSON (e.g. assembled from cached, encoded parts), with the
+    object's name for verbs whose path needs it. Sent as is: no decoding and re-encoding in the client."""
+
+    name: str
+
+    def __new__(cls, data: bytes, name: str) -> "EncodedObject":
+        obj = super().__new__(cls, data)
+        obj.name = name
+        return obj
 
 
 class ApiError(Exception):
@@ -60,16 +76,17 @@ class KubeApi:
 
     def request(self, method: str, path: str, query: dict[str, Any] | None = None, body: Any = None,
                 content_type: str = "application/json", timeout: float | None = None,
-                stream: bool = False) -> Any:
-        """One request; returns the decoded JSON document (or the raw urllib3 response when stream=True)."""
-        headers = {"Accept": "application/json"}
+                stream: bool = False, accept: str = "application/json") -> Any:
+        """One request; returns the decoded JSON document (or the raw urllib3 response when stream=True).
+        A bytes body (e.g. an EncodedObject) is sent as it is: it is JSON already."""
+        headers = {"Accept": accept}
         if body is not None:
             headers["Content-Type"] = content_type
         method, url, header_params, _, _ = self.api_client.param_serialize(
             method=method, resource_path=path, header_params=headers, auth_settings=["BearerToken"])
         if query:
             url += "?" + urllib.parse.urlencode({k: _query_value(v) for k, v in query.items() if v is not None})
-        data = json.dumps(body) if body is not None else None
+        data = body if isinstance(body, bytes) or body is None else json.dumps(body)
         try:
             resp = self.api_client.rest_client.pool_manager.request(
                 method, url, body=data, headers=header_params, preload_content=not stream,
@@ -92,11 +109,12 @@ class KubeApi:
     def get(self, path: str, **query: Any) -> dict[str, Any]:
         return self.request("GET", path, query=query)
 
-    def create(self, collection: str, obj: dict[str, Any]) -> dict[str, Any]:
+    def create(self, collection: str, obj: dict[str, Any] | EncodedObject) -> dict[str, Any]:
         return self.request("POST", collection, body=obj)
 
-    def replace(self, collection: str, obj: dict[str, Any]) -> dict[str, Any]:
-        return self.request("PUT", f"{collection}/{obj['metadata']['name']}", body=obj)
+    def replace(self, collection: str, obj: dict[str, Any] | EncodedObject) -> dict[str, Any]:
+        name = obj.name if isinstance(obj, EncodedObject) else obj["metadata"]["name"]
+        return self.request("PUT", f"{collection}/{name}", body=obj)
 
     def delete(self, collection: str, name: str, uid: str | None = None,
                resource_version: str | None = None) -> dict[str, Any]:
@@ -110,11 +128,32 @@ class KubeApi:
     def list(self, collection: str, field_selector: str | None = None,
              label_selector: str | None = None) -> dict[str, Any]:
         """A complete list (follows `continue` tokens); returns {"items": [...], "resourceVersion": ...}."""
-        items: list[dict[str, Any]] = []
+        return self._list(collection, field_selector, label_selector, 500, "application/json")
+
+    def list_metadata(self, collection: str, field_selector: str | None = None,
+                      label_selector: str | None = None) -> dict[str, Any]:
+        """Like `list`, but each item is only apiVersion, kind and metadata (PartialObjectMetadata)."""
+        return self._list(collection, field_selector, label_selector, 1000, METADATA_LIST)
+
+    def iter_list(self, collection: str, field_selector: str | None = None,
+                  page_size: int = 100) -> Iterator[dict[str, Any]]:
+        """The items of a list, fetched a page at a time: only one page of objects is held at once."""
         cont: str | None = None
         while True:
             doc = self.request("GET", collection, query={
-                "fieldSelector": field_selector, "labelSelector": label_selector, "limit": 500, "continue": cont})
+                "fieldSelector": field_selector, "limit": page_size, "continue": cont})
+            cont = doc.get("metadata", {}).get("continue")
+            yield from doc.get("items") or []
+            if not cont:
+                return
+
+    def _list(self, collection: str, field_selector: str | None, label_selector: str | None, limit: int,
+              accept: str) -> dict[str, Any]:
+        items: list[dict[str, Any]] = []
+        cont: str | None = None
+        while True:
+            doc = self.request("GET", collection, accept=accept, query={
+                "fieldSelector": field_selector, "labelSelector": label_selector, "limit": limit, "continue": cont})
             items.extend(doc.get("items") or [])
             cont = doc.get("metadata", {}).get("continue")
             if not cont:

@@ -15,31 +15,54 @@ It follows the algorithm of the upstream Go helper (k8s.io/dynamic-resource-allo
 * nothing is written when the server already holds the desired state, so a restart with unchanged
   hardware writes nothing.
 
+At fleet scale (a cluster-wide publisher of a thousand nodes, five thousand slices of ~50 KB):
+
+* pools are synced by `workers` threads, one pool per thread at a time, so at most `workers` writes are in
+  flight and each pool keeps the guarantees above (a pool is never synced by two threads at once);
+* `update_from()` and `run_once(pools=...)` take the desired pools as a stream: each pool is queued as soon as
+  it is ready, while the rest is still being computed; pools missing from a stream are removed only once it
+  ended (an aborted stream removes nothing);
+* a desired pool is held as a digest and the zlib-compressed canonical JSON of each slice, never as dicts, and
+  request bodies are assembled from that JSON: memory grows by kilobytes per pool, not by its megabyte of dicts;
+* each slice we write carries the annotation SPEC_ANNOTATION: the digest of the spec as sent, its pool fields
+  and the `metadata.generation` the write gives it (1 on create, +1 on an update, which always changes the
+  spec). The API server raises `metadata.generation` on every spec change and on nothing else, so while the
+  two agree the stored spec is exactly what we sent and comparing digests is enough. Otherwise (no
+  annotation: written by someone else or by an older release; or edited since) the stored spec is read in
+  full and compared normalised (`kube.slicecompare`), as before;
+* what exists is read with ONE metadata-only LIST of the driver's slices (names, versions, annotations: a
+  thousandth of the bytes) at the start of a pass, and kept current from the watch and from the answers to
+  our own writes; slices it cannot vouch for are read in full (GET, or one paged LIST when there are many).
+  A pool is read on its own (a LIST selected by `spec.pool.name`) when that cache is not running, when a
+  write of the pool failed (a conflict: someone changed it), after `resync()`, and in a `run_once` pass over
+  at most FRESH_READ_POOLS pools (a node's plugin), where reading just before writing narrows the window
+  for conflicts at no cost worth saving.
+
 Differences from upstream, for simplicity: slice names are deterministic (`<pool>-<driver>-<index>`, the index
-zero-padded so that name order, which kube-scheduler follows, is pool order) rather than generated, and each
-pool sync reads the pool's slices with a fresh LIST (field selectors on driver and pool) instead of an
-informer cache, which makes a mutation cache unnecessary. API servers that cannot select by `spec.pool.name`
-(Kubernetes 1.34) answer 400; from then on the pool's slices are picked out of the driver's (and node's)
-slices here. Slices under names this publisher no longer gives (e.g. the unpadded `-2` of older releases) are
+zero-padded so that name order, which kube-scheduler follows, is pool order) rather than generated; the cache
+above plays the informer's and the mutation cache's part. API servers that cannot select by `spec.pool.name`
+(Kubernetes 1.34) answer 400; from then on a pool's slices are picked out of the driver's (and node's) slices
+here. Slices under names this publisher no longer gives (e.g. the unpadded `-2` of older releases) are
 obsolete: they are deleted and the pool is written anew under the current names with the next generation.
 """
 from __future__ import annotations
 
-import copy
 import hashlib
+import json
 import logging
 import re
 import threading
 import time
+import zlib
 from collections import Counter as _Tally
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from api.k8snames import is_dns_subdomain
 from dra.model.slices import validate_pool
 from kube.backoff import Backoff
-from kube.client import NODES, SLICES, ApiError, ApiUnavailable, KubeApi, iter_json_lines
+from kube.client import NODES, SLICES, ApiError, ApiUnavailable, EncodedObject, KubeApi, iter_json_lines
 from kube.metrics import SLICE_POOLS, SLICE_SYNCS, SLICE_WRITES
 from kube.slicecompare import normalize_spec, spec_differences
 
@@ -48,6 +71,16 @@ log = logging.getLogger(__name__)
 DEFAULT_SYNC_DELAY = 30.0      # upstream DefaultSyncDelay
 DEFAULT_RESYNC_PERIOD = 600.0
 _POOL_FIELDS = ("driver", "pool", "nodeName", "nodeSelector", "allNodes")
+_SELECTION_FIELDS = ("nodeName", "nodeSelector", "allNodes")
+
+# Written on every slice we write (see the module docstring); a JSON object, e.g.
+# {"count":5,"generation":2,"pool":"node-a","poolGeneration":1,"sha256":"…","v":1}
+SPEC_ANNOTATION = "gpu.dra-driver.io/published-spec"
+_DIGEST_VERSION = 1
+# A run_once pass over at most this many pools reads each pool on its own right before syncing it.
+FRESH_READ_POOLS = 4
+# Slices that the metadata-only LIST cannot vouch for are read one GET each up to this many, else by a paged LIST.
+_MAX_SINGLE_READS = 64
 
 
 class InvalidPoolError(ValueError):
@@ -185,39 +218,155 @@ def _full_specs(driver: str, pool_name: str, pool: DesiredPool) -> list[dict[str
     return [{**head, **selection, **part} for part in pool.slices]
 
 
-def _generation(obj: dict[str, Any]) -> int:
-    return int(obj.get("spec", {}).get("pool", {}).get("generation", 0))
+def _canonical(obj: Any) -> str:
+    """One JSON text per value: sorted keys, no spaces (digests must not depend on dict insertion order)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _newer(rv: str, than: str) -> bool:
+    """resourceVersions are etcd revisions in practice; where one is not a number, take the new one."""
+    try:
+        return int(rv) > int(than)
+    except ValueError:
+        return True
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedPool:
+    """A desired pool as the controller holds it: per slice the compressed canonical JSON of its part and the
+    digest of the spec it makes (generation aside). A few kilobytes where the dicts took a megabyte. Made by
+    `prepare_pool`, also in another process (it pickles small): streams may give these instead of DesiredPools."""
+
+    driver: str
+    node_name: str | None
+    selection: str                 # JSON members of the node selection ('"nodeName":"n"'), may be empty
+    generation: int
+    parts: tuple[bytes, ...]       # zlib(canonical JSON of each slice part)
+    digests: tuple[str, ...]
+    checked: bool                  # passed check_desired_pool
+
+    @property
+    def count(self) -> int:
+        return len(self.parts)
+
+    def part_json(self, index: int) -> str:
+        return zlib.decompress(self.parts[index]).decode()
+
+    def checked_copy(self) -> "PreparedPool":
+        return replace(self, checked=True)
+
+    def same_as(self, other: "PreparedPool | None") -> bool:
+        return (other is not None and self.digests == other.digests and self.generation == other.generation
+                and self.node_name == other.node_name)
+
+
+@dataclass(frozen=True)
+class _Slice:
+    """What the controller remembers of one existing slice: enough to compare and to update or delete it."""
+
+    name: str
+    uid: str
+    rv: str
+    mgen: int                      # metadata.generation
+    meta: dict[str, Any]           # metadata without managedFields: an update keeps others' labels and annotations
+    pool: str
+    pool_gen: int
+    count: int
+    digest: str | None             # the spec is exactly the one we sent with this digest
+    norm: str | None               # otherwise: digest of the normalised stored spec
+
+
+def prepare_pool(driver: str, pool_name: str, pool: DesiredPool, checked: bool = False) -> PreparedPool:
+    """The compact form of a desired pool (not validated unless `checked` says it was)."""
+    selection: dict[str, Any] = {}
+    if pool.node_name:
+        selection["nodeName"] = pool.node_name
+    elif pool.node_selector is not None:
+        selection["nodeSelector"] = pool.node_selector
+    elif pool.all_nodes:
+        selection["allNodes"] = True
+    members = _canonical(selection)[1:-1]
+    texts = [_canonical(part) for part in pool.slices]
+    head = f"{_DIGEST_VERSION}\n{driver}\n{pool_name}\n{len(texts)}\n{members}\n"
+    return PreparedPool(driver=driver, node_name=pool.node_name or None, selection=members,
+                        generation=pool.generation, parts=tuple(zlib.compress(t.encode(), 1) for t in texts),
+                        digests=tuple(_digest(head + t) for t in texts), checked=checked)
+
+
+def _note(meta: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Our annotation, if present and readable."""
+    text = (meta.get("annotations") or {}).get(SPEC_ANNOTATION)
+    if not isinstance(text, str):
+        return None
+    try:
+        note = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(note, dict) or note.get("v") != _DIGEST_VERSION or not isinstance(note.get("sha256"), str) \
+            or not isinstance(note.get("pool"), str):
+        return None
+    return note
+
+
+def _norm_digest(spec: Mapping[str, Any]) -> str:
+    return _digest(_canonical(normalize_spec(dict(spec))))
 
 
 class ResourceSliceController:
     """Publishes the desired pools of one driver and keeps them exact. Thread-safe.
 
-    Use as a context manager (threads: a watch and a worker), or call `run_once()` for a single
-    synchronous reconciliation without threads."""
+    Use as a context manager (threads: a watch and `workers` workers), or call `run_once()` for a single
+    reconciliation that returns when it is done."""
 
     def __init__(self, api_client: Any, driver_name: str, owner: Owner = Owner.cluster(), *,
                  sync_delay: float = DEFAULT_SYNC_DELAY, resync_period: float = DEFAULT_RESYNC_PERIOD,
-                 backoff: Backoff | None = None, watch_timeout: int = 300) -> None:
+                 backoff: Backoff | None = None, watch_timeout: int = 300, workers: int = 1) -> None:
         if not is_dns_subdomain(driver_name, 63):
             raise ValueError(f"driver name {driver_name!r} must be a lower-case DNS subdomain of at most 63 characters")
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
         self.kube = KubeApi(api_client)
         self.driver = driver_name
         self.owner = owner
         self.sync_delay = sync_delay
         self.resync_period = resync_period
         self.watch_timeout = watch_timeout
+        self.workers = workers
         self._backoff = backoff or Backoff()
         self._cond = threading.Condition()
-        self._desired: dict[str, DesiredPool] | None = None
+        self._desired: dict[str, PreparedPool] | None = None
         self._queue: dict[str, tuple[float, bool]] = {}    # pool -> (due, urgent)
+        self._deferred: dict[str, tuple[float, bool]] = {}  # queued, but an unfinished stream has not given it yet
         self._busy: set[str] = set()
         self._errors: dict[str, str] = {}
         self._failing_since: dict[str, float] = {}          # pool -> monotonic time of its first failure in a row
         self._writes: _Tally[str] = _Tally()
         self._own_writes: dict[str, str] = {}               # slice name -> resourceVersion we wrote
         self._own_deletes: set[str] = set()                 # uids we deleted
-        self._accepted: dict[tuple[str, int], tuple[dict[str, Any], dict[str, Any]]] = {}
+        self._accepted: dict[tuple[str, int], tuple[str, str | None]] = {}   # (pool, index) -> (desired, stored) norms
         self._reported_drops: set[tuple[str, ...]] = set()
+        self._desired_norms: dict[str, str] = {}            # slice digest -> digest of its normalised spec
+        # What exists: slice name -> record, pool -> names. Trusted while _cache_ready (see the module docstring).
+        self._cache: dict[str, _Slice] = {}
+        self._pool_names: dict[str, set[str]] = {}
+        self._cache_ready = False
+        self._fresh: set[str] = set()                       # pools to read on their own at their next sync
+        self._node_uids: dict[str, str] | None = None       # during a bulk pass: Node name -> uid, from one LIST
+        self._streamed: set[str] | None = None              # pools an unfinished stream has given so far
+        self._active_workers = 0
+        self._pass_over = False
+        self._next_resync = 0.0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._watch_resp: Any = None
@@ -243,6 +392,12 @@ class ResourceSliceController:
         with self._cond:
             return dict(self._errors)
 
+    @property
+    def desired_slices(self) -> int:
+        """How many slices the desired pools have."""
+        with self._cond:
+            return sum(p.count for p in (self._desired or {}).values())
+
     def failing(self) -> dict[str, tuple[float, str]]:
         """Pools whose syncs have failed without a success since: seconds since the first failure of that
         streak, and the last error (for health checks: a pool failing for minutes is not a blip)."""
@@ -255,21 +410,31 @@ class ResourceSliceController:
         changes); then queues removed and new pools for an immediate sync."""
         for name, pool in pools.items():
             check_desired_pool(self.driver, name, pool, self.owner)
-        new = {name: copy.deepcopy(pool) for name, pool in pools.items()}
+        new = {name: self._prepare(name, pool, checked=True) for name, pool in pools.items()}
         with self._cond:
             old = self._desired or {}
             self._desired = new
             SLICE_POOLS.labels(self.driver).set(len(new))
             for name in set(old) | set(new):
-                if old.get(name) != new.get(name) or name in self._errors:
+                previous, wanted = old.get(name), new.get(name)
+                changed = previous is not wanted and (wanted is None or not wanted.same_as(previous))
+                if changed or name in self._errors:
                     self._enqueue_locked(name, 0.0, urgent=True)
             self._cond.notify_all()
 
+    def update_from(self, pools: Iterable[tuple[str, DesiredPool | PreparedPool]]) -> None:
+        """Replaces the whole desired state with the pools `pools` yields, in the calling thread, while the
+        controller's threads (`start()`) already write each pool as soon as it is yielded. Pools not yielded
+        are removed when the iterable is exhausted; if it raises (or a pool is invalid: InvalidPoolError),
+        the error propagates and nothing is removed."""
+        self._consume(pools, deadline=None)
+
     def resync(self) -> None:
-        """Queues every desired pool for an immediate sync: for when slices are known to be gone without a
-        watch event to say so yet (a kubelet deletes its node's slices when it starts)."""
+        """Queues every desired pool for an immediate sync from a fresh read: for when slices are known to be gone
+        without a watch event to say so yet (a kubelet deletes its node's slices when it starts)."""
         with self._cond:
             for name in self._desired or {}:
+                self._fresh.add(name)
                 self._enqueue_locked(name, 0.0, urgent=True)
             self._cond.notify_all()
 
@@ -278,7 +443,11 @@ class ResourceSliceController:
             return self
         self._stop.clear()
         self._watch_synced.clear()   # the first listing after a start removes pools no longer wanted
-        for target, name in ((self._watch_loop, "watch"), (self._worker_loop, "worker")):
+        self._next_resync = time.monotonic() + self.resync_period
+        targets = [(self._watch_loop, "watch")] + [(self._worker_loop, f"worker-{i}") for i in range(self.workers)]
+        with self._cond:
+            self._active_workers = self.workers
+        for target, name in targets:
             t = threading.Thread(target=target, name=f"slices-{name}-{self.driver}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -297,6 +466,9 @@ class ResourceSliceController:
         for t in self._threads:
             t.join(timeout)
         self._threads.clear()
+        with self._cond:
+            self._active_workers = 0
+            self._cache_ready = False     # nothing keeps it current any more
 
     def __enter__(self) -> "ResourceSliceController":
         return self.start()
@@ -315,19 +487,22 @@ class ResourceSliceController:
                 self._cond.wait(min(left, 0.5))
             return True
 
-    def run_once(self, timeout: float = 120.0) -> None:
-        """One complete reconciliation in the calling thread (no watch, no worker): the existing slices
-        are listed to find pools that are no longer desired, then every queued pool is synced, retrying
-        with back-off. Raises PoolSyncError when the deadline passes first."""
+    def run_once(self, timeout: float = 120.0,
+                 pools: Iterable[tuple[str, DesiredPool | PreparedPool]] | None = None) -> None:
+        """One complete reconciliation without the watch: the existing slices are listed (once, metadata only)
+        to find pools that are no longer desired, then every queued pool is synced by `workers` threads,
+        retrying with back-off. With `pools`, the desired state is replaced by what that iterable yields (as
+        `update_from`), each pool synced while the next is computed. Raises PoolSyncError when the deadline
+        passes first."""
         if self._threads:
             raise RuntimeError("run_once() cannot be used while the controller threads run")
         with self._cond:
-            if self._desired is None:
+            if self._desired is None and pools is None:
                 raise RuntimeError("call update() before run_once()")
         deadline = time.monotonic() + timeout
         while True:
             try:
-                existing = self.kube.list(SLICES, field_selector=self._selector())["items"]
+                self._prime()
                 break
             except (ApiUnavailable, ApiError) as exc:
                 delay = self._backoff.failure("list")
@@ -337,28 +512,165 @@ class ResourceSliceController:
                 time.sleep(delay)
         self._backoff.success("list")
         with self._cond:
-            for obj in existing:
-                self._enqueue_locked(obj["spec"]["pool"]["name"], 0.0, urgent=True)
-        while True:
+            for name in self._pool_names:
+                self._enqueue_locked(name, 0.0, urgent=True)
+            queued = [p for p, (_, urgent) in self._queue.items() if urgent]
+            if pools is None and len(queued) <= FRESH_READ_POOLS:
+                self._fresh.update(queued)
+            self._node_uids = {} if self.owner.node_name is None else None
+            self._pass_over = False
+            self._active_workers = self.workers
+        if pools is not None:
+            self._begin_stream()      # before the workers start: pools not given yet must wait for the stream
+        threads = [threading.Thread(target=self._pass_worker, name=f"slices-pass-{i}-{self.driver}", daemon=True)
+                   for i in range(self.workers)]
+        for t in threads:
+            t.start()
+        try:
+            if pools is not None:
+                self._consume(pools, deadline)
+            self._wait_for_pass(deadline)
+        finally:
             with self._cond:
-                urgent = [(due, p) for p, (due, u) in self._queue.items() if u]
-                if not urgent:
-                    return
-                due, pool = min(urgent)
-                if due > deadline:
-                    raise PoolSyncError(f"not all pools synced before the deadline: {self._errors}")
-                del self._queue[pool]
-            time.sleep(max(0.0, due - time.monotonic()))
-            self._process(pool)
+                self._pass_over = True
+                self._cond.notify_all()
+            for t in threads:
+                t.join()
+            with self._cond:
+                self._active_workers = 0
+                self._cache_ready = False     # nothing keeps it current between passes
+                self._node_uids = None
+
+    # ---- desired state ----------------------------------------------------------------------------
+
+    def _prepare(self, pool_name: str, pool: DesiredPool, checked: bool) -> PreparedPool:
+        return prepare_pool(self.driver, pool_name, pool, checked)
+
+    def _consume(self, pools: Iterable[tuple[str, DesiredPool | PreparedPool]], deadline: float | None) -> None:
+        """Streams `pools` into the desired state (see update_from). While workers run, at most a few pools per
+        worker wait to be synced: computing the next pool waits for them, which keeps memory per pool and
+        leaves the CPU to the writes rather than racing ahead of them."""
+        self._begin_stream()
+        completed = False
+        try:
+            for name, pool in pools:
+                prepared = self._prepare_streamed(name, pool)
+                with self._cond:
+                    while self._active_workers and self._pending_locked() >= 4 * self.workers:
+                        if deadline is not None and time.monotonic() > deadline:
+                            raise PoolSyncError(f"not all pools synced before the deadline: {self._errors}")
+                        self._cond.wait(0.5)
+                    previous = self._desired.get(name)
+                    self._desired[name] = prepared
+                    self._streamed.add(name)
+                    waiting = self._deferred.pop(name, None)
+                    if waiting is not None:
+                        self._enqueue_locked(name, waiting[0] - time.monotonic(), waiting[1])
+                    if not prepared.same_as(previous) or name in self._errors:
+                        self._enqueue_locked(name, 0.0, urgent=True)
+                    SLICE_POOLS.labels(self.driver).set(len(self._desired))
+                    self._cond.notify_all()
+            completed = True
+        finally:
+            with self._cond:
+                streamed, self._streamed = self._streamed or set(), None
+                deferred, self._deferred = self._deferred, {}
+                if completed:
+                    for name in set(self._desired) - streamed:
+                        del self._desired[name]
+                        self._enqueue_locked(name, 0.0, urgent=True)
+                for name, (due, urgent) in deferred.items():
+                    # After an abort, pools found in the cluster and never yielded would look unwanted: left be.
+                    if completed or name in self._desired:
+                        self._enqueue_locked(name, due - time.monotonic(), urgent)
+                SLICE_POOLS.labels(self.driver).set(len(self._desired))
+                if self._threads:
+                    self._node_uids = None    # a running controller looks owners up when it needs them
+                self._cond.notify_all()
+
+    def _begin_stream(self) -> None:
+        with self._cond:
+            if self._streamed is None:
+                self._streamed = set()
+                # Until the stream gives a pool, a sync could only see it as unwanted: park what is queued.
+                self._deferred.update(self._queue)
+                self._queue.clear()
+            if self._desired is None:
+                self._desired = {}
+            if self.owner.node_name is None and self._node_uids is None:
+                self._node_uids = {}
+
+    def _prepare_streamed(self, name: str, pool: DesiredPool | PreparedPool) -> PreparedPool:
+        """A pool the server already holds exactly is not validated again (it was before it was written);
+        any other is, now."""
+        if isinstance(pool, PreparedPool):
+            if pool.driver != self.driver:
+                raise ValueError(f"pool {name!r} was prepared for driver {pool.driver}, not {self.driver}")
+            prepared = pool
+        else:
+            prepared = self._prepare(name, pool, checked=False)
+        with self._cond:
+            records = self._cached_locked(name) if self._cache_ready and name not in self._fresh else None
+        if records is not None and not prepared.checked:
+            _, to_write, obsolete, _ = self._plan(name, prepared, records)
+            if not to_write and not obsolete:
+                return prepared
+        if not prepared.checked:
+            if isinstance(pool, PreparedPool):
+                self._check_prepared(name, pool)
+            else:
+                check_desired_pool(self.driver, name, pool, self.owner)     # the dicts are at hand
+        return prepared.checked_copy()
+
+    def _check_prepared(self, pool_name: str, desired: PreparedPool) -> None:
+        pool = DesiredPool(slices=[json.loads(desired.part_json(i)) for i in range(desired.count)],
+                           node_name=desired.node_name, generation=desired.generation,
+                           **self._selection_kwargs(desired))
+        check_desired_pool(self.driver, pool_name, pool, self.owner)
+
+    @staticmethod
+    def _selection_kwargs(desired: PreparedPool) -> dict[str, Any]:
+        selection = json.loads("{" + desired.selection + "}")
+        return {"node_selector": selection.get("nodeSelector"), "all_nodes": bool(selection.get("allNodes"))}
+
+    def _spec_json(self, pool_name: str, desired: PreparedPool, index: int, generation: int,
+                   part: str | None = None) -> str:
+        """The spec of slice `index` as JSON text, assembled without decoding the part (`part`: its JSON text,
+        when the caller has it already)."""
+        head = json.dumps({"driver": self.driver, "pool": {"name": pool_name, "generation": generation,
+                                                           "resourceSliceCount": desired.count}},
+                          separators=(",", ":"), ensure_ascii=False)
+        members = [head[1:-1]]
+        if desired.selection:
+            members.append(desired.selection)
+        if part is None:
+            part = desired.part_json(index)
+        if part != "{}":
+            members.append(part[1:-1])
+        return "{" + ",".join(members) + "}"
+
+    def _desired_norm(self, pool_name: str, desired: PreparedPool, index: int) -> str:
+        """Digest of the normalised desired spec (for slices whose stored spec has to be compared in full)."""
+        key = desired.digests[index]
+        with self._cond:
+            norm = self._desired_norms.get(key)
+        if norm is None:
+            norm = _norm_digest(json.loads(self._spec_json(pool_name, desired, index, 0)))
+            with self._cond:
+                if len(self._desired_norms) > 10000:
+                    self._desired_norms.clear()
+                self._desired_norms[key] = norm
+        return norm
 
     # ---- queue ------------------------------------------------------------------------------------
 
     def _enqueue_locked(self, pool: str, delay: float, urgent: bool) -> None:
+        queue = self._deferred if self._streamed is not None and pool not in self._streamed else self._queue
         due = time.monotonic() + delay
-        if pool in self._queue:
-            old_due, old_urgent = self._queue[pool]
+        if pool in queue:
+            old_due, old_urgent = queue[pool]
             due, urgent = min(due, old_due), urgent or old_urgent
-        self._queue[pool] = (due, urgent)
+        queue[pool] = (due, urgent)
 
     def _enqueue(self, pools: Iterable[str], delay: float, urgent: bool = False) -> None:
         with self._cond:
@@ -367,28 +679,70 @@ class ResourceSliceController:
             self._cond.notify_all()
 
     def _idle_locked(self) -> bool:
-        return (self._desired is not None and not self._busy and not self._errors
+        return (self._desired is not None and not self._busy and not self._errors and self._streamed is None
                 and not any(urgent for _, urgent in self._queue.values()))
 
+    def _pending_locked(self) -> int:
+        """Pools that wait for a worker or are being synced (failing ones not counted: an unreachable server must
+        not stall the stream)."""
+        waiting = sum(1 for p, (_, urgent) in self._queue.items() if urgent and p not in self._errors)
+        return waiting + len(self._busy)
+
+    def _pick_locked(self, now: float, urgent_only: bool) -> tuple[str | None, float]:
+        """The queued pool due first that no worker holds; or None and how long to wait."""
+        best: tuple[float, str] | None = None
+        for pool, (due, urgent) in self._queue.items():
+            if (urgent_only and not urgent) or pool in self._busy:
+                continue
+            if best is None or due < best[0]:
+                best = (due, pool)
+        if best is None:
+            return None, 1.0
+        if best[0] > now:
+            return None, best[0] - now
+        del self._queue[best[1]]
+        self._busy.add(best[1])
+        return best[1], 0.0
+
     def _worker_loop(self) -> None:
-        next_resync = time.monotonic() + self.resync_period
         while not self._stop.is_set():
             with self._cond:
                 now = time.monotonic()
-                if now >= next_resync and self._desired is not None:
+                if now >= self._next_resync and self._desired is not None:
                     for name in self._desired:
                         self._enqueue_locked(name, 0.0, urgent=False)
-                    next_resync = now + self.resync_period
-                if self._desired is None or not self._queue:
-                    self._cond.wait(max(0.01, min(1.0, next_resync - now)))
+                    self._next_resync = now + self.resync_period
+                if self._desired is None:
+                    self._cond.wait(1.0)
                     continue
-                pool, (due, _) = min(self._queue.items(), key=lambda kv: kv[1][0])
-                if due > now:
-                    self._cond.wait(min(due - now, 1.0))
+                pool, wait = self._pick_locked(now, urgent_only=False)
+                if pool is None:
+                    self._cond.wait(max(0.01, min(wait, 1.0, self._next_resync - now)))
                     continue
-                del self._queue[pool]
-                self._busy.add(pool)
             self._process(pool)
+
+    def _pass_worker(self) -> None:
+        """A worker of one run_once pass: syncs urgent pools until the pass is over."""
+        while True:
+            with self._cond:
+                if self._pass_over:
+                    return
+                pool, wait = self._pick_locked(time.monotonic(), urgent_only=True)
+                if pool is None:
+                    self._cond.wait(min(wait, 0.5))
+                    continue
+            self._process(pool)
+
+    def _wait_for_pass(self, deadline: float) -> None:
+        with self._cond:
+            while True:
+                urgent = [due for _, (due, u) in self._queue.items() if u]
+                if not urgent and not self._busy:
+                    return
+                now = time.monotonic()
+                if now > deadline or (urgent and not self._busy and min(urgent) > deadline):
+                    raise PoolSyncError(f"not all pools synced before the deadline: {self._errors}")
+                self._cond.wait(0.5)
 
     def _process(self, pool: str) -> None:
         with self._cond:
@@ -401,6 +755,7 @@ class ResourceSliceController:
                 attempt = self._backoff.failures(pool)
                 self._errors[pool] = f"{type(exc).__name__}: {exc}"
                 self._failing_since.setdefault(pool, time.monotonic())
+                self._fresh.add(pool)          # whatever failed, read the pool again before the next try
                 self._enqueue_locked(pool, delay, urgent=True)
             SLICE_SYNCS.labels(self.driver, "error").inc()
             log.warning("driver %s pool %s: sync failed (attempt %d), retrying in %.2fs: %s",
@@ -416,7 +771,7 @@ class ResourceSliceController:
                 self._busy.discard(pool)
                 self._cond.notify_all()
 
-    # ---- watch ------------------------------------------------------------------------------------
+    # ---- what exists ------------------------------------------------------------------------------
 
     def _selector(self, pool: str | None = None) -> str:
         parts = [f"spec.driver={self.driver}"]
@@ -426,11 +781,109 @@ class ResourceSliceController:
             parts.append(f"spec.pool.name={pool}")
         return ",".join(parts)
 
-    def _list_pool(self, pool: str) -> list[dict[str, Any]]:
-        """The pool's slices (of this driver and owner)."""
+    def _record(self, obj: Mapping[str, Any]) -> _Slice | None:
+        """The record of a listed, watched or written slice; None for metadata without an annotation we can
+        trust (that slice must be read in full)."""
+        meta = obj.get("metadata") or {}
+        spec = obj.get("spec")
+        mgen = _int(meta.get("generation"))
+        note = _note(meta)
+        trusted = note is not None and _int(note.get("generation")) == mgen
+        kept = {k: v for k, v in meta.items() if k != "managedFields"}
+        base = dict(name=meta.get("name", ""), uid=meta.get("uid", ""), rv=meta.get("resourceVersion", ""),
+                    mgen=mgen, meta=kept)
+        if spec is None:
+            if not trusted:
+                return None
+            assert note is not None
+            return _Slice(**base, pool=note["pool"], pool_gen=_int(note.get("poolGeneration")),
+                          count=_int(note.get("count")), digest=note["sha256"], norm=None)
+        pool = spec.get("pool") or {}
+        fields = (str(pool.get("name", "")), _int(pool.get("generation")), _int(pool.get("resourceSliceCount")))
+        if trusted and note is not None and (note["pool"], _int(note.get("poolGeneration")),
+                                             _int(note.get("count"))) == fields:
+            return _Slice(**base, pool=fields[0], pool_gen=fields[1], count=fields[2], digest=note["sha256"], norm=None)
+        return _Slice(**base, pool=fields[0], pool_gen=fields[1], count=fields[2], digest=None, norm=_norm_digest(spec))
+
+    def _cache_put_locked(self, rec: _Slice, if_newer: bool = False) -> None:
+        old = self._cache.get(rec.name)
+        if old is not None:
+            if if_newer and not _newer(rec.rv, old.rv):
+                return
+            if old.pool != rec.pool:
+                self._pool_names.get(old.pool, set()).discard(rec.name)
+        self._cache[rec.name] = rec
+        self._pool_names.setdefault(rec.pool, set()).add(rec.name)
+
+    def _cache_drop_locked(self, name: str, uid: str | None = None) -> str | None:
+        old = self._cache.get(name)
+        if old is None or (uid and old.uid != uid):
+            return None
+        del self._cache[name]
+        names = self._pool_names.get(old.pool)
+        if names is not None:
+            names.discard(name)
+            if not names:
+                del self._pool_names[old.pool]
+        return old.pool
+
+    def _cached_locked(self, pool: str) -> list[_Slice]:
+        return [self._cache[n] for n in self._pool_names.get(pool, ())]
+
+    def _prime(self) -> str:
+        """ONE metadata-only LIST of every slice of the driver (and owner) into the cache; slices it cannot vouch
+        for are read in full. Returns the list's resourceVersion."""
+        listed = self.kube.list_metadata(SLICES, field_selector=self._selector())
+        records: list[_Slice] = []
+        unknown: set[str] = set()
+        for item in listed["items"]:
+            rec = self._record(item)
+            if rec is None:
+                unknown.add(item["metadata"]["name"])
+            else:
+                records.append(rec)
+        if unknown:
+            records.extend(self._read_in_full(unknown))
+        list_rv = listed.get("resourceVersion", "")
+        with self._cond:
+            old = self._cache
+            self._cache, self._pool_names = {}, {}
+            for rec in records:
+                self._cache_put_locked(rec)
+            # Our own writes answered after the snapshot was taken are newer than what it shows.
+            for name, rec in old.items():
+                if list_rv and _newer(rec.rv, list_rv) and (name not in self._cache or _newer(rec.rv, self._cache[name].rv)):
+                    self._cache_put_locked(rec)
+            self._cache_ready = True
+        return list_rv
+
+    def _read_in_full(self, names: set[str]) -> list[_Slice]:
+        records: list[_Slice] = []
+        if len(names) <= _MAX_SINGLE_READS:
+            for name in sorted(names):
+                try:
+                    obj = self.kube.get(f"{SLICES}/{name}")
+                except ApiError as exc:
+                    if exc.not_found:
+                        continue
+                    raise
+                rec = self._record(obj)
+                if rec is not None:
+                    records.append(rec)
+            return records
+        for obj in self.kube.iter_list(SLICES, field_selector=self._selector()):   # a page at a time
+            if obj.get("metadata", {}).get("name") in names:
+                rec = self._record(obj)
+                if rec is not None:
+                    records.append(rec)
+        return records
+
+    def _read_pool(self, pool: str) -> list[_Slice]:
+        """The pool's slices (of this driver and owner), read now with a LIST of their own; the cache follows."""
+        items: Iterable[dict[str, Any]] | None = None
         if self._pool_field_selector:
             try:
-                return list(self.kube.list(SLICES, field_selector=self._selector(pool))["items"])
+                items = self.kube.list(SLICES, field_selector=self._selector(pool))["items"]
             except ApiError as exc:
                 if not (exc.status == 400 and "spec.pool.name" in exc.message):
                     raise
@@ -439,8 +892,19 @@ class ResourceSliceController:
                 if first:
                     log.info("driver %s: the API server cannot select ResourceSlices by spec.pool.name (%s); "
                              "listing the driver's slices and picking each pool's here", self.driver, exc.message)
-        items = self.kube.list(SLICES, field_selector=self._selector())["items"]
-        return [o for o in items if (o.get("spec") or {}).get("pool", {}).get("name") == pool]
+        if items is None:
+            items = (o for o in self.kube.iter_list(SLICES, field_selector=self._selector())
+                     if (o.get("spec") or {}).get("pool", {}).get("name") == pool)
+        records = [r for r in map(self._record, items) if r is not None]
+        with self._cond:
+            for name in list(self._pool_names.get(pool, ())):
+                self._cache_drop_locked(name)
+            for rec in records:
+                self._cache_put_locked(rec)
+            self._fresh.discard(pool)
+        return records
+
+    # ---- watch ------------------------------------------------------------------------------------
 
     def _watch_loop(self) -> None:
         backoff = Backoff(initial=0.5, maximum=30.0)
@@ -448,11 +912,9 @@ class ResourceSliceController:
         while not self._stop.is_set():
             try:
                 if rv is None:
-                    listed = self.kube.list(SLICES, field_selector=self._selector())
-                    rv = listed["resourceVersion"]
-                    pools = {o["spec"]["pool"]["name"] for o in listed["items"]}
+                    rv = self._prime()
                     with self._cond:
-                        pools |= set(self._desired or {})
+                        pools = set(self._pool_names) | set(self._desired or {})
                     # The first listing finds pools this owner no longer wants; later ones catch up
                     # on whatever the watch missed while it was down.
                     first = not self._watch_synced.is_set()
@@ -466,19 +928,37 @@ class ResourceSliceController:
                             break
                         raise ApiError("WATCH", SLICES, int(obj.get("code") or 500), str(obj))
                     rv = obj.get("metadata", {}).get("resourceVersion", rv)
-                    if kind == "BOOKMARK" or self._is_own_echo(kind, obj):
+                    if kind == "BOOKMARK":
                         continue
-                    pool = obj.get("spec", {}).get("pool", {}).get("name")
+                    pool = self._apply_event(kind, obj)
+                    if self._is_own_echo(kind, obj):
+                        continue
                     if pool:
                         self._enqueue([pool], self.sync_delay)
                 backoff.success("watch")
             except (ApiUnavailable, ApiError, ValueError) as exc:
+                with self._cond:
+                    self._cache_ready = False     # events are being missed: pools are read on their own meanwhile
                 if self._stop.is_set():
                     return
                 delay = backoff.failure("watch")
                 log.warning("driver %s: watching ResourceSlices failed (%s); again in %.1fs", self.driver, exc, delay)
                 rv = None
                 self._stop.wait(delay)
+
+    def _apply_event(self, kind: str | None, obj: dict[str, Any]) -> str | None:
+        """Brings the cache in line with one watch event; returns the pool of the slice."""
+        meta = obj.get("metadata", {})
+        pool = (obj.get("spec") or {}).get("pool", {}).get("name")
+        with self._cond:
+            if kind == "DELETED":
+                self._cache_drop_locked(meta.get("name", ""), meta.get("uid"))
+                return pool
+        rec = self._record(obj)
+        if rec is not None:
+            with self._cond:
+                self._cache_put_locked(rec, if_newer=True)
+        return pool
 
     def _watch_events(self, rv: str) -> Iterable[dict[str, Any]]:
         resp = self.kube.request("GET", SLICES, query={
@@ -508,99 +988,126 @@ class ResourceSliceController:
 
     # ---- one pool ---------------------------------------------------------------------------------
 
-    def _desired_spec(self, pool_name: str, pool: DesiredPool, index: int, generation: int) -> dict[str, Any]:
-        spec: dict[str, Any] = {
-            "driver": self.driver,
-            "pool": {"name": pool_name, "generation": generation, "resourceSliceCount": len(pool.slices)},
-        }
-        if pool.node_name:
-            spec["nodeName"] = pool.node_name
-        elif pool.node_selector is not None:
-            spec["nodeSelector"] = copy.deepcopy(pool.node_selector)
-        elif pool.all_nodes:
-            spec["allNodes"] = True
-        # Shared with the desired state, which update() copied: request bodies are only read, never changed.
-        spec.update(pool.slices[index])
-        return spec
-
-    def _same(self, pool_name: str, index: int, desired: dict[str, Any], actual: dict[str, Any]) -> bool:
-        dp, ap = desired["pool"], actual.get("pool", {})
-        if (dp["name"], dp["generation"], dp["resourceSliceCount"]) != (
-                ap.get("name"), int(ap.get("generation", 0)), int(ap.get("resourceSliceCount", 0))):
+    def _same(self, pool_name: str, desired: PreparedPool, index: int, generation: int, actual: _Slice) -> bool:
+        if (actual.pool, actual.pool_gen, actual.count) != (pool_name, generation, desired.count):
             return False
-        nd, na = normalize_spec(desired), normalize_spec(actual)
-        if nd == na:
-            return True
+        if actual.digest is not None:
+            return actual.digest == desired.digests[index]
+        nd = self._desired_norm(pool_name, desired, index)
         # The server dropped fields it does not support; we reported it already and must not loop.
-        return self._accepted.get((pool_name, index)) == (nd, na)
+        return actual.norm == nd or self._accepted.get((pool_name, index)) == (nd, actual.norm)
+
+    def _plan(self, pool_name: str, desired: PreparedPool, existing: list[_Slice]
+              ) -> tuple[int, list[int], list[_Slice], dict[int, _Slice]]:
+        """The upstream rule: (generation to write, indexes to write, obsolete slices, existing by index)."""
+        count = desired.count
+        index_of = {slice_name(self.driver, pool_name, i): i for i in range(count)}
+        generation = max((s.pool_gen for s in existing), default=0)
+        by_index: dict[int, _Slice] = {}
+        current: set[int] = set()
+        obsolete: list[_Slice] = []
+        for rec in existing:
+            i = index_of.get(rec.name)
+            if i is None:
+                obsolete.append(rec)
+                continue
+            by_index[i] = rec
+            if rec.pool_gen == generation:
+                current.add(i)
+        missing = [i for i in range(count) if i not in current]
+        changed = [i for i in sorted(current) if not self._same(pool_name, desired, i, generation, by_index[i])]
+        removed = any(s.pool_gen == generation for s in obsolete)
+        if desired.generation > generation or missing or removed or len(changed) > 1:
+            return max(generation + 1, desired.generation), list(range(count)), obsolete, by_index
+        return generation, changed, obsolete, by_index
 
     def _sync_pool(self, pool_name: str) -> None:
         with self._cond:
             desired = (self._desired or {}).get(pool_name)
-        existing = self._list_pool(pool_name)
-        existing.sort(key=lambda o: o["metadata"]["name"])
+            fresh = pool_name in self._fresh or not self._cache_ready
+            existing = None if fresh else self._cached_locked(pool_name)
+        if existing is None:
+            existing = self._read_pool(pool_name)
+        existing.sort(key=lambda s: s.name)
         if desired is None:
-            for obj in existing:
-                self._delete(obj)
+            for rec in existing:
+                self._delete(rec)
             return
 
-        count = len(desired.slices)
-        index_of = {slice_name(self.driver, pool_name, i): i for i in range(count)}
-        generation = max((_generation(o) for o in existing), default=0)
-        by_index: dict[int, dict[str, Any]] = {}
-        current: set[int] = set()
-        obsolete: list[dict[str, Any]] = []
-        for obj in existing:
-            i = index_of.get(obj["metadata"]["name"])
-            if i is None:
-                obsolete.append(obj)
-                continue
-            by_index[i] = obj
-            if _generation(obj) == generation:
-                current.add(i)
-        missing = [i for i in range(count) if i not in current]
-        changed = [i for i in sorted(current)
-                   if not self._same(pool_name, i, self._desired_spec(pool_name, desired, i, generation),
-                                     by_index[i]["spec"])]
-        removed = any(_generation(o) == generation for o in obsolete)
-        if desired.generation > generation or missing or removed or len(changed) > 1:
-            new_generation = max(generation + 1, desired.generation)
-            to_write = list(range(count))
-        else:
-            new_generation, to_write = generation, changed
+        generation = max((s.pool_gen for s in existing), default=0)
+        new_generation, to_write, obsolete, by_index = self._plan(pool_name, desired, existing)
         if not obsolete and not to_write:
             return
+        if not desired.checked:
+            self._check_prepared(pool_name, desired)
         log.info("driver %s pool %s: generation %d -> %d, %d slice(s) to write, %d to delete",
                  self.driver, pool_name, generation, new_generation, len(to_write), len(obsolete))
 
-        for obj in obsolete:
-            self._delete(obj)
+        for rec in obsolete:
+            self._delete(rec)
         owner_refs = self._owner_refs(desired) if any(i not in by_index for i in to_write) else []
         for i in sorted(to_write, key=lambda i: i not in by_index):   # updates first, then creates
-            spec = self._desired_spec(pool_name, desired, i, new_generation)
+            part = desired.part_json(i)
+            spec = self._spec_json(pool_name, desired, i, new_generation, part)
             if i in by_index:
-                meta = {k: v for k, v in by_index[i]["metadata"].items() if k != "managedFields"}
-                body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": meta, "spec": spec}
+                old = by_index[i]
+                meta = dict(old.meta)
+                meta["annotations"] = {**(meta.get("annotations") or {}),
+                                       SPEC_ANNOTATION: self._annotation(pool_name, desired, i, new_generation, old.mgen + 1)}
+                body = _encode(meta, spec)
                 stored = self._write("update", lambda b=body: self.kube.replace(SLICES, b))
             else:
-                meta = {"name": slice_name(self.driver, pool_name, i)}
+                meta = {"name": slice_name(self.driver, pool_name, i),
+                        "annotations": {SPEC_ANNOTATION: self._annotation(pool_name, desired, i, new_generation, 1)}}
                 if owner_refs:
                     meta["ownerReferences"] = owner_refs
-                body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": meta, "spec": spec}
+                body = _encode(meta, spec)
                 stored = self._write("create", lambda b=body: self.kube.create(SLICES, b))
-            self._check_stored(pool_name, i, spec, stored)
+            self._check_stored(pool_name, desired, i, stored, part)
+            rec = self._record(stored)
+            if rec is not None:
+                with self._cond:
+                    self._cache_put_locked(rec)
 
-    def _owner_refs(self, pool: DesiredPool) -> list[dict[str, Any]]:
+    @staticmethod
+    def _annotation(pool_name: str, desired: PreparedPool, index: int, pool_generation: int, generation: int) -> str:
+        """What SPEC_ANNOTATION says: `generation` is the metadata.generation this write gives the slice."""
+        return _canonical({"v": _DIGEST_VERSION, "sha256": desired.digests[index], "pool": pool_name,
+                           "poolGeneration": pool_generation, "count": desired.count, "generation": generation})
+
+    def _owner_refs(self, pool: PreparedPool) -> list[dict[str, Any]]:
         if not pool.node_name:
             return []
+        return [{"apiVersion": "v1", "kind": "Node", "name": pool.node_name, "uid": self._node_uid(pool.node_name),
+                 "controller": True}]
+
+    def _node_uid(self, node: str) -> str:
+        """During a pass over many pools, one LIST of the Nodes (metadata only) answers every pool; else one GET.
+        Not kept beyond the pass: a Node deleted and created again gets a new uid."""
+        with self._cond:
+            uids = self._node_uids
+            uid = uids.get(node) if uids is not None else None
+            first = uids is not None and not uids
+        if uid:
+            return uid
+        if first:
+            try:
+                listed = {o["metadata"]["name"]: o["metadata"]["uid"]
+                          for o in self.kube.list_metadata(NODES)["items"]}
+            except ApiError:
+                listed = {}          # e.g. not allowed to list Nodes: one GET per node instead
+            with self._cond:
+                if self._node_uids is not None:
+                    self._node_uids.update(listed or {"": ""})   # non-empty: listed once
+            if node in listed:
+                return listed[node]
         try:
-            node = self.kube.get(f"{NODES}/{pool.node_name}")
+            found = self.kube.get(f"{NODES}/{node}")
         except ApiError as exc:
             if exc.not_found:
-                raise PoolSyncError(f"Node {pool.node_name!r} does not exist; its slices need it as owner") from exc
+                raise PoolSyncError(f"Node {node!r} does not exist; its slices need it as owner") from exc
             raise
-        return [{"apiVersion": "v1", "kind": "Node", "name": pool.node_name,
-                 "uid": node["metadata"]["uid"], "controller": True}]
+        return str(found["metadata"]["uid"])
 
     def _write(self, operation: str, call: Any) -> dict[str, Any]:
         try:
@@ -618,33 +1125,56 @@ class ResourceSliceController:
         SLICE_WRITES.labels(self.driver, operation).inc()
         return stored
 
-    def _delete(self, obj: dict[str, Any]) -> None:
-        meta = obj["metadata"]
+    def _delete(self, rec: _Slice) -> None:
         try:
-            self.kube.delete(SLICES, meta["name"], uid=meta.get("uid"), resource_version=meta.get("resourceVersion"))
+            self.kube.delete(SLICES, rec.name, uid=rec.uid or None, resource_version=rec.rv or None)
         except ApiError as exc:
             if exc.not_found:
+                with self._cond:
+                    self._cache_drop_locked(rec.name)
                 return
             if exc.conflict:
-                raise PoolSyncError(f"delete of {meta['name']} conflicted ({exc.message}); will re-read") from exc
+                raise PoolSyncError(f"delete of {rec.name} conflicted ({exc.message}); will re-read") from exc
             raise
         with self._cond:
             self._writes["delete"] += 1
             if len(self._own_deletes) > 10000:
                 self._own_deletes.clear()
-            self._own_deletes.add(meta.get("uid", ""))
+            self._own_deletes.add(rec.uid)
+            self._cache_drop_locked(rec.name)
         SLICE_WRITES.labels(self.driver, "delete").inc()
 
-    def _check_stored(self, pool_name: str, index: int, desired: dict[str, Any], stored: dict[str, Any]) -> None:
-        nd, ns = normalize_spec(desired), normalize_spec(stored.get("spec", {}))
-        if nd == ns:
-            self._accepted.pop((pool_name, index), None)
+    def _check_stored(self, pool_name: str, desired: PreparedPool, index: int, stored: dict[str, Any], part_json: str) -> None:
+        """Whether the server stored what we sent: exactly (the usual case), or else as the same normalised spec;
+        a real difference is a field the server dropped, logged once."""
+        spec = stored.get("spec") or {}
+        part = {k: v for k, v in spec.items() if k not in _POOL_FIELDS}
+        selection = _canonical({k: spec[k] for k in _SELECTION_FIELDS if k in spec})[1:-1]
+        # Dict equality ignores key order and runs in C: a third of the cost of a canonical dump of the answer.
+        if spec.get("driver") == self.driver and selection == desired.selection \
+                and part == json.loads(part_json):
+            with self._cond:
+                self._accepted.pop((pool_name, index), None)
             return
-        self._accepted[(pool_name, index)] = (nd, ns)
-        diffs = spec_differences(nd, ns)
-        key = (pool_name, *diffs)
-        if key not in self._reported_drops:
+        nd = normalize_spec(json.loads(self._spec_json(pool_name, desired, index, 0, part_json)))
+        ns = normalize_spec(spec)
+        with self._cond:
+            if nd == ns:
+                self._accepted.pop((pool_name, index), None)
+                return
+            self._accepted[(pool_name, index)] = (_digest(_canonical(nd)), _digest(_canonical(ns)))
+            diffs = spec_differences(nd, ns)
+            key = (pool_name, *diffs)
+            if key in self._reported_drops:
+                return
             self._reported_drops.add(key)
-            log.error("driver %s pool %s: the API server did not store ResourceSlice %s as sent (%s); "
-                      "a feature it needs is probably disabled there. Not retrying this difference.",
-                      self.driver, pool_name, stored.get("metadata", {}).get("name"), "; ".join(diffs))
+        log.error("driver %s pool %s: the API server did not store ResourceSlice %s as sent (%s); "
+                  "a feature it needs is probably disabled there. Not retrying this difference.",
+                  self.driver, pool_name, stored.get("metadata", {}).get("name"), "; ".join(diffs))
+
+
+def _encode(meta: dict[str, Any], spec_json: str) -> EncodedObject:
+    """A ResourceSlice request body from its metadata and its spec already as JSON text."""
+    text = ('{"apiVersion":"resource.k8s.io/v1","kind":"ResourceSlice","metadata":'
+            + json.dumps(meta, separators=(",", ":"), ensure_ascii=False) + ',"spec":' + spec_json + "}")
+    return EncodedObject(text.encode(), str(meta["name"]))

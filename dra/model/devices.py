@@ -39,7 +39,6 @@ once: three 1g at slices 4-6 keep a 4g placeable, whereas four 1g keep a 3g only
 """
 from __future__ import annotations
 
-import copy
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +60,18 @@ KIND_GPU = "gpu"
 KIND_MIG = "mig"
 KIND_SLOT = "slot"
 KIND_SHARED = "shared"
+
+
+def _copy_json(value: Any) -> Any:
+    """A deep copy of JSON-shaped data (dicts, lists, tuples, scalars): what copy.deepcopy gives for it at a
+    fraction of the cost (no memo of visited objects), which matters at 240 devices a node."""
+    if isinstance(value, dict):
+        return {k: _copy_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy_json(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_copy_json(v) for v in value)
+    return value
 
 
 class DeviceModelError(ValueError):
@@ -197,7 +208,7 @@ class Device:
             out["consumesCounters"] = list(self.consumes_counters)
         if with_taints and self.taints:
             out["taints"] = list(self.taints)
-        return copy.deepcopy(out)
+        return _copy_json(out)
 
 
 @dataclass(frozen=True)

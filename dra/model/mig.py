@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import NamedTuple
 
 from dra.model.gpu import MigProfile
@@ -184,6 +185,12 @@ def fits(
 
 def max_instances_alone(profiles: Sequence[MigProfile], profile_id: int) -> int:
     """How many instances of one profile the geometry and budgets admit, ignoring ``max_instances``."""
+    # Every GPU of a model has the same profiles: the placement search runs once per model, not per GPU.
+    return _max_instances_alone(tuple(profiles), profile_id)
+
+
+@lru_cache(maxsize=256)
+def _max_instances_alone(profiles: tuple[MigProfile, ...], profile_id: int) -> int:
     by_id = profile_by_id(profiles)
     relaxed = [p if p.profile_id != profile_id else _with_max(p, len(p.starts)) for p in profiles]
     k = 0
