@@ -17,16 +17,13 @@ the time from the plugin's start to its registration socket answering GetInfo.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import uuid as uuidlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -95,6 +92,9 @@ class _Plugin:
                 raise RuntimeError("plugin registration socket did not answer in 120 s")
             time.sleep(0.002)
 
+    def registration(self) -> Any:
+        return reg_grpc.RegistrationStub(grpc.insecure_channel(f"unix:{self.registry / f'{DRIVER}-reg.sock'}"))
+
     def dra(self) -> Any:
         sock = self.plugins / "dra.sock"
         deadline = time.monotonic() + 120
@@ -135,6 +135,12 @@ def allocated_claims(kube: KubeApi, count: int) -> list[tuple[str, str]]:
         kube.request("PUT", f"{RESOURCE_V1}/namespaces/{NAMESPACE}/resourceclaims/{name}/status", body=claim)
         out.append((name, claim["metadata"]["uid"]))
     return out
+
+
+def _get_info(stub: Any) -> float:
+    started = time.perf_counter()
+    stub.GetInfo(reg_pb.InfoRequest(), timeout=10)
+    return time.perf_counter() - started
 
 
 def _call(stub: Any, method: str, claims: list[tuple[str, str]]) -> float:
@@ -196,7 +202,8 @@ def run(params: Params) -> list[Figure]:
         cdi_bytes = max((p.stat().st_size for p in plugin.cdi.glob("*.json")), default=1500) or 1500
         floor = _Floor(kube, work, cdi_bytes=max(cdi_bytes, 1500), record_bytes=600)
 
-        prep, unprep, f_prep, f_unprep = [], [], [], []
+        prep, unprep, f_prep, f_unprep, rpc = [], [], [], [], []
+        registration = plugin.registration()
         cpu_before = plugin.cpu_seconds()
         for r in range(rounds):                          # interleaved: plugin call, then floor, same round
             claim = claims[r % GPUS]
@@ -205,15 +212,19 @@ def run(params: Params) -> list[Figure]:
             unprep.append(_call(stub, "unprepare", [claim]))
             f_unprep.append(floor.unprepare(claim[0]))
         cpu_per_cycle = (plugin.cpu_seconds() - cpu_before) / rounds
+        for _ in range(rounds):                          # the transport alone: a call that does nothing
+            rpc.append(_get_info(registration))
 
         # 32 callers at once on independent claims, against the plugin's own serial rate.
         batch = claims[:params.api_parallel]
-        serial_rates, parallel_rates = [], []
+        serial_rates, parallel_rates, serial_cpu_shares = [], [], []
         for _ in range(max(1, params.parallel_rounds)):
-            started = time.perf_counter()
+            started, cpu_before = time.perf_counter(), plugin.cpu_seconds()
             for c in batch:
                 _call(stub, "prepare", [c])
-            serial_rates.append(len(batch) / (time.perf_counter() - started))
+            took = time.perf_counter() - started
+            serial_rates.append(len(batch) / took)
+            serial_cpu_shares.append((plugin.cpu_seconds() - cpu_before) / took)
             for c in batch:
                 _call(stub, "unprepare", [c])
             started = time.perf_counter()
@@ -245,8 +256,12 @@ def run(params: Params) -> list[Figure]:
                u50 / fu50, "x"),
         Figure("plugin.parallel.ratio", f"{len(batch)} callers / serial prepare rate ({parallel:.0f} / "
                f"{serial:.0f} claims/s)", parallel / serial, "x"),
+        Figure("plugin.grpc_roundtrip_ms", "gRPC round trip of a call that does nothing (GetInfo), in neither floor",
+               med(rpc) * 1000, "ms", f"median of {len(rpc)}, after the prepare rounds"),
         Figure("plugin.cpu_ms_per_cycle", "plugin CPU per prepare+unprepare cycle (status writes included)",
                cpu_per_cycle * 1000, "ms"),
+        Figure("plugin.serial.cpu_share", "plugin CPU while one caller prepares (32 callers: at most 1/this faster)",
+               med(serial_cpu_shares), "CPUs", "one Python process runs on one CPU at a time (the GIL)"),
         Figure("plugin.startup.getinfo_s", "start to GetInfo answered (median of "
                f"{len(startup)}: {', '.join(f'{s:.2f}' for s in startup)} s)", med(startup), "s"),
     ]
