@@ -29,7 +29,7 @@ At fleet scale (a cluster-wide publisher of a thousand nodes, five thousand slic
   spec). The API server raises `metadata.generation` on every spec change and on nothing else, so while the
   two agree the stored spec is exactly what we sent and comparing digests is enough. Otherwise (no
   annotation: written by someone else or by an older release; or edited since) the stored spec is read in
-  full and compared normalised (`kube.slicecompare`), as before;
+  full and compared normalised (`kube.slicecompare`);
 * what exists is read with ONE metadata-only LIST of the driver's slices (names, versions, annotations: a
   thousandth of the bytes) at the start of a pass, and kept current from the watch and from the answers to
   our own writes; slices it cannot vouch for are read in full (GET, or one paged LIST when there are many).
