@@ -44,7 +44,7 @@ def _run_local() -> int:
 
 def _run_fleet(path: str, node_name: str | None) -> int:
     from dra.sim.fleet import FleetError, load_fleet, nvml_for_node
-    from dra.node.inventory import discover
+    from dra.node.inventory import discover_once
 
     try:
         fleet = load_fleet(path)
@@ -54,12 +54,7 @@ def _run_fleet(path: str, node_name: str | None) -> int:
         return 2
     blocks = []
     for node in nodes:
-        nvml = nvml_for_node(node)
-        nvml.nvmlInit()
-        try:
-            blocks.append(render_inventory(node.name, discover(nvml)))
-        finally:
-            nvml.nvmlShutdown()
+        blocks.append(render_inventory(node.name, discover_once(nvml_for_node(node))))
     print("\n\n".join(blocks))
     return 0
 

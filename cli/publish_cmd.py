@@ -108,18 +108,12 @@ def _node_pool(node: Any, fleet_path: str, driver: str, features: Any) -> tuple[
     """One node's DesiredPool and the warnings and notes a human should see."""
     from kube.resourceslices import DesiredPool
     from dra.sim.fleet import nvml_for_node
-    from dra.node.inventory import discover
+    from dra.node.inventory import discover_once
     from dra.model.policy import parse_node_policy
     from dra.model.slices import plan_pool
 
     policy = parse_node_policy(node.policy, source=f"{fleet_path}: node {node.name}: policy")
-    nvml = nvml_for_node(node)
-    nvml.nvmlInit()
-    try:
-        inventory = discover(nvml)
-    finally:
-        nvml.nvmlShutdown()
-    plan = plan_pool(inventory, policy, driver, node.name, features)
+    plan = plan_pool(discover_once(nvml_for_node(node)), policy, driver, node.name, features)
     return DesiredPool.from_slice_specs(plan.slices, node.name), [*plan.warnings, *plan.notes]
 
 

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from kube.resourceslices import slice_name
     from dra.model.devices import DeviceModelError
     from dra.sim.fleet import FleetError, load_fleet, nvml_for_node
-    from dra.node.inventory import discover
+    from dra.node.inventory import discover_once
     from dra.model.policy import PolicyError, parse_node_policy
     from dra.model.slices import ApiFeatures, plan_pool, resource_slice_objects, validate_pool
 
@@ -70,13 +70,7 @@ def run(args: argparse.Namespace) -> int:
     for node in nodes:
         try:
             policy = parse_node_policy(node.policy, source=f"{args.fleet}: node {node.name}: policy")
-            nvml = nvml_for_node(node)
-            nvml.nvmlInit()
-            try:
-                inventory = discover(nvml)
-            finally:
-                nvml.nvmlShutdown()
-            plan = plan_pool(inventory, policy, driver, node.name, features)
+            plan = plan_pool(discover_once(nvml_for_node(node)), policy, driver, node.name, features)
         except (FleetError, PolicyError, DeviceModelError) as exc:
             print(f"{prog}: node {node.name}: {exc}", file=sys.stderr)
             return 2

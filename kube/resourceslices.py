@@ -123,6 +123,14 @@ class DesiredPool:
     all_nodes: bool = False
     generation: int = 0
 
+    def selection(self) -> dict[str, Any]:
+        """The spec fields that select the pool's nodes: the first of node_name, node_selector, all_nodes set."""
+        if self.node_name:
+            return {"nodeName": self.node_name}
+        if self.node_selector is not None:
+            return {"nodeSelector": self.node_selector}
+        return {"allNodes": True} if self.all_nodes else {}
+
     @classmethod
     def from_slice_specs(cls, specs: list[dict[str, Any]], node_name: str | None = None) -> "DesiredPool":
         """A node-local pool from full ResourceSlice specs as `dra.model.slices.desired_pool_slices` returns them:
@@ -207,13 +215,7 @@ def check_desired_pool(driver: str, pool_name: str, pool: DesiredPool, owner: Ow
 
 def _full_specs(driver: str, pool_name: str, pool: DesiredPool) -> list[dict[str, Any]]:
     """The specs as they will be written (generation aside), for validation."""
-    selection: dict[str, Any] = {}
-    if pool.node_name:
-        selection["nodeName"] = pool.node_name
-    elif pool.node_selector is not None:
-        selection["nodeSelector"] = pool.node_selector
-    elif pool.all_nodes:
-        selection["allNodes"] = True
+    selection = pool.selection()
     head = {"driver": driver, "pool": {"name": pool_name, "generation": 0, "resourceSliceCount": len(pool.slices)}}
     return [{**head, **selection, **part} for part in pool.slices]
 
@@ -289,14 +291,7 @@ class _Slice:
 
 def prepare_pool(driver: str, pool_name: str, pool: DesiredPool, checked: bool = False) -> PreparedPool:
     """The compact form of a desired pool (not validated unless `checked` says it was)."""
-    selection: dict[str, Any] = {}
-    if pool.node_name:
-        selection["nodeName"] = pool.node_name
-    elif pool.node_selector is not None:
-        selection["nodeSelector"] = pool.node_selector
-    elif pool.all_nodes:
-        selection["allNodes"] = True
-    members = _canonical(selection)[1:-1]
+    members = _canonical(pool.selection())[1:-1]
     texts = [_canonical(part) for part in pool.slices]
     head = f"{_DIGEST_VERSION}\n{driver}\n{pool_name}\n{len(texts)}\n{members}\n"
     return PreparedPool(driver=driver, node_name=pool.node_name or None, selection=members,

@@ -15,7 +15,7 @@ import pytest
 
 from bench.memapi import InMemorySliceApi
 from kube.client import NODES, SLICES
-from kube.resourceslices import (SPEC_ANNOTATION, DesiredPool, InvalidPoolError, Owner, PoolSyncError,
+from kube.resourceslices import (SPEC_ANNOTATION, DesiredPool, InvalidPoolError, Owner,
                                  ResourceSliceController, slice_name)
 
 DRIVER = "gpu.example.com"
@@ -392,19 +392,13 @@ def test_a_bulk_pass_on_a_server_without_the_pool_selector_never_needs_it_until_
 def h100_node_model() -> Any:
     from dra.model.devices import build_devices
     from dra.model.policy import parse_node_policy
-    from dra.node.inventory import discover
+    from dra.node.inventory import discover_once
     from dra.sim.fleet import nvml_for_node, parse_fleet
 
     policy = {"default": {"mig": "dynamic", "slots": {"count": 4, "strategy": "mps"}}}
     node = parse_fleet({"nodes": [{"name": "n", "gpus": [{"model": "H100-80GB", "count": 8}], "policy": policy}]},
                        "<test>").nodes[0]
-    nvml = nvml_for_node(node)
-    nvml.nvmlInit()
-    try:
-        inventory = discover(nvml)
-    finally:
-        nvml.nvmlShutdown()
-    return build_devices(inventory, parse_node_policy(policy, "<test>"))
+    return build_devices(discover_once(nvml_for_node(node)), parse_node_policy(policy, "<test>"))
 
 
 def containers(value: Any) -> Iterator[Any]:

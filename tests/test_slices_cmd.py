@@ -9,7 +9,7 @@ import yaml
 
 from cli.main import main
 from dra.sim.fleet import nvml_for_node, parse_fleet
-from dra.node.inventory import discover
+from dra.node.inventory import discover_once
 from dra.model.policy import parse_node_policy
 from dra.model.slices import ApiFeatures, desired_pool_slices, plan_pool, validate_pool
 
@@ -35,12 +35,7 @@ FLEET = textwrap.dedent("""
 
 
 def inventory_of(fleet, name):
-    nvml = nvml_for_node(fleet.node(name))
-    nvml.nvmlInit()
-    try:
-        return discover(nvml)
-    finally:
-        nvml.nvmlShutdown()
+    return discover_once(nvml_for_node(fleet.node(name)))
 
 
 @pytest.fixture

@@ -103,6 +103,15 @@ def describe_nvml_error(exc: BaseException) -> str:
     return f"{text} (NVML error {code})"
 
 
+def discover_once(nvml: Any) -> NodeInventory:
+    """``discover`` on an NVML library nothing else uses: initialised for it and shut down after."""
+    nvml.nvmlInit()
+    try:
+        return discover(nvml)
+    finally:
+        nvml.nvmlShutdown()
+
+
 def discover(nvml: Any, sysfs_root: str | Path = "/sys") -> NodeInventory:
     """Everything NVML reports about this node's GPUs, plus the PCIe root from sysfs. ``nvml`` must be
     initialised."""
