@@ -6,17 +6,14 @@
 #   hack/versions.env; K8S_SKEW_VERSION there is the oldest supported release). ETCD_VERSION likewise.
 set -euo pipefail
 
-VERSIONS_FILE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/versions.env"
-pinned() { sed -n "s/^$1=//p" "$VERSIONS_FILE" 2>/dev/null | tail -n 1; }
+SCRIPT=build-control-plane
+# shellcheck source=hack/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 K8S_VERSION="${K8S_VERSION:-$(pinned K8S_VERSION)}"
 ETCD_VERSION="${ETCD_VERSION:-$(pinned ETCD_VERSION)}"
-CACHE_ROOT="${GPU_DRA_CACHE:-$HOME/.cache/gpu-dra}"
 OUT="$CACHE_ROOT/k8s/$K8S_VERSION"
 BIN="$OUT/bin"
 COMPONENTS=(kube-apiserver kube-scheduler kube-controller-manager kubectl)
-
-log() { printf '[build-control-plane %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
-die() { printf 'build-control-plane: error: %s\n' "$*" >&2; exit 1; }
 
 # The staging modules are tagged v0.<minor>.<patch> for k8s.io/kubernetes v1.<minor>.<patch>: only plain
 # release versions map that way.

@@ -5,15 +5,12 @@
 #   HELM_VERSION=v4.3.2 hack/build-helm.sh   overrides the pin; GPU_DRA_CACHE moves the cache.
 set -euo pipefail
 
-VERSIONS_FILE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/versions.env"
-pinned() { sed -n "s/^$1=//p" "$VERSIONS_FILE" 2>/dev/null | tail -n 1; }
+SCRIPT=build-helm
+# shellcheck source=hack/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 HELM_VERSION="${HELM_VERSION:-$(pinned HELM_VERSION)}"
-CACHE_ROOT="${GPU_DRA_CACHE:-$HOME/.cache/gpu-dra}"
 OUT="$CACHE_ROOT/helm/$HELM_VERSION"
 BIN="$OUT/bin/helm"
-
-log() { printf '[build-helm %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
-die() { printf 'build-helm: error: %s\n' "$*" >&2; exit 1; }
 
 # The module path carries the major version (helm.sh/helm/v4): only v4 releases build from this path.
 [[ "$HELM_VERSION" =~ ^v4\.[0-9]+\.[0-9]+$ ]] \

@@ -11,9 +11,9 @@
 # overrides them (K8S_VERSION, CONTAINERD_VERSION, RUNC_VERSION, ...).
 set -euo pipefail
 
-HACK="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-VERSIONS_FILE="$HACK/versions.env"
-pinned() { sed -n "s/^$1=//p" "$VERSIONS_FILE" 2>/dev/null | tail -n 1; }
+SCRIPT=build-node
+# shellcheck source=hack/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 K8S_VERSION="${K8S_VERSION:-$(pinned K8S_VERSION)}"
 CONTAINERD_VERSION="${CONTAINERD_VERSION:-$(pinned CONTAINERD_VERSION)}"
 RUNC_VERSION="${RUNC_VERSION:-$(pinned RUNC_VERSION)}"
@@ -21,16 +21,12 @@ BUSYBOX_STATIC_DEB_VERSION="${BUSYBOX_STATIC_DEB_VERSION:-$(pinned BUSYBOX_STATI
 LIBSECCOMP_DEV_DEB_VERSION="${LIBSECCOMP_DEV_DEB_VERSION:-$(pinned LIBSECCOMP_DEV_DEB_VERSION)}"
 PAUSE_IMAGE="${PAUSE_IMAGE:-$(pinned PAUSE_IMAGE)}"
 BUSYBOX_IMAGE="${BUSYBOX_IMAGE:-$(pinned BUSYBOX_IMAGE)}"
-CACHE_ROOT="${GPU_DRA_CACHE:-$HOME/.cache/gpu-dra}"
 
 K8S_DIR="$CACHE_ROOT/k8s/$K8S_VERSION"
 CTRD_DIR="$CACHE_ROOT/containerd/$CONTAINERD_VERSION"
 RUNC_DIR="$CACHE_ROOT/runc/$RUNC_VERSION"
 DEB_DIR="$CACHE_ROOT/debs"
 NODE="$CACHE_ROOT/node/${K8S_VERSION}_containerd-${CONTAINERD_VERSION}_runc-${RUNC_VERSION}"
-
-log() { printf '[build-node %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
-die() { printf 'build-node: error: %s\n' "$*" >&2; exit 1; }
 
 [[ "$K8S_VERSION" =~ ^v1\.[0-9]+\.[0-9]+$ ]] \
   || die "K8S_VERSION '$K8S_VERSION' is not a Kubernetes release like v1.37.2 (set it, or pin it in $VERSIONS_FILE)"
