@@ -138,26 +138,28 @@ class KubeApi:
     def iter_list(self, collection: str, field_selector: str | None = None,
                   page_size: int = 100) -> Iterator[dict[str, Any]]:
         """The items of a list, fetched a page at a time: only one page of objects is held at once."""
-        cont: str | None = None
-        while True:
-            doc = self.request("GET", collection, query={
-                "fieldSelector": field_selector, "limit": page_size, "continue": cont})
-            cont = doc.get("metadata", {}).get("continue")
-            yield from doc.get("items") or []
-            if not cont:
-                return
+        for page in self._pages(collection, field_selector, None, page_size, "application/json"):
+            yield from page.get("items") or []
 
     def _list(self, collection: str, field_selector: str | None, label_selector: str | None, limit: int,
               accept: str) -> dict[str, Any]:
         items: list[dict[str, Any]] = []
+        page: dict[str, Any] = {}
+        for page in self._pages(collection, field_selector, label_selector, limit, accept):
+            items.extend(page.get("items") or [])
+        return {"items": items, "resourceVersion": page.get("metadata", {}).get("resourceVersion", "")}
+
+    def _pages(self, collection: str, field_selector: str | None, label_selector: str | None, limit: int,
+               accept: str) -> Iterator[dict[str, Any]]:
+        """The pages of a list, following `continue` tokens; the last page carries the list's resourceVersion."""
         cont: str | None = None
         while True:
-            doc = self.request("GET", collection, accept=accept, query={
+            page = self.request("GET", collection, accept=accept, query={
                 "fieldSelector": field_selector, "labelSelector": label_selector, "limit": limit, "continue": cont})
-            items.extend(doc.get("items") or [])
-            cont = doc.get("metadata", {}).get("continue")
+            yield page
+            cont = page.get("metadata", {}).get("continue")
             if not cont:
-                return {"items": items, "resourceVersion": doc.get("metadata", {}).get("resourceVersion", "")}
+                return
 
     def server_version(self) -> tuple[int, int]:
         """(major, minor) of the API server; minor strings like "37+" are read as 37."""
