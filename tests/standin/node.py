@@ -281,7 +281,8 @@ class SimulatedNode:
 
 
 def kill_mps_daemons_under(root: Path) -> list[int]:
-    """SIGKILL every MPS control daemon whose pipe directory lies under ``root``; returns their pids."""
+    """SIGKILL every MPS control daemon whose pipe directory lies under ``root`` and wait until each is dead
+    (gone, or a zombie: a signal is only queued when kill returns); returns their pids."""
     killed = []
     for pid in mps_daemons_under(root):
         try:
@@ -289,4 +290,16 @@ def kill_mps_daemons_under(root: Path) -> list[int]:
             killed.append(pid)
         except ProcessLookupError:
             pass
+    deadline = time.monotonic() + 10
+    while any(_running(pid) for pid in killed):
+        assert time.monotonic() < deadline, f"MPS daemons {killed} still run 10 s after SIGKILL"
+        time.sleep(0.01)
     return killed
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
