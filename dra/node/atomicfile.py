@@ -28,14 +28,16 @@ def write_atomic(path: Path | str, data: bytes, mode: int = 0o644, durable: bool
     target = Path(path)
     directory = target.parent
     directory.mkdir(parents=True, exist_ok=True)
+    # mkstemp creates with O_EXCL|O_NOFOLLOW, and a rename replaces a link at ``target`` instead of following
+    # it: no write here reaches a file a planted link points to.
     fd, tmp_name = tempfile.mkstemp(prefix=temp_prefix(target), suffix=TEMP_SUFFIX, dir=directory)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
+            os.fchmod(handle.fileno(), mode)   # the file just written, not whatever the name now points to
             if durable:
                 os.fsync(handle.fileno())
-        os.chmod(tmp_name, mode)
         os.replace(tmp_name, target)
     except BaseException:
         try:
@@ -90,7 +92,7 @@ def set_aside(path: Path | str, now: float | None = None) -> Path:
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(time.time() if now is None else now))
     target = source.with_name(f"{source.name}.corrupt-{stamp}")
     n = 1
-    while target.exists():
+    while os.path.lexists(target):            # a dangling link there is taken too
         n += 1
         target = source.with_name(f"{source.name}.corrupt-{stamp}-{n}")
     source.rename(target)
