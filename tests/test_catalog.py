@@ -123,6 +123,28 @@ def test_captured_memory_values():
                                                        "7g.80gb")] == [16, 26, 32, 60, 64, 132]
 
 
+# What NVML answered on a real H200 SXM (driver 580.159.04, MIG mode off): profile index, id, name, compute
+# slices, max instances, SMs, memory MiB, copy engines, decoders, JPEG, OFA, placement starts, placement size.
+H200_MEASURED = [
+    (0, 19, "1g.18gb", 1, 7, 16, 16384, 1, 1, 1, 0, (0, 1, 2, 3, 4, 5, 6), 1),
+    (1, 14, "2g.35gb", 2, 3, 32, 33280, 2, 2, 2, 0, (0, 2, 4), 2),
+    (2, 9, "3g.71gb", 3, 2, 60, 71424, 3, 3, 3, 0, (0, 4), 4),
+    (3, 5, "4g.71gb", 4, 1, 64, 71424, 4, 4, 4, 0, (0,), 4),
+    (4, 0, "7g.141gb", 7, 1, 132, 143360, 8, 7, 7, 1, (0,), 8),
+    (7, 20, "1g.18gb+me", 1, 1, 16, 16384, 1, 1, 1, 1, (0, 1, 2, 3, 4, 5, 6), 1),
+    (9, 15, "1g.35gb", 1, 4, 26, 33280, 1, 1, 1, 0, (0, 2, 4, 6), 2),
+]
+
+
+def test_h200_profiles_as_measured_on_hardware():
+    model = get_model("H200-141GB")
+    assert (model.memory_mib, model.multiprocessors, model.pci_device_id) == (143771, 132, 0x2335)
+    got = sorted((p.nvml_index, p.profile_id, p.name, p.compute_slices, p.max_instances, p.multiprocessors,
+                  p.memory_mib, p.copy_engines, p.decoders, p.jpeg_engines, p.ofa_engines, p.starts,
+                  p.memory_slices) for p in model.mig_profiles)
+    assert got == H200_MEASURED
+
+
 @pytest.mark.parametrize("name", ["T4", "L4", "L40S", "A10"])
 def test_non_mig_models_have_no_profiles(name):
     model = get_model(name)

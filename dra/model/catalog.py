@@ -290,10 +290,11 @@ _MODELS: tuple[GpuModel, ...] = (
     _slots8_model("H100-NVL", "NVIDIA H100 NVL", (9, 0), 95830, 132, 0x2321, _H, _names8("12", "24", "47", "94"),
                   {"1g": 11008, "1g+me": 11008, "1g.2m": 22144, "2g": 22144, "3g": 47488, "4g": 47488, "7g": 95360},
                   _SMS_GH100, _ENGINES_GH100),
-    # captured (-lgip of an H200 141GB, NVIDIA/mig-parted issue #120): 16.00 / 32.25 / 32.25 / 69.50 / 69.50 /
-    # 139.75 GiB, SMs 16/26/32/60/64/132 and engines as on H100 (same GH100 die); total 143771 MiB, 132 SMs.
+    # measured on an H200 SXM (driver 580.159.04, NVML profile queries with MIG mode off): memory per profile,
+    # SMs 16/16/26/32/60/64/132, engines and placements as below; total 143771 MiB, 132 SMs. An older -lgip
+    # capture (NVIDIA/mig-parted issue #120) said 256 MiB less for the five profiles of two or more slices.
     _slots8_model("H200-141GB", "NVIDIA H200", (9, 0), 143771, 132, 0x2335, _H, _names8("18", "35", "71", "141"),
-                  {"1g": 16384, "1g+me": 16384, "1g.2m": 33024, "2g": 33024, "3g": 71168, "4g": 71168, "7g": 143104},
+                  {"1g": 16384, "1g+me": 16384, "1g.2m": 33280, "2g": 33280, "3g": 71424, "4g": 71424, "7g": 143360},
                   _SMS_GH100, _ENGINES_GH100),
     # B200: total 183359 MiB and 148 SMs as nvidia-smi reports them. 1g, 1g+me, 1g.45gb and 2g captured (-lgip in
     # NVIDIA/mig-parted PR #187, March 2025 driver: 20.50 / 44.25 / 44.25 GiB, 18/18/30/36 SMs, engines below;
