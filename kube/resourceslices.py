@@ -30,6 +30,12 @@ At fleet scale (a cluster-wide publisher of a thousand nodes, five thousand slic
   two agree the stored spec is exactly what we sent and comparing digests is enough. Otherwise (no
   annotation: written by someone else or by an older release; or edited since) the stored spec is read in
   full and compared normalised (`kube.slicecompare`);
+* the annotation is part of the object, so whoever edits the spec can carry it along: `kubectl replace
+  --force` (or delete and create) of an edited copy gives generation 1 again under a new uid, and one write
+  may change the spec and the annotation's generation together. So the annotation vouches for a slice only
+  while its uid and `metadata.generation` are the ones this controller saw it get from its own write (or,
+  for a slice it has not written yet, the ones it had in the controller's first listing: a restart reads
+  metadata only). Any other uid or generation of that name is compared in full;
 * what exists is read with ONE metadata-only LIST of the driver's slices (names, versions, annotations: a
   thousandth of the bytes) at the start of a pass, and kept current from the watch and from the answers to
   our own writes; slices it cannot vouch for are read in full (GET, or one paged LIST when there are many).
@@ -348,6 +354,9 @@ class ResourceSliceController:
         self._failing_since: dict[str, float] = {}          # pool -> monotonic time of its first failure in a row
         self._writes: _Tally[str] = _Tally()
         self._own_writes: dict[str, str] = {}               # slice name -> resourceVersion we wrote
+        # Slice name -> (uid, metadata.generation) whose stored spec our annotation describes (see _vouched).
+        self._vouched_for: dict[str, tuple[str, int]] = {}
+        self._seeded = False                                # the first listing is done: vouch for no new names
         self._own_deletes: set[str] = set()                 # uids we deleted
         self._accepted: dict[tuple[str, int], tuple[str, str | None]] = {}   # (pool, index) -> (desired, stored) norms
         self._reported_drops: set[tuple[str, ...]] = set()
@@ -776,14 +785,15 @@ class ResourceSliceController:
             parts.append(f"spec.pool.name={pool}")
         return ",".join(parts)
 
-    def _record(self, obj: Mapping[str, Any]) -> _Slice | None:
+    def _record(self, obj: Mapping[str, Any], ours: bool = False) -> _Slice | None:
         """The record of a listed, watched or written slice; None for metadata without an annotation we can
-        trust (that slice must be read in full)."""
+        trust (that slice must be read in full). `ours`: the answer to our own write."""
         meta = obj.get("metadata") or {}
         spec = obj.get("spec")
         mgen = _int(meta.get("generation"))
         note = _note(meta)
-        trusted = note is not None and _int(note.get("generation")) == mgen
+        trusted = note is not None and _int(note.get("generation")) == mgen \
+            and self._vouched(str(meta.get("name", "")), str(meta.get("uid", "")), mgen, ours)
         kept = {k: v for k, v in meta.items() if k != "managedFields"}
         base = dict(name=meta.get("name", ""), uid=meta.get("uid", ""), rv=meta.get("resourceVersion", ""),
                     mgen=mgen, meta=kept)
@@ -799,6 +809,17 @@ class ResourceSliceController:
                                              _int(note.get("count"))) == fields:
             return _Slice(**base, pool=fields[0], pool_gen=fields[1], count=fields[2], digest=note["sha256"], norm=None)
         return _Slice(**base, pool=fields[0], pool_gen=fields[1], count=fields[2], digest=None, norm=_norm_digest(spec))
+
+    def _vouched(self, name: str, uid: str, mgen: int, ours: bool) -> bool:
+        """Whether the annotation of this slice may stand for its spec (see the module docstring): it is the
+        answer to our write, or the uid and generation are those we last vouched for under this name, or
+        (before the first listing is done) the name is new to us. Remembers what it vouches for."""
+        with self._cond:
+            known = self._vouched_for.get(name)
+            if ours or known == (uid, mgen) or (known is None and not self._seeded):
+                self._vouched_for[name] = (uid, mgen)
+                return True
+            return False
 
     def _cache_put_locked(self, rec: _Slice, if_newer: bool = False) -> None:
         old = self._cache.get(rec.name)
@@ -841,6 +862,7 @@ class ResourceSliceController:
             records.extend(self._read_in_full(unknown))
         list_rv = listed.get("resourceVersion", "")
         with self._cond:
+            self._seeded = True
             old = self._cache
             self._cache, self._pool_names = {}, {}
             for rec in records:
@@ -948,6 +970,8 @@ class ResourceSliceController:
         with self._cond:
             if kind == "DELETED":
                 self._cache_drop_locked(meta.get("name", ""), meta.get("uid"))
+                if self._vouched_for.get(meta.get("name", ""), ("",))[0] == meta.get("uid"):
+                    del self._vouched_for[meta["name"]]
                 return pool
         rec = self._record(obj)
         if rec is not None:
@@ -1059,7 +1083,7 @@ class ResourceSliceController:
                 body = _encode(meta, spec)
                 stored = self._write("create", lambda b=body: self.kube.create(SLICES, b))
             self._check_stored(pool_name, desired, i, stored, part)
-            rec = self._record(stored)
+            rec = self._record(stored, ours=True)
             if rec is not None:
                 with self._cond:
                     self._cache_put_locked(rec)
@@ -1137,6 +1161,7 @@ class ResourceSliceController:
                 self._own_deletes.clear()
             self._own_deletes.add(rec.uid)
             self._cache_drop_locked(rec.name)
+            self._vouched_for.pop(rec.name, None)
         SLICE_WRITES.labels(self.driver, "delete").inc()
 
     def _check_stored(self, pool_name: str, desired: PreparedPool, index: int, stored: dict[str, Any], part_json: str) -> None:

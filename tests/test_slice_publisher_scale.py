@@ -178,6 +178,56 @@ def test_a_spec_edited_behind_our_back_is_restored_though_our_annotation_stayed(
     assert api.slices()[2]["metadata"]["labels"] == {"team": "ml"}   # others' labels are kept
 
 
+def _edited(obj: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a published slice with one device fewer and our annotation left as it was."""
+    copy = json.loads(json.dumps(obj))
+    copy["spec"]["devices"] = copy["spec"]["devices"][:1]
+    return copy
+
+
+def test_a_slice_recreated_with_an_edited_spec_and_our_annotation_is_restored() -> None:
+    """`kubectl replace --force` of an edited copy: the server gives the new object generation 1, the value our
+    copied annotation names for a created slice; its uid is new, so the annotation no longer vouches for it."""
+    pools = fleet(2)
+    api = CountingApi(list(pools))
+    ctl = controller(api)
+    ctl.update(pools)
+    ctl.run_once(timeout=30)
+    victim = _edited(api.slices()[1])
+    InMemorySliceApi.delete(api, SLICES, victim["metadata"]["name"])
+    for key in ("uid", "resourceVersion", "generation"):
+        del victim["metadata"][key]
+    stored = InMemorySliceApi.create(api, SLICES, victim)
+    assert stored["metadata"]["generation"] == json.loads(stored["metadata"]["annotations"][SPEC_ANNOTATION])["generation"]
+    api.writes.clear()
+    ctl.run_once(timeout=30)
+    assert dict(api.writes) == {"update": 1}
+    assert len(api.slices()[1]["spec"]["devices"]) == 4
+
+
+def test_a_spec_edited_together_with_our_annotations_generation_is_restored() -> None:
+    """One write changes the spec and raises the generation in our annotation to match: the server's generation
+    is not the one our own write gave the slice, so the annotation no longer vouches for it."""
+    pools = fleet(2)
+    api = CountingApi(list(pools))
+    ctl = controller(api)
+    ctl.update(pools)
+    ctl.run_once(timeout=30)
+    victim = _edited(api.slices()[1])
+    note = json.loads(victim["metadata"]["annotations"][SPEC_ANNOTATION])
+    victim["metadata"]["annotations"][SPEC_ANNOTATION] = json.dumps({**note, "generation": note["generation"] + 1})
+    stored = InMemorySliceApi.replace(api, SLICES, victim)
+    assert stored["metadata"]["generation"] == note["generation"] + 1
+    api.writes.clear()
+    api.calls.clear()
+    ctl.run_once(timeout=30)
+    assert dict(api.writes) == {"update": 1}
+    assert len(api.slices()[1]["spec"]["devices"]) == 4
+    api.writes.clear()
+    ctl.run_once(timeout=30)      # the repair is our write: vouched for again, nothing more to do
+    assert not api.writes
+
+
 def old_release_slices(api: InMemorySliceApi, pools: dict[str, DesiredPool]) -> None:
     """The pools as an older release wrote them: same specs, no annotation."""
     for name, pool in pools.items():
