@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # K8S_VERSION (the target release), K8S_SKEW_VERSION (the oldest supported one), ETCD_VERSION.
 include hack/versions.env
 
-.PHONY: demo test unit e2e bench control-plane control-plane-target control-plane-skew node-binaries helm image image-lock protos clean
+.PHONY: demo test unit e2e bench control-plane control-plane-target control-plane-skew node-binaries helm cdi-tools cdi-hook cdi-validate image image-lock protos clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,10 +37,21 @@ node-binaries: control-plane-target
 helm:
 	HELM_VERSION=$(HELM_VERSION) bash hack/build-helm.sh
 
+# Builds (or reuses) the CDI programs into ~/.cache/gpu-dra: nvidia-cdi-hook (NVIDIA_CTK_VERSION, from the NVIDIA
+# Container Toolkit's Go module; the hook every CDI spec of the driver runs, shipped in the image) and cdi-validate
+# (hack/cdi-validate: the CDI reference library's parser and validator, which the tests run on every spec).
+cdi-tools: cdi-hook cdi-validate
+
+cdi-hook:
+	NVIDIA_CTK_VERSION=$(NVIDIA_CTK_VERSION) bash hack/build-cdi-tools.sh hook
+
+cdi-validate:
+	bash hack/build-cdi-tools.sh validate
+
 # The driver image as an OCI archive, without Docker or a registry: Debian packages and wheels pinned in
 # deploy/image/*.lock, cached by input hash under ~/.cache/gpu-dra/image. Prints the image name and the archive's
 # path (deploy/README.md: pushing it). IMAGE_REPOSITORY=... IMAGE_TAG=... name it otherwise.
-image: $(STAMP)
+image: $(STAMP) cdi-hook
 	$(PY) hack/build-image.py build
 
 # Re-resolves deploy/image/*.lock: Debian packages from this host's apt lists (Debian 12), wheels from PyPI.
@@ -52,15 +63,16 @@ image-lock: $(STAMP)
 demo: $(STAMP) control-plane-target
 	-@[ "$$(id -u)" != 0 ] || K8S_VERSION=$(K8S_VERSION) CONTAINERD_VERSION=$(CONTAINERD_VERSION) \
 	  RUNC_VERSION=$(RUNC_VERSION) bash hack/build-node.sh >/dev/null
+	-@[ "$$(id -u)" != 0 ] || NVIDIA_CTK_VERSION=$(NVIDIA_CTK_VERSION) bash hack/build-cdi-tools.sh hook >/dev/null
 	$(VENV)/bin/gpu-dra demo
 
-test: $(STAMP) control-plane node-binaries helm image
+test: $(STAMP) control-plane node-binaries helm cdi-tools image
 	$(PY) -m pytest
 
-unit: $(STAMP)
+unit: $(STAMP) cdi-validate
 	$(PY) -m pytest -m 'not e2e'
 
-e2e: $(STAMP) control-plane node-binaries helm image
+e2e: $(STAMP) control-plane node-binaries helm cdi-tools image
 	$(PY) -m pytest -m e2e
 
 bench: $(STAMP)

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Builds the two CDI programs into a cache outside the repository and reuses them:
+#   nvidia-cdi-hook  from github.com/NVIDIA/nvidia-container-toolkit/cmd/nvidia-cdi-hook at NVIDIA_CTK_VERSION
+#                    (hack/versions.env) -> ~/.cache/gpu-dra/cdi-hook/<version>/bin/nvidia-cdi-hook.
+#                    The driver's CDI specs run it as createContainer hooks (soname links, the container's
+#                    loader cache, no device-node changes by the driver); the image ships it, the chart
+#                    installs it on each node, the real-node tests hand it to the plugin.
+#   cdi-validate     hack/cdi-validate (the CDI reference library, version in its go.mod), keyed by a hash of
+#                    its sources -> ~/.cache/gpu-dra/cdi-validate/<hash>/bin/cdi-validate. Tests check every
+#                    spec the driver writes with it.
+# Usage: hack/build-cdi-tools.sh [hook|validate|all]   (default all; prints each binary's path on its own line)
+#   NVIDIA_CTK_VERSION=v1.20.2 overrides the pin; GPU_DRA_CACHE moves the cache; GPU_DRA_CDI_NO_BUILD=1 only
+#   looks for finished builds (fails naming the missing one).
+set -euo pipefail
+
+SCRIPT=build-cdi-tools
+# shellcheck source=hack/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+NVIDIA_CTK_VERSION="${NVIDIA_CTK_VERSION:-$(pinned NVIDIA_CTK_VERSION)}"
+WHAT="${1:-all}"
+case "$WHAT" in hook|validate|all) ;; *) die "unknown target '$WHAT' (hook, validate or all)";; esac
+
+[[ "$NVIDIA_CTK_VERSION" =~ ^v1\.[0-9]+\.[0-9]+$ ]] \
+  || die "NVIDIA_CTK_VERSION '$NVIDIA_CTK_VERSION' is not a toolkit release like v1.20.2 (set it, or pin it in $VERSIONS_FILE)"
+
+HOOK_DIR="$CACHE_ROOT/cdi-hook/$NVIDIA_CTK_VERSION"
+HOOK_BIN="$HOOK_DIR/bin/nvidia-cdi-hook"
+VALIDATE_SRC="$HACK/cdi-validate"
+VALIDATE_KEY=$(cat "$VALIDATE_SRC/main.go" "$VALIDATE_SRC/go.mod" "$VALIDATE_SRC/go.sum" | sha256sum | cut -c1-16)
+VALIDATE_DIR="$CACHE_ROOT/cdi-validate/$VALIDATE_KEY"
+VALIDATE_BIN="$VALIDATE_DIR/bin/cdi-validate"
+
+need_go() {
+  [ -z "${GPU_DRA_CDI_NO_BUILD:-}" ] || die "no $1 in the cache; run hack/build-cdi-tools.sh (or make cdi-tools)"
+  command -v go >/dev/null 2>&1 || die "Go is not installed (need Go >= 1.26 on PATH); install it from your distribution or go.dev"
+  local gover
+  gover=$(go env GOVERSION | sed 's/^go//')
+  case "$gover" in 1.2[6-9]*|1.[3-9]*) ;; *) die "Go $gover is too old: $1 needs Go >= 1.26";; esac
+  export GOMAXPROCS="${GOMAXPROCS:-$(nproc)}"
+  export GOFLAGS="-buildvcs=false"
+}
+
+build_hook() {
+  if [ -x "$HOOK_BIN" ] && [ "$(cat "$HOOK_DIR/.complete" 2>/dev/null)" = "$NVIDIA_CTK_VERSION" ]; then
+    log "reusing $HOOK_BIN"; echo "$HOOK_BIN"; return
+  fi
+  need_go nvidia-cdi-hook
+  local mod=github.com/NVIDIA/nvidia-container-toolkit start=$SECONDS
+  mkdir -p "$HOOK_DIR"
+  rm -rf "$HOOK_DIR/bin.tmp"; mkdir -p "$HOOK_DIR/bin.tmp"
+  log "building nvidia-cdi-hook $NVIDIA_CTK_VERSION from $mod (a few minutes the first time)"
+  # Static (cgo for go-nvml, glibc linked in; pure-Go DNS and user lookups): runc runs the hook from the host's
+  # file system, so it must not depend on the host's libc version. The version shows in `--version`.
+  (cd "$HOOK_DIR" && GOBIN="$HOOK_DIR/bin.tmp" go install -trimpath -tags netgo,osusergo \
+      -ldflags "-s -w -linkmode external -extldflags -static -X $mod/internal/info.version=${NVIDIA_CTK_VERSION#v}" \
+      "$mod/cmd/nvidia-cdi-hook@$NVIDIA_CTK_VERSION") \
+    || die "go install of $mod/cmd/nvidia-cdi-hook@$NVIDIA_CTK_VERSION failed (is the Go module proxy reachable? GOPROXY=$(go env GOPROXY))"
+  "$HOOK_DIR/bin.tmp/nvidia-cdi-hook" --help >/dev/null 2>&1 \
+    || die "the nvidia-cdi-hook built does not run ($HOOK_DIR/bin.tmp/nvidia-cdi-hook --help)"
+  # The sub-commands the driver's CDI specs run (dra/node/cdi.py).
+  local sub
+  for sub in create-symlinks update-ldcache disable-device-node-modification; do
+    "$HOOK_DIR/bin.tmp/nvidia-cdi-hook" "$sub" --help >/dev/null 2>&1 \
+      || die "nvidia-cdi-hook $NVIDIA_CTK_VERSION has no '$sub' sub-command, which the driver's CDI specs use"
+  done
+  rm -rf "$HOOK_DIR/bin"; mv "$HOOK_DIR/bin.tmp" "$HOOK_DIR/bin"
+  echo "$NVIDIA_CTK_VERSION" > "$HOOK_DIR/.complete"
+  echo "nvidia-cdi-hook $((SECONDS-start))s $(date -u +%Y-%m-%dT%H:%M:%SZ)" >> "$HOOK_DIR/build-times.txt"
+  log "built nvidia-cdi-hook $NVIDIA_CTK_VERSION in $((SECONDS-start))s: $HOOK_BIN"
+  echo "$HOOK_BIN"
+}
+
+build_validate() {
+  if [ -x "$VALIDATE_BIN" ] && [ "$(cat "$VALIDATE_DIR/.complete" 2>/dev/null)" = "$VALIDATE_KEY" ]; then
+    log "reusing $VALIDATE_BIN"; echo "$VALIDATE_BIN"; return
+  fi
+  need_go cdi-validate
+  local start=$SECONDS
+  mkdir -p "$VALIDATE_DIR/bin"
+  log "building cdi-validate from $VALIDATE_SRC"
+  (cd "$VALIDATE_SRC" && CGO_ENABLED=0 go build -trimpath -o "$VALIDATE_DIR/bin/cdi-validate.tmp" .) \
+    || die "go build of $VALIDATE_SRC failed (is the Go module proxy reachable? GOPROXY=$(go env GOPROXY))"
+  mv "$VALIDATE_DIR/bin/cdi-validate.tmp" "$VALIDATE_BIN"
+  echo "$VALIDATE_KEY" > "$VALIDATE_DIR/.complete"
+  log "built cdi-validate in $((SECONDS-start))s: $VALIDATE_BIN"
+  echo "$VALIDATE_BIN"
+}
+
+case "$WHAT" in
+  hook) build_hook ;;
+  validate) build_validate ;;
+  all) build_validate; build_hook ;;
+esac
