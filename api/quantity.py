@@ -30,7 +30,7 @@ def parse_quantity(text: str | int) -> int:
         return text
     if not isinstance(text, str):
         raise ValueError(f"not a quantity: {text!r}")
-    m = _QUANTITY_RE.match(text.strip())
+    m = _QUANTITY_RE.fullmatch(text.strip())
     if not m:
         raise ValueError(f"not an integer quantity like '4Gi' or '512Mi': {text!r}")
     number, suffix = int(m.group(1)), m.group(2) or ""
@@ -71,7 +71,7 @@ def quantity_value(text: str | int) -> Fraction:
 
 @lru_cache(maxsize=4096)  # slices repeat the same few quantities thousands of times
 def _quantity_value(s: str) -> Fraction:
-    m = _ANY_QUANTITY_RE.match(s)
+    m = _ANY_QUANTITY_RE.fullmatch(s)
     if not s or not m or m.group(1) in ("", "+", "-", "."):
         raise ValueError(f"not a quantity: {s!r}")
     number = Fraction(m.group(1))

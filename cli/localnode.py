@@ -46,6 +46,7 @@ from typing import Any
 
 import yaml
 
+from api.k8snames import is_dns_subdomain
 from cli.localcluster import ClusterError, LocalCluster, free_port, pinned_version
 
 log = logging.getLogger(__name__)
@@ -159,7 +160,7 @@ def local_hostname() -> str | None:
     The API server reaches a kubelet (``kubectl logs``, ``exec``) through the node's Hostname address, which
     is the node name: a node named so is reachable, any other name is not."""
     name = socket.gethostname().lower()
-    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*", name) or len(name) > 63:
+    if not is_dns_subdomain(name, 63):
         return None
     try:
         addrs = {info[4][0] for info in socket.getaddrinfo(name, None)}
@@ -820,7 +821,7 @@ class LocalNode:
             raise NodeError("a real node needs root (containerd, runc and the kubelet mount and make cgroups)")
         if not cgroup_hierarchies():
             raise NodeError("no cgroup hierarchy is mounted under /sys/fs/cgroup: the kubelet needs cgroups")
-        if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", self.name):
+        if not is_dns_subdomain(self.name):
             raise NodeError(f"node name {self.name!r} is not a valid DNS subdomain")
         bad = [k for k in self.labels if k.split("/")[0].endswith(("kubernetes.io", "k8s.io"))]
         if bad:

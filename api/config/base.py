@@ -38,7 +38,7 @@ _DEVICE_KEY_RE = re.compile(r"^(?:[0-9]+|(?:GPU|MIG)-[0-9A-Fa-f-]+|[a-z0-9](?:[-
 
 
 def _device_key(value: str) -> str:
-    if not _DEVICE_KEY_RE.match(value):
+    if not _DEVICE_KEY_RE.fullmatch(value):
         raise PydanticCustomError(
             "device_key",
             "key {got} must be a device index within the claim ('0'), a GPU or MIG UUID, or a device name ('gpu-0')",

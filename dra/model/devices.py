@@ -128,7 +128,7 @@ _NAME_PATTERNS = (
 def parse_device_name(name: str) -> DeviceName:
     """Inverse of the *_device_name functions. Raises ValueError for names this driver never publishes."""
     for pattern, kind in _NAME_PATTERNS:
-        m = pattern.match(name)
+        m = pattern.fullmatch(name)
         if not m:
             continue
         minor = int(m.group(1))

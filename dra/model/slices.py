@@ -240,7 +240,7 @@ _SEMVER = re.compile(
 
 
 def _quantity(v: Any) -> bool:
-    return isinstance(v, str) and bool(_QUANTITY.match(v))
+    return isinstance(v, str) and bool(_QUANTITY.fullmatch(v))
 
 
 def _check_attribute(where: str, name: str, attr: Any, errors: list[str]) -> int:
@@ -270,7 +270,7 @@ def _check_attribute(where: str, name: str, attr: Any, errors: list[str]) -> int
             elif len(v) > MAX_STRING:
                 errors.append(f"{where}: attribute {name}: string longer than {MAX_STRING} characters")
         elif base == "version":
-            if not isinstance(v, str) or len(v) > MAX_STRING or not _SEMVER.match(v):
+            if not isinstance(v, str) or len(v) > MAX_STRING or not _SEMVER.fullmatch(v):
                 errors.append(f"{where}: attribute {name}: {v!r} is not a semantic version (x.y.z)")
     return len(values)
 

@@ -177,10 +177,10 @@ def validate_spec(spec: dict[str, Any]) -> None:
     if not isinstance(kind, str) or not slash:
         problems.append(f"kind: {kind!r} must be '<vendor>/<class>'")
     else:
-        if not _VENDOR_RE.match(vendor):
+        if not _VENDOR_RE.fullmatch(vendor):
             problems.append(f"kind: vendor {vendor!r} must start with a letter, end with a letter or digit "
                             "and contain only letters, digits, '_', '-' and '.'")
-        if not _CLASS_RE.match(cdi_class) or len(cdi_class) > 63:
+        if not _CLASS_RE.fullmatch(cdi_class) or len(cdi_class) > 63:
             problems.append(f"kind: class {cdi_class!r} must start with a letter, end with a letter or digit, "
                             "contain only letters, digits, '_', '-' and '.' and be at most 63 characters")
     devices = spec.get("devices")
@@ -195,7 +195,7 @@ def validate_spec(spec: dict[str, Any]) -> None:
             continue
         _unknown(device, _DEVICE_FIELDS, where, problems)
         name = device.get("name")
-        if not isinstance(name, str) or not _DEVICE_RE.match(name):
+        if not isinstance(name, str) or not _DEVICE_RE.fullmatch(name):
             problems.append(f"{where}.name: {name!r} must start and end with a letter or digit and contain only "
                             "letters, digits, '_', '-', '.' and ':'")
         elif name in seen:
@@ -432,10 +432,10 @@ class CdiSpecWriter:
         fmt: SpecFormat = "json",
         toolkit: ToolkitSpecs | None = None,
     ) -> None:
-        if not _VENDOR_RE.match(vendor):
+        if not _VENDOR_RE.fullmatch(vendor):
             raise ValueError(f"CDI vendor {vendor!r}: must start with a letter, end with a letter or digit and "
                              "contain only letters, digits, '_', '-' and '.'")
-        if not _CLASS_RE.match(cdi_class):
+        if not _CLASS_RE.fullmatch(cdi_class):
             raise ValueError(f"CDI class {cdi_class!r}: must start with a letter, end with a letter or digit and "
                              "contain only letters, digits, '_', '-' and '.'")
         if fmt not in ("yaml", "json"):

@@ -393,7 +393,7 @@ def _resolve_in_root(root: Path, relative: str) -> str | None:
 
 
 def _is_compute_library(name: str) -> bool:
-    match = _VERSIONED.match(name)
+    match = _VERSIONED.fullmatch(name)
     return bool(match) and match.group("base") in COMPUTE_LIBRARIES
 
 
@@ -404,7 +404,7 @@ def _version_from_libraries(libraries) -> str:
             name = PurePosixPath(lib.container_path).name
             if name.startswith(preferred):
                 candidate = name[len(preferred):]
-                if _DRIVER_VERSION.match(candidate):
+                if _DRIVER_VERSION.fullmatch(candidate):
                     return candidate
     raise DriverRootError("cannot tell the driver version from the library file names "
                           "(expected e.g. libcuda.so.580.95.05); pass driver_version")

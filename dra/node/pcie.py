@@ -22,7 +22,7 @@ def pcie_root_of(pci_bus_id: str, sysfs_root: str | Path = "/sys") -> str | None
     except OSError:
         return None
     for part in Path(target).parts:
-        m = _ROOT_COMPONENT.match(part)
+        m = _ROOT_COMPONENT.fullmatch(part)
         if m:
             return f"pci{m.group(1)[-4:]}:{m.group(2)}"
     return None

@@ -113,21 +113,21 @@ class NodeSpec(_Strict):
     @field_validator("driver_version")
     @classmethod
     def _driver(cls, value: str) -> str:
-        if not _DRIVER_VERSION.match(value):
+        if not _DRIVER_VERSION.fullmatch(value):
             raise ValueError("must look like 580.95.05")
         return value
 
     @field_validator("cuda_driver_version")
     @classmethod
     def _cuda(cls, value: str) -> str:
-        if not _CUDA_VERSION.match(value):
+        if not _CUDA_VERSION.fullmatch(value):
             raise ValueError("must look like 13.0")
         return value
 
     @property
     def cuda_driver_version_int(self) -> int:
         """As NVML reports it: "12.8" -> 12080."""
-        m = _CUDA_VERSION.match(self.cuda_driver_version)
+        m = _CUDA_VERSION.fullmatch(self.cuda_driver_version)
         assert m is not None
         return int(m.group(1)) * 1000 + int(m.group(2)) * 10
 
