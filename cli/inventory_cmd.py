@@ -2,16 +2,35 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
 from dra.model.catalog import family_of
 from dra.model.gpu import GpuInfo, NodeInventory
+from dra.node.nodeobjects import NodeObjects, NodePaths, NodeSetupError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fleet", metavar="FILE", help="simulated fleet file (default: this machine's GPUs via NVML)")
     parser.add_argument("--node", metavar="NAME", help="only this node of the fleet (default: all nodes)")
+    add_node_path_arguments(parser)
+
+
+def add_node_path_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where this process sees the node's driver, /dev and /proc: the plugin's flags of the same names."""
+    parser.add_argument("--driver-root", default=os.environ.get("NVIDIA_DRIVER_ROOT") or "/", metavar="DIR",
+                        help="where this process sees the NVIDIA driver's files, e.g. /run/nvidia/driver or "
+                             "/usr/local/nvidia; NVML is loaded from there (default /; ignored with --fleet) "
+                             "[env NVIDIA_DRIVER_ROOT]")
+    parser.add_argument("--dev-root", default=os.environ.get("DEV_ROOT") or "/", metavar="DIR",
+                        help="where this process sees /dev (default /) [env DEV_ROOT]")
+    parser.add_argument("--proc-root", default=os.environ.get("PROC_ROOT") or "/proc", metavar="DIR",
+                        help="where this process sees /proc (default /proc) [env PROC_ROOT]")
+
+
+def node_paths(args: argparse.Namespace) -> NodePaths:
+    return NodePaths(driver_root=args.driver_root, dev_root=args.dev_root, proc_root=args.proc_root)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -20,16 +39,19 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.fleet:
         return _run_fleet(args.fleet, args.node)
-    return _run_local()
+    return _run_local(NodeObjects(node_paths(args)))
 
 
-def _run_local() -> int:
+def _run_local(objects: NodeObjects) -> int:
     import pynvml
 
     from dra.node.inventory import describe_nvml_error, discover
 
     try:
-        pynvml.nvmlInit()
+        objects.open_nvml()
+    except NodeSetupError as exc:
+        print(f"gpu-dra inventory: {exc}", file=sys.stderr)
+        return 1
     except pynvml.NVMLError as exc:
         print(f"gpu-dra inventory: NVML is not available on this machine ({describe_nvml_error(exc)}); "
               "is the NVIDIA driver installed? Use --fleet FILE to show a simulated fleet.", file=sys.stderr)

@@ -30,15 +30,13 @@ import structlog
 from api.generated.pluginregistration.v1 import api_pb2 as reg_pb
 from api.generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
-from dra.node.cdi import CdiSpecWriter, ToolkitSpecs
 from api.yamlfiles import load_yaml_file
 from dra.node.checkpoint import CheckpointStore, CheckpointTooNew, CheckpointUnusable
 from dra.model.devices import Device, DeviceModel, build_devices
-from dra.node.driverroot import DriverRoot, DriverRootError
+from dra.node.driverroot import DriverRoot
+from dra.node.nodeobjects import NodeObjects, NodePaths, NodeSetupError
 from dra.node.sharing import MpsDaemons, TimeSlicing
-from dra.node.sharingtools import MpsDaemonSpec, NvidiaSmiSharingControl, SharingControl, SharingError
-from dra.sim.mpscontrol import STATE_ENV as MPS_STATE_ENV, write_simulated_mps_control
-from dra.sim.sharing import SimulatedSharingControl
+from dra.node.sharingtools import MpsDaemonSpec, SharingControl, SharingError
 from dra.node.health import HealthDevice, HealthMonitor, TaintMap
 from dra.node.taintstore import DEFAULT_FILE_NAME as TAINTS_FILE
 from dra.node.taintstore import TaintStore
@@ -54,7 +52,6 @@ from kubeletplugin.health import HealthBoard, health_from_taints
 from kubeletplugin.metrics import PluginMetrics
 from kubeletplugin.registration import RegistrationServer, supported_services
 from kubeletplugin.server import DRAServer
-from dra.sim.driverroot import SimulatedDriverRoot
 from kubeletplugin.endpoints import Endpoints
 from kubeletplugin.options import PluginOptions
 from kubeletplugin.sockets import SocketPaths, socket_paths
@@ -172,41 +169,46 @@ class KubeletPlugin:
         self.registration: RegistrationServer | None = endpoints.registration if endpoints else None
         self.startup: StartupReport | None = None
         self.fleet_node: Any = None
+        self.node_objects: NodeObjects | None = None
         self.nvml: Any = None
         self.invalid_pool: tuple[str, ...] | None = None   # problems of the last pool not published, if any
         self.metrics_server: Any = None
         self._phase: str | None = "starting"               # why the plugin is not serving yet (None: serving)
 
     # ----- seams ---------------------------------------------------------------------------------------------
+    def _node_objects(self) -> NodeObjects:
+        """NVML, driver root, sharing control and CDI writer of this node (dra.node.nodeobjects): a fleet node's
+        simulated ones, or the real ones from the driver root's files."""
+        if self.node_objects is not None:
+            return self.node_objects
+        o = self.options
+        paths = NodePaths(driver_root=o.driver_root, host_driver_root=o.host_driver_root, dev_root=o.dev_root,
+                          proc_root=o.proc_root, cdi_hook_path=getattr(o, "cdi_hook_path", None))
+        if o.fleet:
+            from dra.sim.nodeobjects import SimulatedNodeObjects
+
+            try:
+                objects: NodeObjects = SimulatedNodeObjects.from_fleet(o.fleet, o.node_name, paths,
+                                                                       state_file=o.simulated_state_file)
+            except NodeSetupError as err:
+                raise PluginConfigError(str(err)) from None
+            self.fleet_node = objects.node
+        else:
+            objects = NodeObjects(paths)
+        self.node_objects = objects
+        return objects
+
     def _open_nvml(self) -> Any:
         if self._nvml is not None:
             return self._nvml
-        if self.options.fleet:
-            from dra.sim.state import SimulatedStateError
-            from dra.sim.fleet import FleetError, load_fleet, nvml_for_node
-
-            try:
-                fleet = load_fleet(self.options.fleet)
-                self.fleet_node = fleet.node(self.options.node_name)
-            except FleetError as err:
-                raise PluginConfigError(f"--fleet: {err}") from None
+        objects = self._node_objects()
+        try:
+            nvml = objects.open_nvml()
+        except NodeSetupError as err:
+            raise PluginConfigError(str(err)) from None
+        if objects.simulated:
             state_file = self.options.simulated_state_file
-            try:
-                nvml = nvml_for_node(self.fleet_node, state_file=state_file)
-            except SimulatedStateError as err:
-                raise PluginConfigError(f"--sim-state: {err}") from None
-            log.info("simulated GPUs", state_file=str(state_file) if state_file else None,
-                     restored=nvml.restored)
-        else:
-            import pynvml as nvml
-
-            from dra.node.nvmlloader import NvmlLoadError, preload_nvml
-
-            try:
-                preload_nvml(DriverRoot(self.options.driver_root))
-            except (NvmlLoadError, DriverRootError) as err:
-                raise PluginConfigError(f"--driver-root: {err}") from None
-        nvml.nvmlInit()
+            log.info("simulated GPUs", state_file=str(state_file) if state_file else None, restored=nvml.restored)
         return nvml
 
     def _claim_status_writer(self) -> ClaimStatusWriter | None:
@@ -218,38 +220,22 @@ class KubeletPlugin:
                                                node_name=self.options.node_name)
         return None
 
-    def _driver_root(self, driver_version: str) -> DriverRoot:
-        o = self.options
-        kwargs = dict(host_root=o.host_driver_root, dev_root=o.dev_root, proc_root=o.proc_root)
-        if o.fleet:
-            return SimulatedDriverRoot(o.driver_root, driver_version=driver_version, **kwargs)
-        return DriverRoot(o.driver_root, **kwargs)
-
     def _sharing_control(self, driver_root: DriverRoot) -> SharingControl:
         if self._sharing is not None:
             return self._sharing
-        if self.options.fleet:
-            state_file = self.options.simulated_state_file
-            if state_file is None:
-                return SimulatedSharingControl(nvml=self.nvml)
-            # With a state file the simulated GPUs outlive the plugin, and so do their MPS daemons: real
-            # processes of the simulated nvidia-cuda-mps-control, driven like the real one.
-            program = write_simulated_mps_control(self.options.state_directory / "sim-tools")
-            # The daemons are real processes of this machine: found in its own /proc, not the driver root's.
-            mps = NvidiaSmiSharingControl(mps_control=str(program), env={MPS_STATE_ENV: str(state_file)},
-                                          **self._mps_cgroup_options(proc_root="/proc"))
-            return SimulatedSharingControl(nvml=self.nvml, mps=mps)
         try:
-            return NvidiaSmiSharingControl.from_driver_root(driver_root, **self._mps_cgroup_options())
-        except Exception as err:  # noqa: BLE001 - sharing is optional; whole GPUs and MIG still work
+            return self._node_objects().sharing_control(driver_root, nvml=self.nvml,
+                                                        state_dir=self.options.state_directory,
+                                                        mps_options=self._mps_cgroup_options())
+        except SharingError as err:   # sharing is optional; whole GPUs and MIG still work
             log.warning("GPU sharing tools unavailable; time-slicing and MPS claims will fail", error=str(err))
             return UnavailableSharingControl(str(err))
 
-    def _mps_cgroup_options(self, proc_root: str | None = None) -> dict[str, Any]:
+    def _mps_cgroup_options(self) -> dict[str, Any]:
         """Where MPS daemons are looked for (``proc_root``: their PID namespace's /proc, whose PID 1 gives the
         cgroup namespace to enter) and which cgroup they join, outside this container's (docs/mps.md)."""
         o = self.options
-        return dict(proc_root=proc_root or o.proc_root, cgroup=o.mps_cgroup, cgroup_root=o.mps_cgroup_root,
+        return dict(proc_root=o.proc_root, cgroup=o.mps_cgroup, cgroup_root=o.mps_cgroup_root,
                     cgroup_procs=o.mps_cgroup_procs)
 
     # ----- devices -------------------------------------------------------------------------------------------
@@ -341,12 +327,10 @@ class KubeletPlugin:
                  driver_version=self.inventory.driver_version, devices=len(self.model.devices),
                  simulated=bool(o.fleet))
 
-        driver_root = self._driver_root(self.inventory.driver_version)
-        sharing = self._sharing_control(driver_root)
+        driver_root = self._node_objects().driver_root(self.inventory.driver_version)
         state = o.state_directory
         state.mkdir(parents=True, exist_ok=True)
-        vendor = f"k8s.{o.driver_name}"
-        toolkit = None if o.fleet else ToolkitSpecs(dirs=("/etc/cdi", o.cdi_root), ignore_vendor=vendor)
+        sharing = self._sharing_control(driver_root)
         self.monitor = HealthMonitor(self.nvml, o.driver_name, self._health_devices(), on_change=self._on_taints,
                                      wait_timeout_ms=o.health_wait_ms,
                                      quiet_period_s=o.health_quiet_period if o.health_quiet_period > 0 else None,
@@ -361,7 +345,7 @@ class KubeletPlugin:
             driver_name=o.driver_name, pool_name=self.pool, devices=self.devices_by_name,
             claims=self._claim_source or KubernetesClaimSource(self._api_client),
             checkpoint=CheckpointStore(state / "checkpoint.json", boot_id_path=o.boot_id_path),
-            cdi=CdiSpecWriter(o.cdi_root, driver_root, vendor=vendor, toolkit=toolkit),
+            cdi=self._node_objects().cdi_writer(o.cdi_root, driver_root, vendor=f"k8s.{o.driver_name}"),
             nvml=self.nvml, mps=MpsDaemons(sharing, state), time_slicing=TimeSlicing(sharing),
             compat_nvidia=o.compat_nvidia, metrics=self.metrics, max_parallel=o.max_parallel,
             serialize_lock=(state / "serialize.lock") if o.pod_uid else None, mig_listener=self.monitor,

@@ -1,0 +1,72 @@
+"""A simulated node's objects (``--fleet FILE --node NAME``): the same methods as ``dra.node.nodeobjects``, with
+the node's GPUs in a fake NVML, a driver root that describes missing device nodes by major/minor, and simulated
+sharing tools."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from dra.node.cdi import CdiSpecWriter
+from dra.node.driverroot import DriverRoot
+from dra.node.nodeobjects import NodeObjects, NodePaths, NodeSetupError
+from dra.node.sharingtools import NvidiaSmiSharingControl, SharingControl
+from dra.sim.driverroot import SimulatedDriverRoot
+from dra.sim.fleet import FleetError, NodeSpec, load_fleet, nvml_for_node
+from dra.sim.mpscontrol import STATE_ENV as MPS_STATE_ENV, write_simulated_mps_control
+from dra.sim.sharing import SimulatedSharingControl
+from dra.sim.state import SimulatedStateError
+
+
+class SimulatedNodeObjects(NodeObjects):
+    """node:        the fleet node whose GPUs are simulated
+    state_file:  where the GPUs' state outlives the process (None: in memory only)"""
+
+    simulated = True
+
+    def __init__(self, node: NodeSpec, paths: NodePaths | None = None, *, state_file: Path | None = None) -> None:
+        super().__init__(paths)
+        self.node = node
+        self.state_file = state_file
+
+    @classmethod
+    def from_fleet(cls, fleet_file: str, node_name: str, paths: NodePaths | None = None, *,
+                   state_file: Path | None = None) -> SimulatedNodeObjects:
+        """The objects of one node of a fleet file; NodeSetupError names the file and the problem."""
+        try:
+            node = load_fleet(fleet_file).node(node_name)
+        except FleetError as err:
+            raise NodeSetupError(f"--fleet: {err}") from None
+        return cls(node, paths, state_file=state_file)
+
+    def driver_root(self, driver_version: str | None = None) -> DriverRoot:
+        p = self.paths
+        return SimulatedDriverRoot(p.driver_root, driver_version=driver_version or self.node.driver_version,
+                                   host_root=p.host_driver_root, dev_root=p.dev_root, proc_root=p.proc_root,
+                                   hook_path=p.cdi_hook_path)
+
+    def preload_nvml(self) -> str | None:
+        return None   # the simulated library is Python
+
+    def open_nvml(self) -> Any:
+        try:
+            nvml = nvml_for_node(self.node, state_file=self.state_file)
+        except SimulatedStateError as err:
+            raise NodeSetupError(f"--sim-state: {err}") from None
+        nvml.nvmlInit()
+        return nvml
+
+    def sharing_control(self, driver_root: DriverRoot, *, nvml: Any = None, state_dir: Path | None = None,
+                        mps_options: Mapping[str, Any] | None = None) -> SharingControl:
+        if self.state_file is None or state_dir is None:
+            return SimulatedSharingControl(nvml=nvml)
+        # With a state file the simulated GPUs outlive the plugin, and so do their MPS daemons: real processes
+        # of the simulated nvidia-cuda-mps-control, driven like the real one.
+        program = write_simulated_mps_control(state_dir / "sim-tools")
+        # The daemons are real processes of this machine: found in its own /proc, not the driver root's.
+        options = {**(mps_options or {}), "proc_root": "/proc"}
+        mps = NvidiaSmiSharingControl(mps_control=str(program), env={MPS_STATE_ENV: str(self.state_file)},
+                                      **options)
+        return SimulatedSharingControl(nvml=nvml, mps=mps)
+
+    def cdi_writer(self, cdi_root: Path | str, driver_root: DriverRoot, *, vendor: str) -> CdiSpecWriter:
+        return CdiSpecWriter(cdi_root, driver_root, vendor=vendor)   # no toolkit specs name simulated GPUs
