@@ -26,6 +26,11 @@ _STRING_FLAGS: dict[str, tuple[str, str | None, str]] = {
     "--driver-root": ("NVIDIA_DRIVER_ROOT", "/", "where this process sees the NVIDIA driver's files"),
     "--host-driver-root": ("NVIDIA_HOST_DRIVER_ROOT", None,
                            "the driver root as the host sees it, for CDI host paths (default: --driver-root)"),
+    "--cdi-hook-path": ("CDI_HOOK_PATH", None,
+                        "host path of nvidia-cdi-hook, which this process sees at the same path: every CDI spec "
+                        "runs it (create-symlinks, update-ldcache, disable-device-node-modification); default: a "
+                        "hook program in the driver root (a host NVIDIA Container Toolkit's); a real node without "
+                        "either does not start"),
     "--dev-root": ("DEV_ROOT", "/", "where this process sees /dev"),
     "--proc-root": ("PROC_ROOT", "/proc", "where this process sees /proc"),
     "--state-dir": ("STATE_DIR", None, "checkpoint and MPS directories (default: the plugin directory)"),
@@ -95,7 +100,8 @@ def options_from_args(args: argparse.Namespace) -> "PluginOptions":  # noqa: F82
     return PluginOptions(
         node_name=args.node_name or "", driver_name=driver, kubeconfig=args.kubeconfig,
         registry_dir=args.registry_dir, plugin_dir=args.plugin_dir, cdi_root=args.cdi_root,
-        driver_root=args.driver_root, host_driver_root=args.host_driver_root, dev_root=args.dev_root,
+        driver_root=args.driver_root, host_driver_root=args.host_driver_root, cdi_hook_path=args.cdi_hook_path,
+        dev_root=args.dev_root,
         proc_root=args.proc_root, state_dir=args.state_dir, pod_uid=args.pod_uid, node_policy=args.node_policy,
         fleet=args.fleet, sim_state=args.sim_state, compat_nvidia=args.compat_nvidia, metrics_port=args.metrics_port,
         health_interval=args.health_interval, boot_id_path=args.boot_id_path,

@@ -27,6 +27,7 @@ class PluginOptions:
     cdi_root: str = "/var/run/cdi"
     driver_root: str = "/"
     host_driver_root: str | None = None    # the driver root as the host sees it (CDI hostPaths)
+    cdi_hook_path: str | None = None       # host path of nvidia-cdi-hook, seen at the same path here
     dev_root: str = "/"
     proc_root: str = "/proc"
     state_dir: str | None = None           # default: the plugin directory

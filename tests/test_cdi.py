@@ -1,4 +1,5 @@
-"""CDI spec building, validation and atomic writing, against a fake driver root."""
+"""CDI spec building, validation and atomic writing, against a fake driver root. Every spec a test here builds
+is also loaded by the CDI reference library (tests/cdivalidate.py) when the test ends."""
 from __future__ import annotations
 
 import json
@@ -21,12 +22,33 @@ from dra.node.cdi import (
     required_version,
     validate_spec,
 )
-from dra.node.driverroot import DriverRoot, DriverRootError
+import cdivalidate
+import dra.node.cdi as cdi_module
+from dra.node.driverroot import CdiHookError, DriverRoot, DriverRootError, check_real_node
 from fixtures.fake_driver_root import CAPS_MAJOR, UVM_MAJOR, build_fake_driver_root
 
 UID = "0b5c3f2a-9d1e-4f7a-8c6b-2e4d1a7f9c30"
 UID_LETTER = "c1a2b3c4-0000-4000-8000-000000000001"
 GPU0 = ClaimDevice(name="gpu-0", uuid="GPU-aaaa", gpu_minor=0, gpu_index=0, requests=("gpu",))
+
+
+@pytest.fixture(autouse=True)
+def reference_validation(monkeypatch):
+    """Every spec built during the test (through CdiSpecWriter or build_claim_spec) must load in the CDI
+    reference library; checked once at the end of the test."""
+    built: list[dict] = []
+    original = cdi_module.build_claim_spec
+
+    def recording(*args, **kwargs):
+        spec, ids = original(*args, **kwargs)
+        built.append(json.loads(json.dumps(spec)))
+        return spec, ids
+
+    monkeypatch.setattr(cdi_module, "build_claim_spec", recording)
+    monkeypatch.setitem(globals(), "build_claim_spec", recording)
+    yield built
+    if built:
+        cdivalidate.check_specs(built)
 
 
 @pytest.fixture
@@ -137,19 +159,68 @@ def test_hooks_replace_link_mounts_when_nvidia_cdi_hook_exists(tmp_path, tree):
     mounts = mounts_by_container(common)
     assert "/usr/lib/x86_64-linux-gnu/libcuda.so.1" not in mounts
     assert f"/usr/lib/x86_64-linux-gnu/libcuda.so.{tree.version}" in mounts
-    symlinks, ldcache = common["hooks"]
-    assert symlinks["hookName"] == ldcache["hookName"] == "createContainer"
-    assert symlinks["path"] == str(hook)
+    symlinks, ldcache, nodes = common["hooks"]
+    assert symlinks["hookName"] == ldcache["hookName"] == nodes["hookName"] == "createContainer"
+    assert symlinks["path"] == ldcache["path"] == nodes["path"] == str(hook)
     assert symlinks["args"][:2] == ["nvidia-cdi-hook", "create-symlinks"]
     assert f"libcuda.so.{tree.version}::/usr/lib/x86_64-linux-gnu/libcuda.so.1" in symlinks["args"]
     assert ldcache["args"] == ["nvidia-cdi-hook", "update-ldcache", "--folder", "/usr/lib/x86_64-linux-gnu"]
+    assert nodes["args"] == ["nvidia-cdi-hook", "disable-device-node-modification"]
     validate_spec(spec)
 
 
 def test_nvidia_ctk_hook_needs_hook_subcommand(tmp_path, tree):
     tree.add_hook("nvidia-ctk")
     spec, _ = writer(tmp_path, tree).build(UID, [GPU0])
-    assert spec["containerEdits"]["hooks"][-1]["args"][:3] == ["nvidia-ctk", "hook", "update-ldcache"]
+    assert [h["args"][:3] for h in spec["containerEdits"]["hooks"]] == [
+        ["nvidia-ctk", "hook", "create-symlinks"], ["nvidia-ctk", "hook", "update-ldcache"],
+        ["nvidia-ctk", "hook", "disable-device-node-modification"]]
+
+
+def executable(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_given_hook_path_is_used_over_the_driver_roots_own(tmp_path, tree):
+    """The driver's own hook (--cdi-hook-path) runs every hook, whatever the driver root has (here a host
+    toolkit's nvidia-ctk, whose sub-commands need another argv)."""
+    tree.add_hook("nvidia-ctk")
+    own = executable(tmp_path / "plugin/bin/nvidia-cdi-hook")
+    w = CdiSpecWriter(tmp_path / "cdi", tree.driver_root(hook_path=str(own)))
+    spec, _ = w.build(UID, [GPU0])
+    hooks = spec["containerEdits"]["hooks"]
+    assert {h["path"] for h in hooks} == {str(own)}
+    assert [h["args"][1] for h in hooks] == ["create-symlinks", "update-ldcache", "disable-device-node-modification"]
+    assert all(h["args"][0] == "nvidia-cdi-hook" for h in hooks)
+
+
+@pytest.mark.parametrize("make, problem", [
+    (lambda p: p, "cannot be read"),
+    (lambda p: (p.mkdir(), p)[1], "not a regular file"),
+    (lambda p: (p.write_text("x"), p.chmod(0o644), p)[2], "not executable"),
+])
+def test_a_given_hook_that_cannot_run_is_an_error_naming_the_flag(tmp_path, tree, make, problem):
+    hook = make(tmp_path / "nvidia-cdi-hook")
+    with pytest.raises(CdiHookError, match=rf"^--cdi-hook-path {hook}: {problem}"):
+        tree.driver_root(hook_path=str(hook)).files()
+
+
+def test_relative_hook_path_is_refused(tree):
+    with pytest.raises(CdiHookError, match="not an absolute path"):
+        tree.driver_root(hook_path="bin/nvidia-cdi-hook").files()
+
+
+def test_real_node_without_any_hook_does_not_start(tmp_path, tree):
+    with pytest.raises(CdiHookError, match="--cdi-hook-path") as err:
+        check_real_node(tree.driver_root())
+    assert "\n" not in str(err.value)
+    own = executable(tmp_path / "bin/nvidia-cdi-hook")
+    assert check_real_node(tree.driver_root(hook_path=str(own))).hook.host_path == str(own)
+    tree.add_hook()
+    assert check_real_node(tree.driver_root()).hook is not None   # a host toolkit's hook will do
 
 
 def test_mig_device_gets_parent_node_and_capability_nodes(tmp_path, tree):

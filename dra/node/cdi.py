@@ -11,12 +11,13 @@ Two ways to describe a GPU:
   (applied once whenever any device of the claim is injected) carry ``/dev/nvidiactl``, ``/dev/nvidia-uvm*``,
   the driver's compute libraries, tools and firmware, mounted read-only. Each device adds its own
   ``/dev/nvidia<minor>`` and, for MIG, the ``/dev/nvidia-caps`` nodes of its GPU and compute instance.
-  Library lookup: when ``nvidia-cdi-hook`` (or ``nvidia-ctk``) exists, the soname links are created by a
-  ``create-symlinks`` hook and the container's loader cache is refreshed by an ``update-ldcache`` hook, as
-  NVIDIA's toolkit does. Without a hook program, every soname link is bind-mounted as well (at its own path,
-  showing the file it points to) and nothing sets ``LD_LIBRARY_PATH``: libraries appear at the same paths as
-  on the host, which the loader searches by default when the host and the image share a library layout
-  (e.g. both Debian-style ``/usr/lib/x86_64-linux-gnu``). Images with another layout need the hook.
+  Library lookup: with a hook program (the driver's own ``nvidia-cdi-hook``, ``--cdi-hook-path``, or a host
+  toolkit's in the driver root) the soname links are created by a ``create-symlinks`` hook, the container's
+  loader cache learns the library folders through an ``update-ldcache`` hook, and a
+  ``disable-device-node-modification`` hook keeps the driver from creating device nodes in the container, as
+  NVIDIA's toolkit does. A real node always has one (start-up fails without). Only a simulated node may run
+  without: then every soname link is bind-mounted as well (at its own path, showing the file it points to) and
+  libraries are found only where the image's loader searches by default.
 * **NVIDIA Container Toolkit specs**: when the host already has the toolkit's generated spec (``nvidia.com/gpu``
   or ``nvidia.com/mig`` in ``/etc/cdi`` or ``/var/run/cdi``) naming the device by UUID (or a whole GPU by
   index), its id is returned next to ours and our device keeps only env and mounts (MPS). Devices the
@@ -339,10 +340,17 @@ def common_edits(files: DriverFiles) -> dict[str, Any]:
             for link in files.soname_links:
                 args += ["--link", f"{link.target}::{link.container_path}"]
             hooks.append({"hookName": "createContainer", "path": files.hook.host_path, "args": args})
-        args = prefix + ["update-ldcache"]
-        for folder in files.lib_folders:
-            args += ["--folder", folder]
-        hooks.append({"hookName": "createContainer", "path": files.hook.host_path, "args": args})
+        if files.lib_folders:
+            # The container's loader cache learns the library folders: Debian/Ubuntu images search neither /lib64
+            # nor a driver's own folder, so without it CUDA finds no libcuda there.
+            args = prefix + ["update-ldcache"]
+            for folder in files.lib_folders:
+                args += ["--folder", folder]
+            hooks.append({"hookName": "createContainer", "path": files.hook.host_path, "args": args})
+        # A container's driver calls (as root) must not re-create /dev/nvidia* nodes it was not given
+        # (ModifyDeviceFiles: 0 in its /proc/driver/nvidia/params); the device cgroup still decides access.
+        hooks.append({"hookName": "createContainer", "path": files.hook.host_path,
+                      "args": prefix + ["disable-device-node-modification"]})
     mounts += [_mount(b.host_path, b.container_path, READ_ONLY_BIND) for b in files.binaries]
     mounts += [_mount(f.host_path, f.container_path, READ_ONLY_BIND) for f in files.firmware]
     edits: dict[str, Any] = {"deviceNodes": [n.to_cdi() for n in files.control_nodes], "mounts": mounts}

@@ -62,6 +62,11 @@ BINARIES: tuple[str, ...] = (
 # nvidia-ctk needs "hook" before it.
 HOOK_PROGRAMS: tuple[str, ...] = ("nvidia-cdi-hook", "nvidia-ctk")
 
+# Where nodes keep the driver, as host paths: a host install, the GPU operator's driver container, the single-folder
+# installs (lib64/, bin/) of GKE (/home/kubernetes/bin/nvidia, shown to containers as /usr/local/nvidia). Listed in
+# the start-up error when the configured root has no libcuda.
+KNOWN_DRIVER_ROOTS: tuple[str, ...] = ("/", "/run/nvidia/driver", "/usr/local/nvidia", "/home/kubernetes/bin/nvidia")
+
 _VERSIONED = re.compile(r"^(?P<base>.+\.so)(?P<suffix>(\.[0-9A-Za-z]+)*)$")
 _DRIVER_VERSION = re.compile(r"^\d+\.\d+(\.\d+)?$")
 _MAX_LINK_HOPS = 40
@@ -69,6 +74,10 @@ _MAX_LINK_HOPS = 40
 
 class DriverRootError(RuntimeError):
     """The driver root lacks something a GPU container needs; the message names the path."""
+
+
+class CdiHookError(DriverRootError):
+    """The CDI hook program is missing or cannot run; the message names the path and the flag."""
 
 
 @dataclass(frozen=True)
@@ -138,8 +147,9 @@ class DriverRoot:
     dev_root:        where this process reads ``dev/nvidia*`` (default ``/``)
     host_dev_root:   the device root as the host sees it (default ``dev_root``)
     proc_root:       where this process reads ``driver/nvidia/capabilities`` and ``devices`` (default ``/proc``)
-    hook_path:       explicit host path of nvidia-cdi-hook (e.g. copied into the plugin directory); by default it
-                     is searched for in the driver root's binary directories
+    hook_path:       host path of nvidia-cdi-hook (the driver's own, installed into the plugin directory), which
+                     this process sees at the same path; it wins over a hook program in the driver root's binary
+                     directories (a host toolkit's), which is used only when none is given
     driver_version:  skip detection from library file names
     """
 
@@ -181,10 +191,9 @@ class DriverRoot:
             self._files = self._discover()
         return self._files
 
-    def _discover(self) -> DriverFiles:
-        libraries: dict[str, RootedPath] = {}
-        links: dict[str, LibraryLink] = {}
-        lib_folders: list[str] = []
+    def library_dirs(self) -> list[tuple[str, Path]]:
+        """(container path, local path) of each existing library directory, once each, in LIBRARY_DIRS order."""
+        out: list[tuple[str, Path]] = []
         seen_dirs: set[str] = set()
         for rel_dir in LIBRARY_DIRS:
             container_dir = self.resolve(rel_dir)
@@ -192,8 +201,25 @@ class DriverRoot:
                 continue  # missing, or the same directory reached through a merged-/usr symlink
             seen_dirs.add(container_dir)
             local_dir = Path(_join(self.root, container_dir))
-            if not local_dir.is_dir():
+            if local_dir.is_dir():
+                out.append((container_dir, local_dir))
+        return out
+
+    def has_libcuda(self) -> bool:
+        """Whether a ``libcuda.so*`` file or link is in one of the library directories."""
+        for _, local_dir in self.library_dirs():
+            try:
+                if any(name.startswith("libcuda.so") and _is_compute_library(name) for name in os.listdir(local_dir)):
+                    return True
+            except OSError:
                 continue
+        return False
+
+    def _discover(self) -> DriverFiles:
+        libraries: dict[str, RootedPath] = {}
+        links: dict[str, LibraryLink] = {}
+        lib_folders: list[str] = []
+        for container_dir, local_dir in self.library_dirs():
             found_here = False
             for entry in sorted(local_dir.iterdir(), key=lambda p: p.name):
                 if not _is_compute_library(entry.name):
@@ -216,10 +242,7 @@ class DriverRoot:
             if found_here:
                 lib_folders.append(_join("/", container_dir))
         if not any(PurePosixPath(p).name.startswith("libcuda.so") for p in libraries):
-            raise DriverRootError(
-                f"driver root {self.root}: no libcuda.so found in any of {', '.join(LIBRARY_DIRS)}; "
-                "is the NVIDIA driver installed there?"
-            )
+            raise DriverRootError(self._no_libcuda_message())
         version = self.driver_version or _version_from_libraries(libraries.values())
         return DriverFiles(
             version=version,
@@ -259,8 +282,21 @@ class DriverRoot:
             return ()
         return (RootedPath(candidate, self.host_path(resolved)),)
 
+    def _no_libcuda_message(self) -> str:
+        host = f" (host {self.host_root})" if str(self.host_root) != str(self.root) else ""
+        found = find_driver_roots(self.proc_root / "1" / "root")
+        where = (f"driver roots with libcuda.so.* on this node: {', '.join(found)}" if found else
+                 f"none of {', '.join(KNOWN_DRIVER_ROOTS)} on this node has libcuda.so.* either; "
+                 "is the NVIDIA driver installed?")
+        return (f"driver root {self.root}{host} has no libcuda.so.* in any of {', '.join(LIBRARY_DIRS)}; "
+                f"set --driver-root / --host-driver-root (chart value driverRoot) to the driver's folder; {where}")
+
     def _find_hook(self) -> RootedPath | None:
         if self.hook_path is not None:
+            problem = hook_program_problem(self.hook_path)
+            if problem is not None:
+                raise CdiHookError(f"--cdi-hook-path {self.hook_path}: {problem} (chart value cdiHookPath; "
+                                   "empty installs the image's nvidia-cdi-hook into the plugin directory)")
             return RootedPath(self.hook_path, self.hook_path)
         for name in HOOK_PROGRAMS:
             for rel_dir in BINARY_DIRS:
@@ -351,6 +387,45 @@ class DriverRoot:
                 )
             nodes.append(DeviceNodeInfo(path=path, host_path=host, major=major, minor=minor))
         return nodes[0], nodes[1]
+
+
+# ----- start-up checks -------------------------------------------------------------------------------------------
+def hook_program_problem(path: str) -> str | None:
+    """Why ``path`` cannot be run as a CDI hook (None when it can): runc execs it by this absolute path."""
+    if not path.startswith("/"):
+        return "not an absolute path"
+    try:
+        st = os.stat(path)
+    except OSError as err:
+        return f"cannot be read ({err.strerror or err})"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if not os.access(path, os.X_OK):
+        return "not executable"
+    return None
+
+
+def find_driver_roots(host_fs: Path | str) -> list[str]:
+    """The KNOWN_DRIVER_ROOTS that hold libcuda, read through ``host_fs``, the host's ``/`` as this process sees
+    it (``/proc/1/root``: the host's own with the host PID namespace, else this container's)."""
+    found = []
+    for known in KNOWN_DRIVER_ROOTS:
+        resolved = _resolve_in_root(Path(host_fs), known)   # e.g. a /usr/local/nvidia link into /home/kubernetes
+        if resolved is not None and DriverRoot(_join(host_fs, resolved)).has_libcuda():
+            found.append(known)
+    return found
+
+
+def check_real_node(driver_root: DriverRoot) -> DriverFiles:
+    """What a real node needs before any claim is prepared, each failure one line naming its flag: the driver's
+    libraries under the driver root, and a CDI hook (Debian and Ubuntu images search neither ``/lib64`` nor a
+    driver's own folder, so the libraries are found only through the loader cache that the hook refreshes)."""
+    files = driver_root.files()
+    if files.hook is None:
+        raise CdiHookError(
+            f"no CDI hook: the driver root {driver_root.root} has none of {', '.join(HOOK_PROGRAMS)}; pass "
+            "--cdi-hook-path with the host path of nvidia-cdi-hook (the chart installs the image's own)")
+    return files
 
 
 # ----- internals -------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dra.node.driverroot import DeviceNodeInfo, DriverFiles, DriverRoot, DriverRootError
+from dra.node.driverroot import CdiHookError, DeviceNodeInfo, DriverFiles, DriverRoot, DriverRootError
 
 NVIDIA_MAJOR = 195          # /dev/nvidia<minor> and /dev/nvidiactl (minor 255)
 NVIDIACTL_MINOR = 255
@@ -25,12 +25,14 @@ class SimulatedDriverRoot(DriverRoot):
     def files(self, refresh: bool = False) -> DriverFiles:
         try:
             return super().files(refresh)
+        except CdiHookError:
+            raise   # a given hook that cannot run is an error on any node
         except DriverRootError:
-            # No driver installed here: containers of a simulated node get the control node only.
+            # No driver installed here: containers of a simulated node get the control node (and the hook) only.
             if self._files is None or refresh:
                 ctl = DeviceNodeInfo(path="/dev/nvidiactl", major=NVIDIA_MAJOR, minor=NVIDIACTL_MINOR)
                 self._files = DriverFiles(version=self.driver_version or "", libraries=(), soname_links=(),
-                                          lib_folders=(), binaries=(), firmware=(), hook=None,
+                                          lib_folders=(), binaries=(), firmware=(), hook=self._find_hook(),
                                           control_nodes=(ctl,))
             return self._files
 
