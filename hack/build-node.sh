@@ -5,7 +5,10 @@
 #   containerd, ctr, containerd-shim-runc-v2  from github.com/containerd/containerd/v2 (containerd/<version>/bin)
 #   runc                                      from github.com/opencontainers/runc, with seccomp (runc/<version>/bin)
 #   pause and busybox test images             as OCI archives, no registry needed (images/<inputs hash>/)
-# and links them into one node directory: node/<K8S_VERSION>_containerd-<v>_runc-<v>/{bin,images}.
+#   the CUDA stand-in for simulated nodes     libcuda.so / libnvidia-ml.so / nvidia-smi from hack/cuda-standin
+#                                             (images/<inputs hash>/cuda-standin/{lib,bin})
+#   cuda-probe test image                     Debian's glibc + busybox + cuda-probe (images/<inputs hash>/)
+# and links them into one node directory: node/<K8S_VERSION>_containerd-<v>_runc-<v>/{bin,images,cuda-standin}.
 # Usage: hack/build-node.sh   (prints the node's bin directory on its last line; images are in ../images)
 # Versions, Debian package versions and image names are pinned in hack/versions.env; the environment
 # overrides them (K8S_VERSION, CONTAINERD_VERSION, RUNC_VERSION, ...).
@@ -21,6 +24,8 @@ BUSYBOX_STATIC_DEB_VERSION="${BUSYBOX_STATIC_DEB_VERSION:-$(pinned BUSYBOX_STATI
 LIBSECCOMP_DEV_DEB_VERSION="${LIBSECCOMP_DEV_DEB_VERSION:-$(pinned LIBSECCOMP_DEV_DEB_VERSION)}"
 PAUSE_IMAGE="${PAUSE_IMAGE:-$(pinned PAUSE_IMAGE)}"
 BUSYBOX_IMAGE="${BUSYBOX_IMAGE:-$(pinned BUSYBOX_IMAGE)}"
+CUDA_PROBE_IMAGE="${CUDA_PROBE_IMAGE:-$(pinned CUDA_PROBE_IMAGE)}"
+SIM_DRIVER_VERSION="${SIM_DRIVER_VERSION:-$(pinned SIM_DRIVER_VERSION)}"
 
 K8S_DIR="$CACHE_ROOT/k8s/$K8S_VERSION"
 CTRD_DIR="$CACHE_ROOT/containerd/$CONTAINERD_VERSION"
@@ -34,19 +39,29 @@ NODE="$CACHE_ROOT/node/${K8S_VERSION}_containerd-${CONTAINERD_VERSION}_runc-${RU
   || die "CONTAINERD_VERSION '$CONTAINERD_VERSION' is not a containerd 2 release like v2.4.2 (pin it in $VERSIONS_FILE)"
 [[ "$RUNC_VERSION" =~ ^v1\.[0-9]+\.[0-9]+$ ]] \
   || die "RUNC_VERSION '$RUNC_VERSION' is not a runc release like v1.5.3 (pin it in $VERSIONS_FILE)"
-[ -n "$PAUSE_IMAGE" ] && [ -n "$BUSYBOX_IMAGE" ] || die "PAUSE_IMAGE and BUSYBOX_IMAGE must be pinned in $VERSIONS_FILE"
+[ -n "$PAUSE_IMAGE" ] && [ -n "$BUSYBOX_IMAGE" ] && [ -n "$CUDA_PROBE_IMAGE" ] \
+  || die "PAUSE_IMAGE, BUSYBOX_IMAGE and CUDA_PROBE_IMAGE must be pinned in $VERSIONS_FILE"
+[[ "$SIM_DRIVER_VERSION" =~ ^[0-9]+\.[0-9]+(\.[0-9]+)?$ ]] \
+  || die "SIM_DRIVER_VERSION '$SIM_DRIVER_VERSION' is not a driver version like 580.95.05 (pin it in $VERSIONS_FILE)"
 
 # The images change with their inputs, not with a version number: key them by a hash of those.
-IMAGE_KEY=$(cat "$HACK/pause.c" "$HACK/build-oci-image.py" \
-  <(echo "$BUSYBOX_STATIC_DEB_VERSION $PAUSE_IMAGE $BUSYBOX_IMAGE") | sha256sum | cut -c1-16)
+# The cuda-probe image takes glibc from the driver image's Debian lock, unpacked by hack/build-image.py.
+STANDIN_SRC="$HACK/cuda-standin"
+IMAGE_KEY=$(cat "$HACK/pause.c" "$HACK/build-oci-image.py" "$HACK/build-image.py" "$HACK/../deploy/image/debian.lock" \
+  "$STANDIN_SRC"/*.c "$STANDIN_SRC"/*.h "$STANDIN_SRC/Makefile" "$STANDIN_SRC/build-probe-image.py" \
+  <(echo "$BUSYBOX_STATIC_DEB_VERSION $PAUSE_IMAGE $BUSYBOX_IMAGE $CUDA_PROBE_IMAGE $SIM_DRIVER_VERSION") \
+  | sha256sum | cut -c1-16)
 IMG_DIR="$CACHE_ROOT/images/$IMAGE_KEY"
 STAMP="kubelet=$K8S_VERSION containerd=$CONTAINERD_VERSION runc=$RUNC_VERSION images=$IMAGE_KEY"
 NODE_BINS=(kubelet containerd ctr containerd-shim-runc-v2 runc)
+IMAGES=(pause.oci.tar busybox.oci.tar cuda-probe.oci.tar)
+STANDIN_FILES=("lib/libcuda.so.$SIM_DRIVER_VERSION" "lib/libnvidia-ml.so.$SIM_DRIVER_VERSION" bin/nvidia-smi bin/cuda-probe)
 
 have_all() {
   [ "$(cat "$NODE/.complete" 2>/dev/null)" = "$STAMP" ] || return 1
   for b in "${NODE_BINS[@]}"; do [ -x "$NODE/bin/$b" ] || return 1; done
-  [ -f "$NODE/images/pause.oci.tar" ] && [ -f "$NODE/images/busybox.oci.tar" ]
+  for i in "${IMAGES[@]}"; do [ -f "$NODE/images/$i" ] || return 1; done
+  for f in "${STANDIN_FILES[@]}"; do [ -f "$NODE/cuda-standin/$f" ] || return 1; done
 }
 
 if have_all; then
@@ -180,7 +195,10 @@ build_runc() {
 }
 
 build_images() {
-  [ -f "$IMG_DIR/pause.oci.tar" ] && [ -f "$IMG_DIR/busybox.oci.tar" ] && { log "images $IMAGE_KEY already built"; return 10; }
+  local ok=1 i f
+  for i in "${IMAGES[@]}"; do [ -f "$IMG_DIR/$i" ] || ok=0; done
+  for f in "${STANDIN_FILES[@]}"; do [ -f "$IMG_DIR/cuda-standin/$f" ] || ok=0; done
+  [ "$ok" = 1 ] && { log "images $IMAGE_KEY already built"; return 10; }
   local work; work=$(mktemp -d); trap 'rm -rf "$work"' RETURN
   mkdir -p "$IMG_DIR"
   # pause: one static binary of our own.
@@ -211,6 +229,14 @@ build_images() {
     --out "$IMG_DIR/busybox.oci.tar" --cmd /bin/sh --env PATH=/bin >/dev/null
   echo "$BUSYBOX_IMAGE busybox-static $(cat "$bb/.deb-version")" > "$IMG_DIR/sources.txt"
   echo "$PAUSE_IMAGE hack/pause.c" >> "$IMG_DIR/sources.txt"
+  # The CUDA stand-in (simulated nodes' driver libraries) and cuda-probe, dynamically linked against glibc.
+  make -s -C "$STANDIN_SRC" OUT="$work/cuda-standin" VERSION="$SIM_DRIVER_VERSION" CC=gcc >&2 \
+    || die "building hack/cuda-standin failed (gcc and libc6-dev needed)"
+  python3 "$STANDIN_SRC/build-probe-image.py" --probe "$work/cuda-standin/bin/cuda-probe" --busybox "$bb/bin/busybox" \
+    --name "$CUDA_PROBE_IMAGE" --out "$IMG_DIR/cuda-probe.oci.tar" --cache "$DEB_DIR/files" >/dev/null \
+    || die "hack/cuda-standin/build-probe-image.py failed"
+  rm -rf "$IMG_DIR/cuda-standin"; mv "$work/cuda-standin" "$IMG_DIR/cuda-standin"
+  echo "$CUDA_PROBE_IMAGE hack/cuda-standin (libc6 from deploy/image/debian.lock), busybox-static" >> "$IMG_DIR/sources.txt"
 }
 
 timed images build_images
@@ -222,7 +248,8 @@ mkdir -p "$NODE/bin" "$NODE/images"
 ln -sfn "$K8S_DIR/bin/kubelet" "$NODE/bin/kubelet"
 for b in containerd ctr containerd-shim-runc-v2; do ln -sfn "$CTRD_DIR/bin/$b" "$NODE/bin/$b"; done
 ln -sfn "$RUNC_DIR/bin/runc" "$NODE/bin/runc"
-for i in pause.oci.tar busybox.oci.tar sources.txt; do ln -sfn "$IMG_DIR/$i" "$NODE/images/$i"; done
+for i in "${IMAGES[@]}" sources.txt; do ln -sfn "$IMG_DIR/$i" "$NODE/images/$i"; done
+ln -sfn "$IMG_DIR/cuda-standin" "$NODE/cuda-standin"
 for name in "${!TIMES[@]}"; do echo "$name ${TIMES[$name]}s $(date -u +%Y-%m-%dT%H:%M:%SZ)"; done >> "$NODE/build-times.txt"
 echo "$STAMP" > "$NODE/.complete"
 have_all || die "internal: $NODE is incomplete after the build"
