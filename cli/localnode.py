@@ -39,7 +39,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -559,6 +559,7 @@ class LocalNode:
         self._record_path: Path | None = None
         self._containerd: subprocess.Popen[bytes] | None = None
         self._kubelet: subprocess.Popen[bytes] | None = None
+        self._kubelet_log_start = 0       # where this kubelet's output starts in the (appended) log
 
     # ---- paths ------------------------------------------------------------------------------------
 
@@ -648,8 +649,7 @@ class LocalNode:
             self._phase("cgroups", self._make_cgroup_root)
             self._phase("containerd", self._start_containerd, bin_dir)
             self._phase("images", self._import_images, bin_dir)
-            self._phase("kubelet", self._start_kubelet, bin_dir)
-            self._phase("node ready", self._wait_ready, time.time() - 1)
+            self._phase("kubelet", self._start_kubelet_until_ready, bin_dir, time.time() - 1)
         except BaseException:
             try:
                 self.stop(delete_node=False)
@@ -697,9 +697,7 @@ class LocalNode:
         running meanwhile. Returns once the node has reported Ready again."""
         _terminate(self._kubelet)
         time.sleep(downtime)
-        since = time.time()
-        self._start_kubelet(self.bin_dir)
-        self._wait_ready(since)
+        self._start_kubelet_until_ready(self.bin_dir, time.time())
 
     def __enter__(self) -> "LocalNode":
         return self.start()
@@ -1037,17 +1035,50 @@ temp = {q(str(d / 'containerd' / 'tmp'))}
             argv.append("--node-labels=" + ",".join(f"{k}={v}" for k, v in sorted(self.labels.items())))
         return argv + self.kubelet_args
 
-    def _start_kubelet(self, bin_dir: Path) -> None:
+    def _start_kubelet_until_ready(self, bin_dir: Path, since: float) -> None:
+        """Starts the kubelet and waits until the node is Ready (see `_wait_ready`). `free_port` only finds a
+        port that is free now: another process may bind it before the kubelet does. When the kubelet's log says
+        one of its ports was taken, it is stopped and started again on new ports, up to KUBELET_PORT_ATTEMPTS
+        times. (containerd binds no TCP port here: its stream server takes port 0.)"""
+        for attempt in range(1, KUBELET_PORT_ATTEMPTS + 1):
+            self._start_kubelet(bin_dir, new_ports=attempt > 1)
+            try:
+                self._wait_ready(since)
+                return
+            except PortTaken as exc:
+                _terminate(self._kubelet)
+                if attempt == KUBELET_PORT_ATTEMPTS:
+                    raise NodeError(f"node {self.name}: the kubelet found its port taken {attempt} times in a "
+                                    f"row (last: {exc.port})\n{self.logs_tail()}") from exc
+                log.warning("node %s: kubelet port %d was taken before the kubelet bound it; starting it again "
+                            "on new ports", self.name, exc.port)
+
+    def _start_kubelet(self, bin_dir: Path, new_ports: bool = False) -> None:
         d = self._dir
-        if not self.ports:
+        if not self.ports or new_ports:
             self.ports = {"kubelet": free_port(), "healthz": free_port()}
-            self.node_ip = node_ip()
+            self.node_ip = self.node_ip or node_ip()
             (d / "kubelet-config.yaml").write_text(yaml.safe_dump(self._kubelet_config(), sort_keys=False))
         env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '/usr/sbin:/usr/bin:/sbin:/bin')}"}
+        self._kubelet_log_start = self.kubelet_log.stat().st_size if self.kubelet_log.exists() else 0
         with open(self.kubelet_log, "ab") as out:
             self._kubelet = subprocess.Popen(self._kubelet_argv(bin_dir), stdout=out, stderr=subprocess.STDOUT,
                                              stdin=subprocess.DEVNULL, start_new_session=True, cwd=d, env=env)
         self._update_record_pids()
+
+    def _check_ports(self) -> None:
+        """Raises PortTaken when this kubelet's log (since its start) says one of its ports was in use: the
+        kubelet exits for its server port, but only logs and retries for its healthz port, where another
+        process might even answer in its place."""
+        try:
+            with open(self.kubelet_log, "rb") as f:
+                f.seek(self._kubelet_log_start)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return
+        port = port_taken(text, self.ports.values())
+        if port is not None:
+            raise PortTaken(port)
 
     def _kubelet_healthy(self) -> bool:
         url = f"http://127.0.0.1:{self.ports['healthz']}/healthz"
@@ -1063,6 +1094,7 @@ temp = {q(str(d / 'containerd' / 'tmp'))}
         deadline = time.monotonic() + self.startup_timeout
         last = "not registered yet"
         while time.monotonic() < deadline:
+            self._check_ports()
             self.check_running()
             if not self._kubelet_healthy():
                 last = "kubelet /healthz not ok yet"
@@ -1096,6 +1128,28 @@ temp = {q(str(d / 'containerd' / 'tmp'))}
                 self.ctr("tasks", "kill", "--signal", "SIGKILL", "--all", task, check=False, timeout=20)
             for task in tasks:
                 self.ctr("tasks", "delete", "--force", task, check=False, timeout=30)
+
+
+KUBELET_PORT_ATTEMPTS = 3
+# Go's net.Listen error, as the kubelet logs it: `listen tcp 127.0.0.1:10250: bind: address already in use`.
+_BIND_FAILED = re.compile(r"listen tcp [^\s\"]*:(\d+): bind: address already in use")
+
+
+class PortTaken(NodeError):
+    """The kubelet could not bind one of its ports: something else took it after `free_port` found it free."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__(f"port {port} is already in use")
+        self.port = port
+
+
+def port_taken(log_text: str, ports: Iterable[int]) -> int | None:
+    """The first of `ports` that `log_text` (kubelet output) says could not be bound, if any."""
+    wanted = set(ports)
+    for m in _BIND_FAILED.finditer(log_text):
+        if int(m.group(1)) in wanted:
+            return int(m.group(1))
+    return None
 
 
 def parse_cri_log(text: str) -> str:
