@@ -1,5 +1,6 @@
 """Starts an MPS control daemon apart from the plugin: ``python -m dra.node.mpslaunch [--shm DIR]
-[--cgroupns NSFILE] [--cgroup-root DIR --cgroup PATH] [--cgroup-procs FILE]... -- PROGRAM ARGS...``.
+[--cgroupns NSFILE] [--cgroup-root DIR --cgroup PATH] [--cgroup-procs FILE]... [--exec-env NAME=VALUE]...
+-- PROGRAM ARGS...``.
 
 It runs as its own, single-threaded process (the plugin is multi-threaded, where ``preexec_fn`` is unsafe):
 
@@ -17,7 +18,9 @@ It runs as its own, single-threaded process (the plugin is multi-threaded, where
   upgrade (the runtime ends every process of a container's cgroup when the container stops);
 * ``--shm``: enters a private mount namespace whose ``/dev/shm`` is DIR, the directory the daemon's clients
   get as their ``/dev/shm`` (MPS server and clients share memory there);
-* then executes PROGRAM, which forks the daemon into the background.
+* then executes PROGRAM, which forks the daemon into the background, with ``--exec-env`` added to its
+  environment: the driver's LD_LIBRARY_PATH is for the driver's program, never for this Python, whose own
+  libraries (libc, libm) would otherwise be looked up in the host's library folder first.
 
 The plugin starts it in a new session (``setsid``), so the daemon leaves the plugin's process group too.
 """
@@ -145,7 +148,8 @@ def _write_procs(procs: Path | str, note: str = "") -> None:
 def main(argv: list[str]) -> int:
     if "--" not in argv:
         return _fail("usage: python -m dra.node.mpslaunch [--shm DIR] [--cgroupns NSFILE] "
-                     "[--cgroup-root DIR --cgroup PATH] [--cgroup-procs FILE]... -- PROGRAM ARGS")
+                     "[--cgroup-root DIR --cgroup PATH] [--cgroup-procs FILE]... [--exec-env NAME=VALUE]... "
+                     "-- PROGRAM ARGS")
     split = argv.index("--")
     options, command = argv[:split], argv[split + 1:]
     if not command:
@@ -154,6 +158,7 @@ def main(argv: list[str]) -> int:
     cgroupns: str | None = None
     cgroup_root, cgroup = "/sys/fs/cgroup", ""
     cgroups: list[str] = []
+    exec_env: dict[str, str] = {}
     it = iter(options)
     for opt in it:
         value = next(it, None)
@@ -169,6 +174,11 @@ def main(argv: list[str]) -> int:
             cgroup = value
         elif opt == "--cgroup-procs":
             cgroups.append(value)
+        elif opt == "--exec-env":
+            name, eq, text = value.partition("=")
+            if not eq or not name:
+                return _fail(f"--exec-env {value!r}: must be NAME=VALUE")
+            exec_env[name] = text
         else:
             return _fail(f"unknown option {opt}")
     try:
@@ -189,7 +199,7 @@ def main(argv: list[str]) -> int:
         if libc.mount(shm.encode(), b"/dev/shm", None, MS_BIND, None) != 0:
             return _fail(f"bind-mounting {shm} on /dev/shm: {os.strerror(ctypes.get_errno())}")
     try:
-        os.execvp(command[0], command)
+        os.execvpe(command[0], command, {**os.environ, **exec_env})
     except OSError as err:
         return _fail(f"cannot run {command[0]}: {err.strerror or err}")
     return 1  # not reached

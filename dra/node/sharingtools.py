@@ -218,7 +218,16 @@ class NvidiaSmiSharingControl(SharingControl):
             launcher += ["--cgroup-root", self.cgroup_root, "--cgroup", self.cgroup]
         for procs in self.cgroup_procs:
             launcher += ["--cgroup-procs", procs]
+        env = self._mps_env(spec.pipe_dir, spec.log_dir, spec.visible_devices)
         if launcher:
+            # The launcher is this image's Python: the driver's environment (LD_LIBRARY_PATH of the driver's library
+            # folders, where a host's own libc and libm can be) is for the driver's program alone, set at its exec.
+            for name, value in self.extra_env.items():
+                launcher += ["--exec-env", f"{name}={value}"]
+                if name in os.environ:
+                    env[name] = os.environ[name]
+                else:
+                    del env[name]
             argv = [sys.executable, "-m", "dra.node.mpslaunch", *launcher, "--", *argv]
         out_path = Path(spec.log_dir) / "control-start.out"
         try:
@@ -227,7 +236,7 @@ class NvidiaSmiSharingControl(SharingControl):
             # link there is still never followed.
             fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             with os.fdopen(fd, "wb") as out:
-                done = self.run(argv, env=self._mps_env(spec.pipe_dir, spec.log_dir, spec.visible_devices),
+                done = self.run(argv, env=env,
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 timeout=self.timeout_s, check=False, start_new_session=True)
         except (OSError, subprocess.SubprocessError) as err:
