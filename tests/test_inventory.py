@@ -251,3 +251,18 @@ def test_pcie_root_comes_from_sysfs(tmp_path: Path) -> None:
     (tmp_path / "bus" / "pci" / "devices" / bdf).symlink_to(device_dir)
     gpus = discover(nvml, sysfs_root=tmp_path).gpus
     assert [g.pcie_root for g in gpus] == ["pci0000:17", None]
+
+
+def test_h200_with_mig_off_is_discovered_without_whole_gpu_attributes():
+    """As on a real H200: nvmlDeviceGetAttributes answers Not Supported for the whole GPU while MIG is off, the
+    profile queries answer all the same; SMs and engines come from the catalog, profiles from NVML."""
+    inv, nvml = discover_fleet({"nodes": [{"name": "h200", "gpus": [{"model": "H200-141GB"}]}]})
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml.nvmlDeviceGetAttributes(nvml.nvmlDeviceGetHandleByIndex(0))
+    (gpu,) = inv.gpus
+    assert (gpu.mig_capable, gpu.mig_enabled, gpu.healthy) == (True, False, True)
+    assert (gpu.memory_mib, gpu.multiprocessors, gpu.copy_engines, gpu.decoders, gpu.jpeg_engines,
+            gpu.ofa_engines) == (143771, 132, 8, 7, 7, 1)
+    memory = {p.name: p.memory_mib for p in gpu.mig_profiles}
+    assert memory == {"1g.18gb": 16384, "1g.18gb+me": 16384, "1g.35gb": 33280, "2g.35gb": 33280,
+                      "3g.71gb": 71424, "4g.71gb": 71424, "7g.141gb": 143360}
