@@ -7,7 +7,9 @@ work dir, so `LocalNode.stop` removes them and `cleanup_leftovers` kills a plugi
 (its command line names the work dir).
 
 The driver root is empty on purpose: a simulated node has no driver files, so the CDI specs describe
-``/dev/nvidia*`` by major/minor and runc creates those nodes in the container.
+``/dev/nvidia*`` by major/minor and runc creates those nodes in the container. The plugin gets the driver's own
+``nvidia-cdi-hook`` (hack/build-cdi-tools.sh, cached under ~/.cache/gpu-dra/cdi-hook) as on a real node, so runc
+runs the hooks every spec names.
 """
 from __future__ import annotations
 
@@ -26,12 +28,25 @@ from cli.localcluster import free_port
 from cli.localnode import LocalNode, processes_mentioning
 
 _REPO = Path(__file__).resolve().parents[1]
+_CDI_TOOLS_SCRIPT = _REPO / "hack" / "build-cdi-tools.sh"
 _LOG_TAIL_LINES = 40
 SIM_STATE_FILE = "simulated-gpus.json"
 
 
 class NodePluginError(RuntimeError):
     """The plugin did not start, exited, or was not registered in time; the message has its log tail."""
+
+
+def find_cdi_hook(build: bool = True) -> Path:
+    """The nvidia-cdi-hook of hack/build-cdi-tools.sh (NVIDIA_CTK_VERSION): reused from its cache, or built
+    (about a minute) unless `build` is False. On this machine its path is the host path runc runs."""
+    env = {**os.environ, **({} if build else {"GPU_DRA_CDI_NO_BUILD": "1"})}
+    proc = subprocess.run(["bash", str(_CDI_TOOLS_SCRIPT), "hook"], capture_output=True, text=True, env=env)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-_LOG_TAIL_LINES:])
+        raise NodePluginError(f"{_CDI_TOOLS_SCRIPT.name} hook failed (exit {proc.returncode}):\n{tail}")
+    return Path(lines[-1])
 
 
 class LocalNodePlugin:
@@ -56,6 +71,7 @@ class LocalNodePlugin:
         self.driver_root = self.base / "driver-root"
         for d in (self.state_dir, self.driver_root):
             d.mkdir(parents=True, exist_ok=True)
+        self.cdi_hook = find_cdi_hook()
         self.metrics_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
@@ -89,7 +105,8 @@ class LocalNodePlugin:
                 "--registry-dir", str(self.node.plugins_registry_dir), "--plugin-dir", str(self.plugin_dir),
                 "--cdi-root", str(self.cdi_dir), "--state-dir", str(self.state_dir), "--fleet", str(self.fleet),
                 "--sim-state", str(self.sim_state), "--driver-root", str(self.driver_root),
-                "--dev-root", str(self.driver_root), "--metrics-port", str(self.metrics_port),
+                "--dev-root", str(self.driver_root), "--cdi-hook-path", str(self.cdi_hook),
+                "--metrics-port", str(self.metrics_port),
                 "--log-format", "text", "--log-level", self.log_level, *self.extra_args]
 
     # ---- lifecycle --------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
 from api.yamlfiles import load_yaml_file
 from dra.node.checkpoint import CheckpointStore, CheckpointTooNew, CheckpointUnusable
 from dra.model.devices import Device, DeviceModel, build_devices
-from dra.node.driverroot import DriverRoot
+from dra.node.driverroot import DriverRoot, DriverRootError, check_real_node
 from dra.node.nodeobjects import NodeObjects, NodePaths, NodeSetupError
 from dra.node.sharing import MpsDaemons, TimeSlicing
 from dra.node.sharingtools import MpsDaemonSpec, SharingControl, SharingError
@@ -328,6 +328,15 @@ class KubeletPlugin:
                  simulated=bool(o.fleet))
 
         driver_root = self._node_objects().driver_root(self.inventory.driver_version)
+        try:
+            # Checked now, not at the first claim: a real node's specs need the driver's libraries and a CDI hook
+            # (check_real_node); a given hook must run on any node.
+            if o.fleet:
+                driver_root.files()
+            else:
+                check_real_node(driver_root)
+        except DriverRootError as err:
+            raise PluginConfigError(str(err)) from None
         state = o.state_directory
         state.mkdir(parents=True, exist_ok=True)
         sharing = self._sharing_control(driver_root)

@@ -123,6 +123,17 @@ def test_find_driver_roots_finds_each_layout_at_its_host_path(tmp_path: Path, la
 def test_no_driver_anywhere_says_so(tmp_path: Path) -> None:
     proc = tmp_path / "proc"
     (proc / "1").mkdir(parents=True)
-    os.symlink(tmp_path / "nothing", proc / "1" / "root")
+    (tmp_path / "empty-host").mkdir()
+    os.symlink(tmp_path / "empty-host", proc / "1" / "root")
     with pytest.raises(DriverRootError, match=r"none of " + ", ".join(KNOWN_DRIVER_ROOTS) + " on this node"):
         DriverRoot(tmp_path / "nothing", proc_root=proc).files()
+
+
+def test_an_unreadable_host_view_is_said_not_mistaken_for_no_driver(tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    (proc / "1").mkdir(parents=True)
+    os.symlink(tmp_path / "loop", proc / "1" / "root")
+    os.symlink("loop", tmp_path / "loop")   # ELOOP: unreadable like /proc/1/root without ptrace access
+    with pytest.raises(DriverRootError, match=r"cannot be looked at through .*/proc/1/root \(") as err:
+        DriverRoot(tmp_path / "nothing", proc_root=proc).files()
+    assert "none of" not in str(err.value)

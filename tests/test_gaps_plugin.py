@@ -45,6 +45,7 @@ def sharing(strategy: str, **settings: Any) -> dict[str, Any]:
 def test_without_nvidia_smi_whole_gpus_work_and_sharing_claims_fail_with_the_reason(base):
     tree = build_fake_driver_root(base / "host", gpu_minors=(0, 1, 2))
     (tree.root / "usr/bin/nvidia-smi").unlink()
+    tree.add_hook()   # a real node does not start without a CDI hook
     nvml = nvml_for_node(parse_fleet({"nodes": [{"name": NODE, "gpus": [{"model": "L4", "count": 3}]}]}).node(NODE))
     nvml.nvmlInit()
     (base / "boot_id").write_text("b1\n")

@@ -129,6 +129,7 @@ class DriverFiles:
     firmware: tuple[RootedPath, ...]          # directories
     hook: RootedPath | None                   # nvidia-cdi-hook / nvidia-ctk, if present
     control_nodes: tuple[DeviceNodeInfo, ...] = field(default_factory=tuple)  # nvidiactl, nvidia-uvm*
+    data_dirs: tuple[RootedPath, ...] = ()    # read-only node data (a simulated node's GPU listing)
 
     @property
     def hook_args_prefix(self) -> list[str]:
@@ -284,10 +285,15 @@ class DriverRoot:
 
     def _no_libcuda_message(self) -> str:
         host = f" (host {self.host_root})" if str(self.host_root) != str(self.root) else ""
-        found = find_driver_roots(self.proc_root / "1" / "root")
-        where = (f"driver roots with libcuda.so.* on this node: {', '.join(found)}" if found else
-                 f"none of {', '.join(KNOWN_DRIVER_ROOTS)} on this node has libcuda.so.* either; "
-                 "is the NVIDIA driver installed?")
+        host_fs = self.proc_root / "1" / "root"
+        try:
+            found = find_driver_roots(host_fs)
+        except OSError as err:
+            where = f"the node's other driver roots cannot be looked at through {host_fs} ({err.strerror or err})"
+        else:
+            where = (f"driver roots with libcuda.so.* on this node: {', '.join(found)}" if found else
+                     f"none of {', '.join(KNOWN_DRIVER_ROOTS)} on this node has libcuda.so.* either; "
+                     "is the NVIDIA driver installed?")
         return (f"driver root {self.root}{host} has no libcuda.so.* in any of {', '.join(LIBRARY_DIRS)}; "
                 f"set --driver-root / --host-driver-root (chart value driverRoot) to the driver's folder; {where}")
 
@@ -407,12 +413,17 @@ def hook_program_problem(path: str) -> str | None:
 
 def find_driver_roots(host_fs: Path | str) -> list[str]:
     """The KNOWN_DRIVER_ROOTS that hold libcuda, read through ``host_fs``, the host's ``/`` as this process sees
-    it (``/proc/1/root``: the host's own with the host PID namespace, else this container's)."""
+    it (``/proc/1/root``: the host's own with the host PID namespace, else this container's). OSError when
+    ``host_fs`` cannot be read."""
+    os.listdir(host_fs)   # unreadable (no ptrace access to PID 1, no such root): say so, not "no driver"
     found = []
     for known in KNOWN_DRIVER_ROOTS:
-        resolved = _resolve_in_root(Path(host_fs), known)   # e.g. a /usr/local/nvidia link into /home/kubernetes
-        if resolved is not None and DriverRoot(_join(host_fs, resolved)).has_libcuda():
-            found.append(known)
+        try:
+            resolved = _resolve_in_root(Path(host_fs), known)   # e.g. a /usr/local/nvidia link into /home/kubernetes
+            if resolved is not None and DriverRoot(_join(host_fs, resolved)).has_libcuda():
+                found.append(known)
+        except OSError:
+            continue            # not ours to read (no permission to inspect PID 1): only a hint is lost
     return found
 
 
