@@ -14,11 +14,29 @@ crash halfway through), is stored here:
   is idempotent; a torn last line (a crash during the append) is a change that never returned, and is ignored.
   The journal is folded into the snapshot (written atomically) at start-up, at close and when it grows large.
 * Reads (``get``, ``claims``, ``holders``) never wait for a write.
-* Read tolerantly: unknown fields are ignored. A snapshot or journal that cannot be read at all (bad JSON, bad
-  shape, a directory in its place, no permission) is moved aside as ``<name>.corrupt-<timestamp>`` with one
-  log line and the store starts without it; a record stored under a key that is not the UID it holds is
-  skipped as unreadable. ``LoadResult.state_lost`` then tells the caller that prepared claims may exist that it
-  no longer knows (the driver destroys nothing at that start and adopts claims from their CDI specs).
+* The two files are one state, tied together by journal IDs. The snapshot names the journal that continues it
+  (``journalId``) and the one it already holds (``foldedJournalId``); the journal's first line is its header
+  (``{"schemaVersion": n, "journalId": id}``). Compaction writes the next journal complete (header, fsync) under
+  a temporary name, then the snapshot, then renames the journal into place, and before the very first snapshot
+  a header-only journal marked ``initial`` is put in place. So every state the plugin can leave behind is one
+  of: nothing; an ``initial`` journal with no changes and no snapshot (a crash during the first start); a
+  snapshot with its own journal; a snapshot with the journal it folded in (a crash during compaction: that
+  journal is skipped). Anything else is damage: a missing, empty or header-less journal beside a snapshot, a
+  journal of another snapshot, a journal with changes but no snapshot.
+* The files are opened without following links, without blocking (a FIFO in their place cannot hang the
+  start) and only as regular files owned by the plugin's UID, at most ``MAX_FILE_BYTES`` (dra.node.safefiles);
+  anything else in their place is damage too. Writes never follow a link: new files are created with
+  O_EXCL|O_NOFOLLOW and renamed over the name, in a directory only the plugin can write.
+* Read tolerantly: unknown fields are ignored. A snapshot that cannot be read at all (bad JSON, bad shape, a
+  directory, link, FIFO or device in its place, another owner, no permission) is moved aside as
+  ``<name>.corrupt-<timestamp>`` with one log line and the store starts without it. A damaged journal makes the
+  snapshot stale by an unknown number of changes, so both are moved aside (one log line) and the store starts
+  empty, exactly as after a lost snapshot. A record stored under a key that is not the UID it holds is skipped
+  as unreadable. ``LoadResult.state_lost`` then tells the caller that prepared claims may exist that it no
+  longer knows (the driver destroys nothing at that start and adopts claims from their CDI specs).
+* Two records that hold one exclusive device (only a damaged or edited checkpoint has them: ``put`` refuses
+  it) are resolved at load with one log line: the newer record keeps the device, the older one no longer lists
+  it (nor a MIG device created for it), so unpreparing the older claim leaves the device alone.
 * A checkpoint written by a newer plugin (a higher ``schemaVersion``) is never rewritten: ``load`` raises
   ``CheckpointTooNew`` and the plugin refuses to start, because dropping the newer fields would lose undo
   information.
@@ -29,9 +47,12 @@ crash halfway through), is stored here:
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
+import secrets
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -41,13 +62,15 @@ from typing import Any, Callable, Iterable, Iterator, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
-from dra.node.atomicfile import set_aside, write_atomic
+from dra.node.atomicfile import TEMP_SUFFIX, fsync_dir, set_aside, temp_prefix
+from dra.node.safefiles import UnsafeFile, check_owned_dir, open_regular, read_regular_file, write_regular_file
 from dra.node.bootid import DEFAULT_BOOT_ID_PATH, read_boot_id
 
 log = logging.getLogger(__name__)
 
 # 2: the journal beside the snapshot (a plugin that reads only the snapshot would miss its changes).
 SCHEMA_VERSION = 2
+FIRST_SCHEMA_WITH_JOURNAL = 2
 
 ClaimState = Literal["PrepareStarted", "PrepareCompleted"]
 PREPARE_STARTED: ClaimState = "PrepareStarted"
@@ -131,10 +154,24 @@ class ClaimRecord(_Record):
     def completed(self) -> bool:
         return self.state == PREPARE_COMPLETED
 
+    def exclusive_devices(self) -> list[tuple[str, str]]:
+        """(pool, device) this claim holds alone: not watched (admin access) and not a share (a share of a
+        device that allows multiple allocations always carries its share ID)."""
+        return [(d.pool, d.device) for d in self.devices if not d.admin_access and d.share_id is None]
+
+    def without_device(self, pool: str, device: str) -> "ClaimRecord":
+        """This record minus its booking of one device and any MIG device it created for it."""
+        return self.model_copy(update={
+            "devices": tuple(d for d in self.devices if (d.pool, d.device) != (pool, device) or d.admin_access),
+            "undo": self.undo.model_copy(update={
+                "mig_devices": tuple(m for m in self.undo.mig_devices if m.device != device)})})
+
 
 class CheckpointFile(_Record):
     schema_version: int
     node_boot_id: str = ""
+    journal_id: str = ""                     # the journal that continues this snapshot ("" before journal IDs)
+    folded_journal_id: str = ""              # the journal whose changes this snapshot already holds
     # Validated one by one on load, so one record this version cannot read does not cost the others.
     claims: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
@@ -176,6 +213,19 @@ class DeviceHeld(Exception):
 
 JOURNAL_SUFFIX = ".journal"
 COMPACT_BYTES = 4 << 20      # fold the journal into the snapshot beyond this size
+# Neither file is ever near this (thousands of claims are a few MiB); beyond it a file is damage, not state.
+MAX_FILE_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class _Journal:
+    """What load found at the journal's name."""
+
+    exists: bool = False                     # something is at the name
+    ops: tuple[dict[str, Any], ...] = ()
+    journal_id: str = ""
+    initial: bool = False
+    problem: str = ""                        # why it is damage ("" when it is not)
 
 
 class CheckpointStore:
@@ -199,7 +249,9 @@ class CheckpointStore:
         self._boot_id = ""
         self._claims: dict[str, ClaimRecord] = {}
         self._holders: dict[tuple[str, str], set[str]] = {}   # (pool, device) -> claims holding it
-        self._fd: int | None = None
+        self._fd: int | None = None          # the journal, open for appends (None: none in place for us)
+        self._journal_id = ""                # the ID of the journal at ``journal_path``
+        self._journal_on_disk = False        # whether there is one
         self._appended = 0                   # journal lines appended by this process
         self._synced = 0                     # ... of which fsync'd
         self._journal_bytes = 0
@@ -219,7 +271,13 @@ class CheckpointStore:
                 log.warning("cannot read boot ID from %s; state from before a reboot will not be detected",
                             self.boot_id_path)
             self._claims, self._holders, self._volatile = {}, {}, set()
-            result, records = self._read_all()
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # Names resolved in the directory held open: it cannot be swapped between the reads.
+            dir_fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                result, records = self._read_all(dir_fd)
+            finally:
+                os.close(dir_fd)
             self._claims = {} if result.dropped_claims else records
             self._loaded = True
             for record in self._claims.values():
@@ -227,11 +285,12 @@ class CheckpointStore:
             self._write_snapshot()
             return result
 
-    def _read_all(self) -> tuple[LoadResult, dict[str, ClaimRecord]]:
-        snapshot, corrupt_file = self._read_snapshot()
+    def _read_all(self, dir_fd: int) -> tuple[LoadResult, dict[str, ClaimRecord]]:
+        snapshot, corrupt_file = self._read_snapshot(dir_fd)
         stamped = snapshot is not None and not snapshot.node_boot_id and bool(self._boot_id)
         records: dict[str, ClaimRecord] = {}
         unreadable: list[str] = []
+        order: dict[str, int] = {}           # position of each record's last write, for "newer"
         if snapshot is not None:
             for key in sorted(snapshot.claims):
                 record = self._parse_record(snapshot.claims[key], key)
@@ -240,29 +299,38 @@ class CheckpointStore:
                 else:
                     records[key] = record
         corrupt = corrupt_file is not None or (snapshot is None and self._unreadable_snapshot)
+        self._journal_id, self._journal_on_disk = "", False
         if corrupt:
-            self._set_aside(self.journal_path, "the snapshot beside it was unreadable")
+            self._set_aside(self.journal_path, "the snapshot beside it was unreadable", dir_fd)
         else:
-            journal_moved = self._replay_journal(records, unreadable)
-            if journal_moved is not None:
-                corrupt, corrupt_file = True, journal_moved
+            journal = self._read_journal(dir_fd)
+            problem = journal.problem or self._mismatch(snapshot, journal)
+            if problem:
+                corrupt, corrupt_file = True, self._journal_damaged(problem, journal.exists, snapshot is not None)
+                records, unreadable, snapshot = {}, [], None
+            elif journal.exists:
+                self._journal_id, self._journal_on_disk = journal.journal_id, True
+                if snapshot is not None and (not snapshot.journal_id or journal.journal_id == snapshot.journal_id):
+                    self._replay(journal.ops, records, unreadable, order)
+                # else: the journal this snapshot already holds (a crash during compaction): nothing to replay
         if snapshot is not None and snapshot.node_boot_id and self._boot_id and snapshot.node_boot_id != self._boot_id:
             dropped = tuple(records[uid] for uid in sorted(records))
             log.warning("node rebooted since checkpoint %s was written (boot ID %s, now %s): dropping %d "
                         "prepared claim(s): %s", self.path, snapshot.node_boot_id, self._boot_id, len(dropped),
                         ", ".join(c.uid for c in dropped) or "none")
             return LoadResult(claims=0, dropped_claims=dropped, unreadable_claims=tuple(unreadable)), records
+        self._single_holders(records, order)
         return LoadResult(claims=len(records), corrupt_file=corrupt_file, unreadable_claims=tuple(unreadable),
                           boot_id_stamped=stamped, corrupt=corrupt), records
 
-    def _read_snapshot(self) -> tuple[CheckpointFile | None, Path | None]:
+    def _read_snapshot(self, dir_fd: int) -> tuple[CheckpointFile | None, Path | None]:
         """(snapshot, where a corrupt one was moved). Sets ``_unreadable_snapshot`` when it could not be read."""
         self._unreadable_snapshot = False
         try:
-            raw = self.path.read_bytes()
+            raw = read_regular_file(self.path.name, MAX_FILE_BYTES, dir_fd=dir_fd)
         except FileNotFoundError:
             return None, None
-        except OSError as err:             # a directory in its place, no permission, I/O error
+        except OSError as err:             # a link, FIFO, device or directory in its place, no permission, I/O
             self._unreadable_snapshot = True
             return None, self._quarantine(self.path, err, required=True)
         try:
@@ -273,37 +341,85 @@ class CheckpointStore:
         self._refuse_newer(data.schema_version, self.path)
         return data, None
 
-    def _replay_journal(self, records: dict[str, ClaimRecord], unreadable: list[str]) -> Path | None:
-        """Apply the journal's changes in order. Returns where a corrupt journal was moved, else None."""
+    def _read_journal(self, dir_fd: int) -> _Journal:
+        """The journal's header and changes, or what makes it damage."""
         try:
-            raw = self.journal_path.read_bytes()
+            raw = read_regular_file(self.journal_path.name, MAX_FILE_BYTES, dir_fd=dir_fd)
         except FileNotFoundError:
-            return None
+            return _Journal()
         except OSError as err:
-            return self._quarantine(self.journal_path, err, required=True)
+            return _Journal(exists=True, problem=_problem(err))
+        if not raw:
+            return _Journal(exists=True, problem="is empty (zero bytes; the plugin never leaves a journal "
+                                                 "without its header)")
         try:
-            ops = list(journal_ops(raw, self.journal_path))
+            ops = tuple(journal_ops(raw, self.journal_path))
         except ValueError as err:
-            return self._quarantine(self.journal_path, err, required=True)
+            return _Journal(exists=True, problem=f"is not valid ({err})")
         for op in ops:
             if "schemaVersion" in op:
                 self._refuse_newer(op["schemaVersion"], self.journal_path)
-            elif "remove" in op:
+        if not ops or "schemaVersion" not in ops[0]:
+            return _Journal(exists=True, problem="does not start with its header line (the plugin never "
+                                                 "leaves a journal without one)")
+        journal_id = ops[0].get("journalId")
+        return _Journal(exists=True, ops=ops[1:], journal_id=journal_id if isinstance(journal_id, str) else "",
+                        initial=ops[0].get("initial") is True)
+
+    def _mismatch(self, snapshot: CheckpointFile | None, journal: _Journal) -> str:
+        """Why a readable snapshot (or none) and journal (or none) are not a state the plugin leaves behind
+        (module docstring); "" when they are."""
+        if snapshot is None:
+            if not journal.exists or (journal.initial and not journal.ops):
+                return ""        # nothing yet, or a crash during the very first start
+            return f"is there without the snapshot {self.path.name} it continues"
+        if not journal.exists and snapshot.schema_version >= FIRST_SCHEMA_WITH_JOURNAL:
+            return f"is missing beside the snapshot {self.path.name}"
+        if not snapshot.journal_id:
+            return ""            # a snapshot from before journal IDs: its journal carries none either
+        if journal.journal_id in (snapshot.journal_id, snapshot.folded_journal_id):
+            return ""
+        return (f"is journal {journal.journal_id or '(without ID)'}, but the snapshot beside it is continued by "
+                f"journal {snapshot.journal_id}")
+
+    def _replay(self, ops: Iterable[dict[str, Any]], records: dict[str, ClaimRecord], unreadable: list[str],
+                order: dict[str, int]) -> None:
+        """Apply the journal's changes in order."""
+        for seq, op in enumerate(ops, 1):
+            if "schemaVersion" in op:
+                continue
+            if "remove" in op:
                 records.pop(op["remove"], None)
                 if op["remove"] in unreadable:
                     unreadable.remove(op["remove"])
+                continue
+            uid = op["put"].get("uid")
+            record = self._parse_record(op["put"], uid if isinstance(uid, str) else "?")
+            if record is None:
+                records.pop(str(uid), None)
+                if str(uid) not in unreadable:
+                    unreadable.append(str(uid))
             else:
-                uid = op["put"].get("uid")
-                record = self._parse_record(op["put"], uid if isinstance(uid, str) else "?")
-                if record is None:
-                    records.pop(str(uid), None)
-                    if str(uid) not in unreadable:
-                        unreadable.append(str(uid))
-                else:
-                    records[record.uid] = record
-                    if record.uid in unreadable:
-                        unreadable.remove(record.uid)
-        return None
+                records[record.uid] = record
+                order[record.uid] = seq
+                if record.uid in unreadable:
+                    unreadable.remove(record.uid)
+
+    def _single_holders(self, records: dict[str, ClaimRecord], order: dict[str, int]) -> None:
+        """Two records holding one exclusive device: the newer keeps it, the older's booking is dropped (module
+        docstring). Oldest first, so each newer record takes the device from the one before."""
+        holder: dict[tuple[str, str], str] = {}
+        for uid in sorted(records, key=lambda u: (records[u].updated, order.get(u, 0), u)):
+            for pool, device in records[uid].exclusive_devices():
+                older = holder.get((pool, device))
+                holder[(pool, device)] = uid
+                if older is None or older == uid:
+                    continue
+                records[older] = records[older].without_device(pool, device)
+                log.error("checkpoint %s: claims %s and %s both hold exclusive device %s (pool %s); the newer "
+                          "record (%s) keeps it and claim %s's booking of it is dropped: its record no longer "
+                          "lists the device or a MIG device made for it, so unpreparing %s leaves them alone",
+                          self.path, older, uid, device, pool, uid, older, older)
 
     def _parse_record(self, raw: Any, key: str) -> ClaimRecord | None:
         try:
@@ -328,7 +444,8 @@ class CheckpointStore:
                 "Run the newer plugin again, or unprepare every claim on this node and delete the file")
 
     def _quarantine(self, path: Path, err: Exception, required: bool = False) -> Path | None:
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        reason = _problem(err) if isinstance(err, UnsafeFile) else (str(err).splitlines()[0] if str(err)
+                                                                     else type(err).__name__)
         try:
             target = set_aside(path, self._clock())
         except OSError as move_err:
@@ -340,14 +457,41 @@ class CheckpointStore:
                   path, reason, target)
         return target
 
-    def _set_aside(self, path: Path, why: str) -> None:
+    def _journal_damaged(self, problem: str, exists: bool, with_snapshot: bool) -> Path | None:
+        """Move a damaged journal and the snapshot it continues aside, in one log line: the snapshot alone is
+        stale by an unknown number of changes (prepares and unprepares since the last compaction), so its
+        records would book devices nobody holds and roll back prepares that completed. Returns where the
+        journal (else the snapshot) went."""
+        moved: list[str] = []
+        target: Path | None = None
+        if exists:
+            try:
+                target = set_aside(self.journal_path, self._clock())
+            except OSError as err:
+                raise CheckpointUnusable(f"checkpoint journal {self.journal_path} {problem} and cannot be moved "
+                                         f"aside ({err}); fix or remove it") from None
+            moved.append(f"moved it to {target}")
+        if with_snapshot:
+            try:
+                snapshot = set_aside(self.path, self._clock())
+                target = target or snapshot
+                moved.append(f"moved the snapshot to {snapshot}")
+            except OSError as err:
+                moved.append(f"could not move the snapshot aside ({err.strerror or err})")
+        log.error("checkpoint journal %s %s; %s; starting as after a lost checkpoint (prepared claims are adopted "
+                  "from their CDI specs, nothing is destroyed)", self.journal_path, problem,
+                  " and ".join(moved) or "nothing to move aside")
+        return target
+
+    def _set_aside(self, path: Path, why: str, dir_fd: int) -> None:
         """Move a journal away whose snapshot was lost: its changes alone are not the state. One that holds no
         change (a clean stop folds the journal in) is simply removed."""
         try:
-            empty = all("schemaVersion" in op for op in journal_ops(path.read_bytes(), path))
+            empty = all("schemaVersion" in op
+                        for op in journal_ops(read_regular_file(path.name, MAX_FILE_BYTES, dir_fd=dir_fd), path))
         except FileNotFoundError:
             return
-        except (OSError, ValueError):
+        except (OSError, ValueError):          # also a link, FIFO or device in its place: moved, not read
             empty = False
         if empty:
             path.unlink(missing_ok=True)
@@ -468,7 +612,7 @@ class CheckpointStore:
 
     def _append(self, op: dict[str, Any]) -> int:
         line = json.dumps(op, separators=(",", ":")).encode() + b"\n"
-        fd = self._journal_fd()
+        fd = self._current_journal()
         view = memoryview(line)
         while view:
             view = view[os.write(fd, view):]
@@ -476,20 +620,58 @@ class CheckpointStore:
         self._journal_bytes += len(line)
         return self._appended
 
+    def _current_journal(self) -> int:
+        """The descriptor of the journal now at ``journal_path``. Another process (a rolling update's other
+        plugin) may have put a new one in place since our last write: appends then go to that one, as they
+        would to a journal both had open."""
+        if self._fd is not None:
+            mine = os.fstat(self._fd)
+            try:
+                there = os.stat(self.journal_path, follow_symlinks=False)
+            except FileNotFoundError:
+                there = None
+            if there is not None and (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino):
+                return self._fd
+            if there is not None:
+                self._take_journal_in_place()
+                assert self._fd is not None
+                return self._fd
+        # None in place, the store was closed, or a compaction failed after the snapshot may have named a new
+        # journal: fold again, so the change lands in the journal the snapshot names.
+        with self._sync_lock:
+            self._write_snapshot()
+        assert self._fd is not None
+        return self._fd
+
+    def _take_journal_in_place(self) -> None:
+        fd = open_regular(self.journal_path, os.O_RDWR | os.O_APPEND)
+        try:
+            first = os.pread(fd, 4096, 0).split(b"\n", 1)
+            try:
+                header = next(iter(journal_ops(first[0] + b"\n", self.journal_path)), {}) if len(first) == 2 else {}
+            except ValueError:
+                header = {}
+            journal_id = header.get("journalId")
+            if "schemaVersion" not in header or not isinstance(journal_id, str):
+                raise OSError(f"checkpoint journal {self.journal_path} was replaced by one without a header")
+            self._refuse_newer(header["schemaVersion"], self.journal_path)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._close_journal()
+        self._fd, self._journal_id, self._journal_on_disk = fd, journal_id, True
+        self._journal_bytes = os.fstat(fd).st_size
+
     def _sync(self, seq: int) -> None:
         with self._sync_lock:
             if self._synced >= seq:
                 return                      # another writer's fsync covered this append
             target = self._appended
-            os.fsync(self._journal_fd())
+            if self._fd is None:
+                raise OSError(f"checkpoint journal {self.journal_path} was closed before the change was synced")
+            os.fsync(self._fd)
             self._synced = target
             self._seen = self._identity()
-
-    def _journal_fd(self) -> int:
-        if self._fd is None:
-            self.journal_path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        return self._fd
 
     def _close_journal(self) -> None:
         if self._fd is not None:
@@ -511,30 +693,72 @@ class CheckpointStore:
             self._write_snapshot()
 
     def _write_snapshot(self) -> None:
-        """Write every record as the new snapshot, then start an empty journal. A crash in between replays the
-        old journal over the new snapshot, which changes nothing (the journal is idempotent)."""
+        """Write every record as the new snapshot, continued by a new empty journal: the journal complete under
+        a temporary name, the snapshot naming it, then the journal renamed into place (module docstring: what
+        each crash in between leaves, and why the next load recognises it)."""
+        check_owned_dir(self.path.parent)
+        if not self._journal_on_disk:
+            # Before the first snapshot: a journal it can name as folded, so no snapshot is ever without one.
+            initial_id = secrets.token_hex(8)
+            self._put_journal_in_place(initial_id, *self._new_journal_file(initial_id, initial=True))
+        journal_id = secrets.token_hex(8)
+        fd, tmp_name, size = self._new_journal_file(journal_id)
         doc = {
             "schemaVersion": SCHEMA_VERSION,
             "nodeBootId": self._boot_id,
+            "journalId": journal_id,
+            "foldedJournalId": self._journal_id,
             "claims": {uid: self._claims[uid].model_dump(mode="json", by_alias=True) for uid in sorted(self._claims)
                        if uid not in self._volatile},
         }
-        write_atomic(self.path, json.dumps(doc, indent=1).encode() + b"\n", mode=0o600)
-        fd = self._journal_fd()
-        os.ftruncate(fd, 0)
-        header = json.dumps({"schemaVersion": SCHEMA_VERSION}).encode() + b"\n"
-        os.write(fd, header)
-        os.fsync(fd)
-        self._journal_bytes = len(header)
+        try:
+            write_regular_file(self.path, json.dumps(doc, indent=1).encode() + b"\n", mode=0o600)
+        except BaseException:
+            _discard(fd, tmp_name)
+            raise
+        # From here appends to the old journal would be skipped by the next load: none may go there.
+        self._close_journal()
+        self._put_journal_in_place(journal_id, fd, tmp_name, size)
         self._synced = self._appended
         self._seen = self._identity()
+
+    def _new_journal_file(self, journal_id: str, initial: bool = False) -> tuple[int, str, int]:
+        """A journal holding only its header, fsync'd, under a new temporary name (O_EXCL|O_NOFOLLOW):
+        (descriptor open for appends, name, size)."""
+        header: dict[str, Any] = {"schemaVersion": SCHEMA_VERSION, "journalId": journal_id}
+        if initial:
+            header["initial"] = True
+        data = json.dumps(header).encode() + b"\n"
+        fd, tmp_name = tempfile.mkstemp(prefix=temp_prefix(self.journal_path), suffix=TEMP_SUFFIX,
+                                        dir=self.path.parent)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
+        except BaseException:
+            _discard(fd, tmp_name)
+            raise
+        return fd, tmp_name, len(data)
+
+    def _put_journal_in_place(self, journal_id: str, fd: int, tmp_name: str, size: int) -> None:
+        try:
+            os.replace(tmp_name, self.journal_path)
+        except BaseException:
+            _discard(fd, tmp_name)
+            raise
+        fsync_dir(self.path.parent)
+        self._close_journal()
+        self._fd, self._journal_bytes = fd, size
+        self._journal_id, self._journal_on_disk = journal_id, True
 
     def _identity(self) -> tuple[Any, ...]:
         """What the files look like after our own last write: another process's write changes it."""
         out: list[Any] = []
         for p in (self.path, self.journal_path):
             try:
-                st = p.stat()
+                st = os.stat(p, follow_symlinks=False)
             except OSError:
                 out.append(None)
                 continue
@@ -561,6 +785,21 @@ class CheckpointStore:
                     log.warning("checkpoint %s: could not fold the journal in at close (%s); the next start "
                                 "replays it", self.path, err)
                 self._close_journal()
+
+
+def _problem(err: OSError) -> str:
+    """What is wrong with a file that could not be read, for a log line that names it already."""
+    if isinstance(err, UnsafeFile):
+        return err.problem
+    return f"cannot be read ({err.strerror or err})"
+
+
+def _discard(fd: int, tmp_name: str) -> None:
+    os.close(fd)
+    try:
+        os.unlink(tmp_name)
+    except FileNotFoundError:
+        pass
 
 
 def journal_ops(raw: bytes, where: Path | str = "journal") -> Iterator[dict[str, Any]]:
@@ -597,12 +836,12 @@ def read_checkpoint(path: Path | str) -> dict[str, dict[str, Any]]:
     journal = snapshot.with_name(snapshot.name + JOURNAL_SUFFIX)
     for _ in range(5):
         try:
-            before = snapshot.stat().st_ino
-            claims = dict(json.loads(snapshot.read_bytes()).get("claims") or {})
+            before = os.stat(snapshot, follow_symlinks=False).st_ino
+            claims = dict(json.loads(read_regular_file(snapshot, MAX_FILE_BYTES)).get("claims") or {})
         except FileNotFoundError:
             before, claims = None, {}
         try:
-            raw = journal.read_bytes()
+            raw = read_regular_file(journal, MAX_FILE_BYTES)
         except FileNotFoundError:
             raw = b""
         for op in journal_ops(raw, journal):
@@ -611,7 +850,7 @@ def read_checkpoint(path: Path | str) -> dict[str, dict[str, Any]]:
             elif "put" in op:
                 claims[str(op["put"].get("uid"))] = op["put"]
         try:
-            after = snapshot.stat().st_ino
+            after = os.stat(snapshot, follow_symlinks=False).st_ino
         except FileNotFoundError:
             after = None
         if before == after:

@@ -7,7 +7,9 @@ seconds; what the ResourceSlice shows) and ``lastEvent`` (unix seconds of the la
 quiet-period clock, which goes on running while the plugin is down). Lost and unmonitored GPUs are not
 stored: every start finds them again. The kernel boot ID is stored too: a reboot resets the GPUs, so taints
 from an earlier boot are dropped (one line). A file that cannot be read is reported once and ignored; the next
-change replaces it.
+change replaces it. It is read as dra.node.safefiles reads state files (no link followed, no FIFO or device
+read, only a regular file of the plugin's UID, at most ``MAX_FILE_BYTES``); anything else in its place is moved
+aside like an unreadable file, and writes never follow a link.
 """
 from __future__ import annotations
 
@@ -17,13 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from dra.node.atomicfile import set_aside, write_atomic
+from dra.node.atomicfile import set_aside
 from dra.node.bootid import read_boot_id
+from dra.node.safefiles import UnsafeFile, read_regular_file, write_regular_file
 
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 DEFAULT_FILE_NAME = "device-taints.json"
+MAX_FILE_BYTES = 16 << 20        # two taints per device of a few hundred bytes each: far below this
 
 
 @dataclass(frozen=True, order=True)
@@ -45,10 +49,13 @@ class TaintStore:
 
     def load(self) -> list[SavedTaint]:
         try:
-            raw = self.path.read_bytes()
+            raw = read_regular_file(self.path, MAX_FILE_BYTES)
         except FileNotFoundError:
             return []
-        except OSError as err:            # a directory in its place, no permission, I/O error
+        except UnsafeFile as err:         # a link, FIFO, device or directory in its place, another owner
+            self._set_aside(err.problem)
+            return []
+        except OSError as err:            # no permission, I/O error
             self._set_aside(f"cannot be read ({err.strerror or err})")
             return []
         try:
@@ -58,7 +65,7 @@ class TaintStore:
                               last_event=float(t["lastEvent"]))
                    for t in doc["taints"]]
         except (ValueError, KeyError, TypeError) as err:
-            self._set_aside(f"are not valid ({type(err).__name__}: {err})")
+            self._set_aside(f"is not valid ({type(err).__name__}: {err})")
             return []
         saved_boot = str(doc.get("nodeBootId") or "")
         if out and saved_boot and self.boot_id and saved_boot != self.boot_id:
@@ -72,7 +79,7 @@ class TaintStore:
             moved = f"moved them to {set_aside(self.path)}"
         except OSError as err:
             moved = f"and they cannot be moved aside ({err.strerror or err})"
-        log.error("device taints %s %s; %s and starting without them", self.path, problem, moved)
+        log.error("device taints file %s %s; %s and starting without its taints", self.path, problem, moved)
 
     def save(self, taints: Iterable[SavedTaint]) -> bool:
         """Replace the file; returns whether it was written."""
@@ -80,7 +87,7 @@ class TaintStore:
             {"device": t.device, "key": t.key, "value": t.value, "effect": t.effect, "timeAdded": t.time_added,
              "lastEvent": t.last_event} for t in sorted(taints)]}
         try:
-            write_atomic(self.path, json.dumps(doc, indent=2).encode() + b"\n", mode=0o600)
+            write_regular_file(self.path, json.dumps(doc, indent=2).encode() + b"\n", mode=0o600)
         except OSError as err:
             log.error("writing device taints to %s failed (%s); a restart now would forget them", self.path, err)
             return False
