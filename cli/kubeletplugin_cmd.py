@@ -81,6 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mps-cgroup-procs", default=os.environ.get("MPS_CGROUP_PROCS", ""), metavar="FILES",
                         help="comma-separated cgroup.procs files MPS daemons move into, outside this container's "
                              "cgroup, so a container restart does not end them [env MPS_CGROUP_PROCS]")
+    parser.add_argument("--mps-shm-tmpfs", default=os.environ.get("MPS_SHM_TMPFS", "auto"),
+                        choices=["auto", "true", "false"],
+                        help="each MPS daemon's /dev/shm is a tmpfs of the node policy's mps.shmSize (auto: on real "
+                             "nodes, off for simulated fleets) [env MPS_SHM_TMPFS]")
     parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "info"), type=str.lower,
                         choices=["debug", "info", "warning", "error"], help="log level, any case [env LOG_LEVEL]")
     parser.add_argument("--log-format", default=os.environ.get("LOG_FORMAT", "json"), choices=["json", "text"],
@@ -108,6 +112,7 @@ def options_from_args(args: argparse.Namespace) -> "PluginOptions":  # noqa: F82
         health_quiet_period=args.health_quiet_period,
         mps_cgroup_procs=tuple(p for p in args.mps_cgroup_procs.split(",") if p),
         mps_cgroup=_cgroup_path(args.mps_cgroup or ""), mps_cgroup_root=args.mps_cgroup_root,
+        mps_shm_tmpfs={"auto": None, "true": True, "false": False}[args.mps_shm_tmpfs],
     )
 
 

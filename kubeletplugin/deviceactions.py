@@ -81,7 +81,7 @@ class ClaimActions:
     def apply(self, ref: ClaimRef, plans: list[DevicePlan], log: Any) -> Applied:
         mig_ids = self._realize_mig(ref.uid, plans, log)
         self._apply_time_slices(ref, plans, log)
-        mounts = self._start_mps(ref.uid, plans, mig_ids, log)
+        mounts = self._start_mps(ref, plans, mig_ids, log)
         return Applied(mig_ids, mounts, mps_client_env(ref, plans, mig_ids))
 
     def _realize_mig(self, uid: str, plans: list[DevicePlan], log: Any) -> dict[int, MigIdentity]:
@@ -145,14 +145,17 @@ class ClaimActions:
             return r.model_copy(update={"undo": r.undo.model_copy(update={"time_slices": kept + (applied,)})})
         self.checkpoint.update(uid, change)
 
-    def _start_mps(self, uid: str, plans: list[DevicePlan], mig_ids: dict[int, MigIdentity],
+    def _start_mps(self, ref: ClaimRef, plans: list[DevicePlan], mig_ids: dict[int, MigIdentity],
                    log: Any) -> dict[str, MpsMounts]:
         """Join (or start) the daemon of every device the claim uses with MPS. Returns its client directories
         by device UUID."""
+        uid = ref.uid
         uses: dict[str, str] = {}                     # device uuid -> physical GPU
         for i, p in enumerate(plans):
             if p.mps is not None:
                 uses[mig_ids[i][0] if i in mig_ids else p.device.gpu_uuid] = p.device.gpu_uuid
+        for device in sorted(uses):
+            self._check_mps_tenancy(ref, device)
         mounts: dict[str, MpsMounts] = {}
         for device, gpu in sorted(uses.items()):
             # Recorded before the daemon starts: a crash right after the start must still find it to stop.
@@ -163,6 +166,23 @@ class ClaimActions:
             log.info("MPS daemon serves the claim", device=device)
             mounts[device] = MpsMounts(pipe_dir=paths.pipe_dir, shm_dir=paths.shm_dir)
         return mounts
+
+    def _check_mps_tenancy(self, ref: ClaimRef, device: str) -> None:
+        """A device's daemon, its control socket and its /dev/shm serve one namespace (the trust boundary,
+        docs/security.md) unless the node policy shares them across namespaces. A claim of another namespace
+        is refused while the device serves one; the kubelet retries it, so it runs once those claims are gone.
+        A record rebuilt after a lost checkpoint has no namespace: it counts as another one."""
+        if self.mps.policy.share_across_namespaces:
+            return
+        others = sorted({(r.namespace, r.name) for uid, r in self.checkpoint.claims().items()
+                         if uid != ref.uid and any(use.device == device for use in r.undo.mps_devices)
+                         and r.namespace != ref.namespace})
+        if others:
+            namespace, name = others[0]
+            holder = f"namespace {namespace!r} (claim {name})" if namespace else "a claim whose namespace is unknown"
+            raise PrepareError(f"claim {ref.describe()}: the MPS daemon of {device} serves {holder}; MPS shares a "
+                               "device only among claims of one namespace (node policy mps.shareAcrossNamespaces "
+                               "allows more), so this claim is prepared once those claims are gone")
 
     def _existing_dynamic_mig(self, d: Device) -> MigIdentity:
         """Admin access to a dynamic MIG placement: only meaningful while a claim has it created."""
@@ -200,7 +220,7 @@ class ClaimActions:
         uid = record.uid
         for use in record.undo.mps_devices:
             if use.device not in self.mps_devices_in_use(except_claim=uid):
-                self.mps.release(use.device)        # the daemon's last claim: it goes
+                self.mps.release(use.device, use.gpu)   # the daemon's last claim: it goes
             self._drop_undo(uid, mps_device=use.device)
         parents = set()
         for m in record.undo.mig_devices:

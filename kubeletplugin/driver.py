@@ -259,7 +259,7 @@ class Driver:
             for device, gpu in sorted(self.actions.mps_devices_in_use().items()):
                 with self._gpu_locks.hold(gpu):
                     if device in self.actions.mps_devices_in_use():
-                        restarted += self.actions.mps.supervise([device])
+                        restarted += self.actions.mps.supervise({device: gpu})
         return restarted
 
     # ----- bookkeeping -----------------------------------------------------------------------------------------
@@ -310,7 +310,8 @@ class Driver:
         claim = self.claims.get_claim(ref.namespace, ref.name, ref.uid)
         log = log.bind(pods=_pods(claim))
         plans = plan_claim(claim, driver_name=self.driver_name, pool_name=self.pool_name,
-                           devices=self._devices(), compat_nvidia=self.compat_nvidia)
+                           devices=self._devices(), compat_nvidia=self.compat_nvidia,
+                           mps_limits_above_share=self.mps.policy.limits_above_share)
         if record is not None and record.completed:
             return self._complete_recovered(ref, record, plans, log)
         if record is not None:

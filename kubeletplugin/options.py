@@ -45,6 +45,7 @@ class PluginOptions:
     mps_cgroup_procs: tuple[str, ...] = ()  # cgroup.procs files MPS daemons move into (outside this container)
     mps_cgroup: str = ""                   # cgroup (below mps_cgroup_root) MPS daemons join, made where missing
     mps_cgroup_root: str = "/sys/fs/cgroup"  # where this process sees the host's cgroup hierarchies
+    mps_shm_tmpfs: bool | None = None      # each MPS daemon's /dev/shm a tmpfs (None: on real nodes, not simulated)
     health_quiet_period: float = 300.0     # XID/ECC taints go after this many seconds without a new event (0: never)
     publish_failure_grace: float = 300.0   # /healthz turns unhealthy when a pool's slices fail this long
     max_parallel: int = MAX_PARALLEL_CLAIMS
@@ -56,6 +57,10 @@ class PluginOptions:
     @property
     def state_directory(self) -> Path:
         return Path(self.state_dir) if self.state_dir else self.plugin_directory
+
+    @property
+    def mount_mps_shm(self) -> bool:
+        return self.mps_shm_tmpfs if self.mps_shm_tmpfs is not None else not self.fleet
 
     @property
     def simulated_state_file(self) -> Path | None:

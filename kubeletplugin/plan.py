@@ -77,8 +77,21 @@ def _interval(sharing: Any) -> str:
     return ts.interval if ts is not None else TIMESLICE_DEFAULT
 
 
+def _check_slot_share(mps: MpsPlan, device: Device, where: str) -> None:
+    """An MPS slot's limits are its share of the GPU; a config may lower them, never raise them (other slots of
+    the GPU are published on the assumption that it does not)."""
+    share_threads, share_mib = device.mps_thread_percentage, device.mps_memory_limit_mib
+    if share_threads is not None and mps.thread_percentage is not None and mps.thread_percentage > share_threads:
+        raise PlanError(f"{where}: activeThreadPercentage {mps.thread_percentage} exceeds the slot's share of "
+                        f"{share_threads} % (one of {device.slot_count} slots; a config may only lower it)")
+    limit = mps.pinned_memory_limit_bytes
+    if share_mib is not None and limit is not None and limit > share_mib * MIB:
+        raise PlanError(f"{where}: pinned memory limit {limit // MIB}Mi exceeds the slot's share of {share_mib}Mi "
+                        f"(one of {device.slot_count} slots; a config may only lower it)")
+
+
 def _device_plan(result: AllocatedDevice, device: Device, index: int, config: DeviceConfig | None,
-                 key: tuple[str, int] | None) -> DevicePlan:
+                 key: tuple[str, int] | None, limits_above_share: bool = False) -> DevicePlan:
     where = f"request {result.base_request!r}, device {device.name}"
     sharing = getattr(config, "sharing", None) if config is not None else None
     strategy = sharing.strategy if sharing is not None else None
@@ -108,6 +121,8 @@ def _device_plan(result: AllocatedDevice, device: Device, index: int, config: De
                                 "an MPS slot (the slot's sharing attribute is mps)")
             mps = mps_plan(device.mps_thread_percentage,
                            device.mps_memory_limit_mib * MIB if device.mps_memory_limit_mib else None)
+            if not limits_above_share:
+                _check_slot_share(mps, device, f"{where}: {_config_where(key)}: sharing.mps")
         else:
             if strategy == "MPS":
                 raise PlanError(f"{where}: {_config_where(key)}: sharing.strategy: MPS does not apply to a "
@@ -147,10 +162,11 @@ def _path(obj: Any, *keys: str) -> list[Any]:
 
 
 def plan_claim(claim: dict[str, Any], *, driver_name: str, pool_name: str, devices: Mapping[str, Device],
-               compat_nvidia: bool = False) -> list[DevicePlan]:
+               compat_nvidia: bool = False, mps_limits_above_share: bool = False) -> list[DevicePlan]:
     """The prepare plan of this driver's devices in ``claim`` (allocation order).
 
-    ``devices`` are the devices this node publishes, by name."""
+    ``devices`` are the devices this node publishes, by name; ``mps_limits_above_share``: the node policy lets
+    a config raise an MPS slot's limits above its share."""
     alloc = allocation_for(claim, driver_name, pool_name)
     raw_configs = _path(claim, "status", "allocation", "devices", "config")   # shapes checked by allocation_for
     # The user's request scoping decides which config applies, and whether a kind mismatch is an error.
@@ -193,5 +209,5 @@ def plan_claim(claim: dict[str, Any], *, driver_name: str, pool_name: str, devic
                                 f"{exc.with_prefix(f'status.allocation.devices.config[{entry.position}].opaque.parameters')}"
                                 ) from None
             assert isinstance(config, (GpuConfig, MigDeviceConfig))
-        plans.append(_device_plan(result, device, index, config, key))
+        plans.append(_device_plan(result, device, index, config, key, mps_limits_above_share))
     return plans

@@ -35,6 +35,7 @@ from dra.node.checkpoint import CheckpointStore, CheckpointTooNew, CheckpointUnu
 from dra.model.devices import Device, DeviceModel, build_devices
 from dra.node.driverroot import DriverRoot, DriverRootError, check_real_node
 from dra.node.nodeobjects import NodeObjects, NodePaths, NodeSetupError
+from dra.node.processes import ProcessIdentity
 from dra.node.sharing import MpsDaemons, TimeSlicing
 from dra.node.sharingtools import MpsDaemonSpec, SharingControl, SharingError
 from dra.node.health import HealthDevice, HealthMonitor, TaintMap
@@ -105,16 +106,19 @@ class UnavailableSharingControl(SharingControl):
         if mode != "DEFAULT":
             self._fail()
 
-    def start_mps_daemon(self, spec: MpsDaemonSpec) -> None:
-        self._fail()
+    def start_mps_daemon(self, spec: MpsDaemonSpec) -> ProcessIdentity:
+        return self._fail()
 
-    def mps_daemon_running(self, pipe_dir: str) -> bool:
+    def mps_daemon(self, pipe_dir: str) -> ProcessIdentity | None:
+        return None
+
+    def mps_daemon_running(self, pipe_dir: str, daemon: ProcessIdentity) -> bool:
         return False
 
     def mps_command(self, pipe_dir: str, command: str) -> str:
         return self._fail()
 
-    def stop_mps_daemon(self, pipe_dir: str) -> None:
+    def stop_mps_daemon(self, pipe_dir: str, daemon: ProcessIdentity | None) -> None:
         return None
 
 
@@ -238,6 +242,12 @@ class KubeletPlugin:
         return dict(proc_root=o.proc_root, cgroup=o.mps_cgroup, cgroup_root=o.mps_cgroup_root,
                     cgroup_procs=o.mps_cgroup_procs)
 
+    def _cdi_writer(self, driver_root: DriverRoot) -> Any:
+        writer = self._node_objects().cdi_writer(self.options.cdi_root, driver_root,
+                                                 vendor=f"k8s.{self.options.driver_name}")
+        writer.mps_tools = self.policy.mps.control_in_containers
+        return writer
+
     # ----- devices -------------------------------------------------------------------------------------------
     def _rebuild(self) -> None:
         """Device model and published slices from the inventory, policy and current taints."""
@@ -354,8 +364,9 @@ class KubeletPlugin:
             driver_name=o.driver_name, pool_name=self.pool, devices=self.devices_by_name,
             claims=self._claim_source or KubernetesClaimSource(self._api_client),
             checkpoint=CheckpointStore(state / "checkpoint.json", boot_id_path=o.boot_id_path),
-            cdi=self._node_objects().cdi_writer(o.cdi_root, driver_root, vendor=f"k8s.{o.driver_name}"),
-            nvml=self.nvml, mps=MpsDaemons(sharing, state), time_slicing=TimeSlicing(sharing),
+            cdi=self._cdi_writer(driver_root),
+            nvml=self.nvml, mps=MpsDaemons(sharing, state, policy=self.policy.mps, mount_shm=o.mount_mps_shm),
+            time_slicing=TimeSlicing(sharing),
             compat_nvidia=o.compat_nvidia, metrics=self.metrics, max_parallel=o.max_parallel,
             serialize_lock=(state / "serialize.lock") if o.pod_uid else None, mig_listener=self.monitor,
             on_change=self._update_device_gauges, status=self._claim_status_writer(),

@@ -94,7 +94,7 @@ def recover_at_start(*, checkpoint: CheckpointStore, cdi: CdiSpecWriter, actions
         _stop_unused_mps_daemons(actions, in_use, log)
     # Daemons outlive the plugin; one that died meanwhile (or a node's first start after an upgrade) is
     # started again for the claims that use it.
-    actions.mps.supervise(sorted(in_use))
+    actions.mps.supervise(in_use)
     adopted = len(in_use)
     report = StartupReport(loaded, tuple(rolled_back), tuple(failed),
                            tuple(f"{d.parent_uuid}/gi{d.gi_id}/ci{d.ci_id}" for d in destroyed),
@@ -296,9 +296,11 @@ def recover_claims(cdi: CdiSpecWriter, devices: Mapping[str, Device], nvml: Any,
 
 def _stop_unused_mps_daemons(actions: ClaimActions, in_use: Mapping[str, str], log: Any) -> None:
     """A daemon no claim uses is a leftover of a crash between its last claim's undo steps: stop it."""
-    for device in sorted(set(actions.mps.records()) - set(in_use)):
+    records = actions.mps.records()
+    for device in sorted(set(records) - set(in_use)):
         try:
-            actions.mps.release(device)
+            actions.mps.release(device, records[device].gpu)
             log.warning("stopped an MPS daemon no prepared claim uses", device=device)
         except Exception as err:  # noqa: BLE001 - keep starting; the next start tries again
             log.error("stopping an unused MPS daemon failed", device=device, error=str(err))
+    actions.mps.remove_unknown(in_use)

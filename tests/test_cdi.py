@@ -135,10 +135,10 @@ def test_whole_gpu_spec_makes_cuda_usable_without_nvidia_runtime(tmp_path, tree)
     libdir = "/usr/lib/x86_64-linux-gnu"
     for expected in (f"{libdir}/libcuda.so.{tree.version}", f"{libdir}/libcuda.so.1", f"{libdir}/libcuda.so",
                      f"{libdir}/libnvidia-ml.so.1", f"{libdir}/libnvidia-ptxjitcompiler.so.1",
-                     "/usr/bin/nvidia-smi", "/usr/bin/nvidia-cuda-mps-control",
-                     f"/lib/firmware/nvidia/{tree.version}"):
+                     "/usr/bin/nvidia-smi", f"/lib/firmware/nvidia/{tree.version}"):
         assert expected in mounts, expected
         assert "ro" in mounts[expected]["options"]
+    assert "/usr/bin/nvidia-cuda-mps-control" not in mounts     # only where the node policy asks for it
     # Without a hook, the soname link shows the real file.
     real_file = tree.root / libdir.lstrip("/") / f"libcuda.so.{tree.version}"
     assert mounts[f"{libdir}/libcuda.so.1"]["hostPath"] == str(real_file)
@@ -260,7 +260,9 @@ def test_mps_edits_mount_pipe_and_shm_never_the_log(tmp_path, tree):
     assert set(mounts) >= {"/tmp/nvidia-mps", "/dev/shm"} and not any("log" in m for m in mounts)
     assert mounts["/tmp/nvidia-mps"]["hostPath"] == mps.pipe_dir
     assert mounts["/dev/shm"]["hostPath"] == mps.shm_dir
-    assert "rw" in mounts["/tmp/nvidia-mps"]["options"]
+    # Read-only: clients only connect; the root daemon writes its PID file and log there following links.
+    assert "ro" in mounts["/tmp/nvidia-mps"]["options"] and "rw" not in mounts["/tmp/nvidia-mps"]["options"]
+    assert "rw" in mounts["/dev/shm"]["options"]
 
 
 def test_visible_devices_follow_requests(tmp_path, tree):

@@ -24,6 +24,7 @@ from dra.node.migdevices import (
     list_mig_devices,
 )
 from dra.node.checkpoint import TimeSliceUndo
+from dra.node.processes import send_signal
 from dra.node.sharing import MpsDaemons, TimeSlicing
 from dra.node.sharingtools import (
     MpsDaemonSpec,
@@ -225,7 +226,7 @@ def test_simulated_mps_rules(tmp_path, nvml):
     spec1 = MpsDaemonSpec(str(dirs[0]), str(dirs[1]), (H100,))
     spec2 = MpsDaemonSpec(str(dirs[2]), str(dirs[3]), (H100,))
     tools.set_compute_mode(H100, "EXCLUSIVE_PROCESS")
-    tools.start_mps_daemon(spec1)
+    daemon1 = tools.start_mps_daemon(spec1)
     with pytest.raises(SharingError, match="already running"):
         tools.start_mps_daemon(spec1)
     with pytest.raises(SharingError, match="already served"):
@@ -234,8 +235,9 @@ def test_simulated_mps_rules(tmp_path, nvml):
         tools.set_compute_mode(H100, "DEFAULT")
     with pytest.raises(SharingError, match="not served"):
         tools.mps_command(spec1.pipe_dir, f"set_default_device_pinned_mem_limit {H100_B} 100M")
-    tools.stop_mps_daemon(spec1.pipe_dir)
-    tools.stop_mps_daemon(spec1.pipe_dir)
+    tools.stop_mps_daemon(spec1.pipe_dir, daemon1)
+    tools.stop_mps_daemon(spec1.pipe_dir, daemon1)
+    assert not tools.mps_daemon_running(spec1.pipe_dir, daemon1)
     tools.set_compute_mode(H100, "DEFAULT")
     tools.start_mps_daemon(spec1)
     tools.start_mps_daemon(spec2)  # DEFAULT mode: daemons of different claims may share the GPU
@@ -296,12 +298,16 @@ def test_one_daemon_per_device_started_once_restarted_and_released(tmp_path, nvm
     assert mps.ensure(H100, H100, whole_gpu=True) == paths                   # the second claim joins it
     assert [a for a in tools.actions if a[0] == "start_mps_daemon"] == [("start_mps_daemon", paths.pipe_dir, (H100,))]
     assert mps.records()[H100].compute_mode_set
-    assert mps.supervise([H100]) == []
+    first = mps.records()[H100].daemon
+    assert first is not None and tools.mps_daemon_running(paths.pipe_dir, first)
+    assert mps.supervise({H100: H100}) == []
     tools.kill_mps_daemon(paths.pipe_dir)
-    assert mps.supervise([H100]) == [H100] and mps.running(H100)
+    assert mps.supervise({H100: H100}) == [H100] and mps.running(H100)
+    second = mps.records()[H100].daemon
+    assert second is not None and second != first                            # the new daemon is recorded
     mps.release(H100)
     mps.release(H100)                                                         # idempotent
-    assert not tools.mps_daemon_running(paths.pipe_dir)
+    assert not tools.mps_daemon_running(paths.pipe_dir, second)
     assert tools.compute_mode(H100) == "DEFAULT"
     assert not paths.base.exists() and mps.records() == {}
 
@@ -407,10 +413,12 @@ def test_real_tools_mps_daemon_lifecycle(programs, tmp_path):
     pipe.mkdir()
     logs.mkdir()
     spec = MpsDaemonSpec(str(pipe), str(logs), (H100, "MIG-abc"))
+    daemon = None
     try:
-        tools.start_mps_daemon(spec)
-        assert tools.mps_daemon_running(str(pipe))
-        assert not tools.mps_daemon_running(str(tmp_path / "other"))
+        daemon = tools.start_mps_daemon(spec)
+        assert tools.mps_daemon_running(str(pipe), daemon)
+        assert tools.mps_daemon(str(pipe)) == daemon                          # its own PID file names it
+        assert tools.mps_daemon(str(tmp_path / "other")) is None
         assert "Starting control daemon for " + f"{H100},MIG-abc" in (logs / "control.log").read_text()
         with pytest.raises(SharingError, match="already running"):
             tools.start_mps_daemon(spec)
@@ -418,12 +426,12 @@ def test_real_tools_mps_daemon_lifecycle(programs, tmp_path):
         assert tools.mps_command(str(pipe), "get_default_active_thread_percentage") == "30.0"
         with pytest.raises(SharingError, match="1..100"):
             tools.mps_command(str(pipe), "set_default_active_thread_percentage 300")
-        tools.stop_mps_daemon(str(pipe))
-        assert not tools.mps_daemon_running(str(pipe))
-        tools.stop_mps_daemon(str(pipe))  # not running: fine
+        tools.stop_mps_daemon(str(pipe), daemon)
+        assert not tools.mps_daemon_running(str(pipe), daemon)
+        tools.stop_mps_daemon(str(pipe), daemon)  # not running: fine
     finally:
-        for pid in tools._daemon_pids(str(pipe)):
-            os.kill(pid, signal.SIGKILL)
+        if daemon is not None:
+            send_signal(daemon, signal.SIGKILL)
 
 
 def test_the_simulated_program_refuses_what_the_real_one_refuses(programs, tmp_path):
@@ -448,8 +456,9 @@ def test_the_simulated_program_refuses_what_the_real_one_refuses(programs, tmp_p
         (tmp_path / f"pipe-{name}").mkdir()
         (tmp_path / f"log-{name}").mkdir()
         specs.append(MpsDaemonSpec(str(tmp_path / f"pipe-{name}"), str(tmp_path / f"log-{name}"), (uuid,)))
+    daemons = []
     try:
-        tools.start_mps_daemon(specs[0])
+        daemons.append(tools.start_mps_daemon(specs[0]))
         with pytest.raises(SharingError, match="EXCLUSIVE_PROCESS"):
             tools.start_mps_daemon(specs[1])
         with pytest.raises(SharingError, match="exceeds"):
@@ -457,9 +466,8 @@ def test_the_simulated_program_refuses_what_the_real_one_refuses(programs, tmp_p
         tools.mps_command(specs[0].pipe_dir, f"set_default_device_pinned_mem_limit {uuid} {memory}M")
         assert tools.mps_command(specs[0].pipe_dir, f"get_default_device_pinned_mem_limit {uuid}") == f"{memory}M"
     finally:
-        for spec in specs:
-            for pid in tools._daemon_pids(spec.pipe_dir):
-                os.kill(pid, signal.SIGKILL)
+        for daemon in daemons:
+            send_signal(daemon, signal.SIGKILL)
 
 
 def test_the_control_program_is_never_pointed_at_a_planted_socket(programs, tmp_path):
@@ -467,7 +475,7 @@ def test_the_control_program_is_never_pointed_at_a_planted_socket(programs, tmp_
     pipe, logs = tmp_path / "pipe", tmp_path / "log"
     pipe.mkdir()
     logs.mkdir()
-    tools.start_mps_daemon(MpsDaemonSpec(str(pipe), str(logs), (H100,)))
+    daemon = tools.start_mps_daemon(MpsDaemonSpec(str(pipe), str(logs), (H100,)))
     try:
         control = pipe / "control"
         elsewhere = tmp_path / "elsewhere"
@@ -476,8 +484,7 @@ def test_the_control_program_is_never_pointed_at_a_planted_socket(programs, tmp_
         with pytest.raises(SharingError, match="replaced"):
             tools.mps_command(str(pipe), "get_server_list")
     finally:
-        for pid in tools._daemon_pids(str(pipe)):
-            os.kill(pid, signal.SIGKILL)
+        send_signal(daemon, signal.SIGKILL)
 
 
 def test_real_tools_from_driver_root(tmp_path):

@@ -65,7 +65,7 @@ class Node:
             driver_name=DRIVER, pool_name=NODE, devices=self.model.by_name, claims=self.claims,
             checkpoint=CheckpointStore(self.state / "checkpoint.json", boot_id_path=self.boot_id),
             cdi=CdiSpecWriter(self.cdi_dir, self.tree.driver_root()), nvml=self.nvml,
-            mps=MpsDaemons(self.control, self.state), time_slicing=TimeSlicing(self.control),
+            mps=MpsDaemons(self.control, self.state, policy=self.policy.mps), time_slicing=TimeSlicing(self.control),
             metrics=self.metrics)
         self.startup = d.start()
         return d

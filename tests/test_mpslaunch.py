@@ -133,7 +133,7 @@ def test_the_plugin_tells_the_launcher_the_cgroup_and_pid_1s_namespace(tmp_path:
     with pytest.raises(Exception, match="exited with 1"):
         control.start_mps_daemon(MpsDaemonSpec(str(tmp_path / "pipe"), str(tmp_path / "log"), ("GPU-0",)))
     argv, = calls
-    assert argv[1:] == ["-m", "dra.node.mpslaunch", "--cgroupns", f"{tmp_path}/1/ns/cgroup",
+    assert argv[1:] == ["-I", "-m", "dra.node.mpslaunch", "--cgroupns", f"{tmp_path}/1/ns/cgroup",
                         "--cgroup-root", "/host/sys/fs/cgroup", "--cgroup", "gpu-dra-mps", "--", "mps", "-d"]
     # Without a cgroup the daemon is started as before: no launcher options about cgroups.
     calls.clear()

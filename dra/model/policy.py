@@ -34,6 +34,9 @@ Example::
       mig: static
     - match: {uuid: GPU-5f1c...}
       memoryShares: {minimum: 2Gi, step: 1Gi}
+    mps:                            # node-wide MPS settings (MpsNodePolicy)
+      shareAcrossNamespaces: false
+      shmSize: 1Gi
 
 Combinations that depend on the GPU itself (dynamic MIG on a GPU without MIG, static MIG while MIG mode is
 off) are judged when devices are built (dra/model/devices.py), where the GPU is known.
@@ -121,6 +124,37 @@ class MemorySharePolicy(_Strict):
         return parse_quantity(self.default) if self.default is not None else self.minimum_bytes
 
 
+class MpsNodePolicy(_Strict):
+    """How MPS daemons on this node treat the claims they serve (docs/security.md: the trust boundary).
+
+    shareAcrossNamespaces:  one daemon (and its control socket and /dev/shm) may serve claims of several
+                            namespaces at once; by default a device's daemon serves one namespace, and a claim
+                            from another namespace waits (its prepare fails, naming the namespace) until the
+                            device's claims are gone
+    shmSize:                size of each daemon's /dev/shm, a tmpfs shared with its clients
+    limitsAboveShare:       a claim config may raise an MPS slot's thread percentage and pinned memory above
+                            the slot's share of the GPU (by default it may only lower them)
+    controlInContainers:    client containers get the MPS control programs (by default they get none: clients
+                            need only the pipe directory, and a root client could stop the daemon with them)
+    """
+
+    share_across_namespaces: bool = False
+    shm_size: str = "1Gi"
+    limits_above_share: bool = False
+    control_in_containers: bool = False
+
+    @field_validator("shm_size")
+    @classmethod
+    def _size(cls, v: str) -> str:
+        if parse_quantity(v) < 1 << 20:
+            raise ValueError(f"must be a quantity of at least 1Mi, got {v!r}")
+        return v
+
+    @property
+    def shm_size_bytes(self) -> int:
+        return parse_quantity(self.shm_size)
+
+
 class GpuPolicy(_Strict):
     """What to publish for one GPU. ``whole_gpu`` None means "default": true unless memoryShares is set."""
 
@@ -190,6 +224,7 @@ class PolicyRule(GpuPolicy):
 class NodePolicy(_Strict):
     default: GpuPolicy = GpuPolicy()
     rules: list[PolicyRule] = Field(default_factory=list)
+    mps: MpsNodePolicy = MpsNodePolicy()
 
     def for_gpu(self, gpu: GpuInfo, model_name: str | None = None) -> GpuPolicy:
         """The policy of the first rule matching ``gpu`` (``model_name``: catalog model name, if known)."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ TOOLKIT_KINDS: tuple[str, ...] = ("nvidia.com/gpu", "nvidia.com/mig")
 # Container paths of the MPS directories inside workload containers.
 MPS_PIPE_CONTAINER_DIR = "/tmp/nvidia-mps"
 MPS_SHM_CONTAINER_DIR = "/dev/shm"
+MPS_PROGRAMS = ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
 
 READ_ONLY_BIND = ["ro", "nosuid", "nodev", "rbind", "rprivate"]
 READ_WRITE_BIND = ["rw", "nosuid", "nodev", "rbind", "rprivate"]
@@ -326,8 +328,10 @@ def _mount(host: str, container: str, options: list[str]) -> dict[str, Any]:
     return {"hostPath": host, "containerPath": container, "options": list(options)}
 
 
-def common_edits(files: DriverFiles) -> dict[str, Any]:
-    """Edits every GPU container needs once: control nodes, libraries, tools, firmware, hooks."""
+def common_edits(files: DriverFiles, mps_tools: bool = False) -> dict[str, Any]:
+    """Edits every GPU container needs once: control nodes, libraries, tools, firmware, hooks. The MPS control
+    programs only with ``mps_tools``: clients need just the pipe directory, and with the control program a root
+    client could stop or reconfigure the daemon it shares."""
     mounts = [_mount(lib.host_path, lib.container_path, READ_ONLY_BIND) for lib in files.libraries]
     hooks: list[dict[str, Any]] = []
     if files.hook is None:
@@ -351,8 +355,10 @@ def common_edits(files: DriverFiles) -> dict[str, Any]:
         # (ModifyDeviceFiles: 0 in its /proc/driver/nvidia/params); the device cgroup still decides access.
         hooks.append({"hookName": "createContainer", "path": files.hook.host_path,
                       "args": prefix + ["disable-device-node-modification"]})
-    mounts += [_mount(b.host_path, b.container_path, READ_ONLY_BIND) for b in files.binaries]
+    mounts += [_mount(b.host_path, b.container_path, READ_ONLY_BIND) for b in files.binaries
+               if mps_tools or os.path.basename(b.container_path) not in MPS_PROGRAMS]
     mounts += [_mount(f.host_path, f.container_path, READ_ONLY_BIND) for f in files.firmware]
+    mounts += [_mount(d.host_path, d.container_path, READ_ONLY_BIND) for d in files.data_dirs]
     edits: dict[str, Any] = {"deviceNodes": [n.to_cdi() for n in files.control_nodes], "mounts": mounts}
     if hooks:
         edits["hooks"] = hooks
@@ -373,7 +379,9 @@ def _sharing_edits(device: ClaimDevice) -> tuple[list[str], list[dict[str, Any]]
         return [], []  # time-slicing needs nothing in the container: the GPU-wide setting does it
     env = [f"CUDA_MPS_PIPE_DIRECTORY={MPS_PIPE_CONTAINER_DIR}"]
     # Clients and the MPS server talk through shared memory, so the container's /dev/shm must be the daemon's.
-    mounts = [_mount(device.mps.pipe_dir, MPS_PIPE_CONTAINER_DIR, READ_WRITE_BIND),
+    # The pipe directory is read-only: clients only connect to its sockets, while the (root) daemon writes its
+    # PID file and log there following links.
+    mounts = [_mount(device.mps.pipe_dir, MPS_PIPE_CONTAINER_DIR, READ_ONLY_BIND),
               _mount(device.mps.shm_dir, MPS_SHM_CONTAINER_DIR, READ_WRITE_BIND)]
     return env, mounts
 
@@ -387,10 +395,12 @@ def build_claim_spec(
     cdi_class: str = DEFAULT_CLASS,
     toolkit_names: dict[str, str] | None = None,
     toolkit: ToolkitSpecs | None = None,
+    mps_tools: bool = False,
 ) -> tuple[dict[str, Any], list[list[str]]]:
     """Build the claim's spec and the CDI ids per device (same order as ``devices``).
 
-    ``driver_root`` may be None only when every device is covered by a toolkit spec.
+    ``driver_root`` may be None only when every device is covered by a toolkit spec; ``mps_tools``: containers
+    get the MPS control programs (``common_edits``).
     """
     if not devices:
         raise ValueError(f"claim {claim_uid}: no devices to describe in a CDI spec")
@@ -420,7 +430,7 @@ def build_claim_spec(
     spec: dict[str, Any] = {"cdiVersion": "", "kind": f"{vendor}/{cdi_class}"}
     if need_common:
         assert driver_root is not None
-        spec["containerEdits"] = common_edits(driver_root.files())
+        spec["containerEdits"] = common_edits(driver_root.files(), mps_tools)
     spec["devices"] = spec_devices
     spec["cdiVersion"] = required_version(spec)
     return spec, ids
@@ -454,6 +464,7 @@ class CdiSpecWriter:
         self.cdi_class = cdi_class
         self.fmt: SpecFormat = fmt
         self.toolkit = toolkit
+        self.mps_tools = False          # the node policy's mps.controlInContainers
 
     @property
     def kind(self) -> str:
@@ -465,7 +476,7 @@ class CdiSpecWriter:
     def build(self, claim_uid: str, devices: Sequence[ClaimDevice]) -> tuple[dict[str, Any], list[list[str]]]:
         names = self.toolkit.names() if self.toolkit is not None else None
         return build_claim_spec(claim_uid, devices, self.driver_root, vendor=self.vendor, cdi_class=self.cdi_class,
-                                toolkit_names=names, toolkit=self.toolkit)
+                                toolkit_names=names, toolkit=self.toolkit, mps_tools=self.mps_tools)
 
     def write_claim_spec(self, claim_uid: str, devices: Sequence[ClaimDevice]) -> list[list[str]]:
         """Write (or replace) the claim's spec atomically; returns the CDI ids per device, in input order."""

@@ -12,14 +12,18 @@ daemon itself carries no per-claim settings. A whole GPU is switched to EXCLUSIV
 (only the MPS server may hold it) and back to its previous mode after.
 
 Daemons live apart from the plugin: each is started in its own session by a helper program (and, with
-``cgroup_procs``, outside the plugin container's cgroup), and described on disk (``<root>/<hash of the device UUID>/daemon.json``,
-written before anything is changed), so a plugin restart or upgrade leaves them and their clients running and
-the next plugin process takes them over. Which claims use a daemon is in the checkpoint; the daemon goes when
-its last claim does.
+``cgroup_procs``, outside the plugin container's cgroup), and described on disk (``<root>/<hash of the device
+UUID>/daemon.json``, written before anything is changed), so a plugin restart or upgrade leaves them and their
+clients running and the next plugin process takes them over. Which claims use a daemon is in the checkpoint;
+the daemon goes when its last claim does. A daemon is known by the identity of its process (PID and start time,
+``dra.node.processes``) recorded when it started; a record that is missing, damaged or names another device is
+never trusted but rebuilt from the device and the daemon's own PID file.
 
-Directories per daemon: ``pipe`` and ``shm`` are mounted into workload containers (what CUDA clients need);
-``log`` is the plugin's own and never mounted. Nothing in a container-writable directory is opened, followed
-or parsed by this module; they are removed with a symlink-safe ``rmtree``.
+Directories per daemon: ``pipe`` (mounted read-only into client containers: NVIDIA's clients need only to
+connect to its sockets, while the root daemon writes its PID file and log there following links), ``shm`` (the
+clients' ``/dev/shm``, read-write, a size-limited tmpfs) and ``log`` (the plugin's own, never mounted). Before
+every daemon start, pipe and shm are emptied without following links; they are removed with a symlink-safe
+``rmtree``. Nothing in them is opened or parsed here except the daemon's PID file, as a regular root-owned file.
 """
 from __future__ import annotations
 
@@ -28,13 +32,18 @@ import json
 import logging
 import os
 import shutil
+import stat
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+from dra.model.policy import MpsNodePolicy
+from dra.node import tmpfs
 from dra.node.atomicfile import remove_file, write_atomic
 from dra.node.checkpoint import TimeSliceUndo
+from dra.node.processes import ProcessIdentity
+from dra.node.safefiles import read_regular_file
 from dra.node.sharingtools import (
     MpsDaemonSpec,
     SharingControl,
@@ -142,16 +151,32 @@ class TimeSlicing:
 
 
 # ----- MPS --------------------------------------------------------------------------------------------------------
+MAX_RECORD_BYTES = 4096
+
+
 @dataclass(frozen=True)
 class MpsDaemonRecord:
-    """What the node knows of one daemon, on disk beside it: enough to stop it and undo its compute mode."""
+    """What the node knows of one daemon, on disk beside it: enough to find it again, stop it and undo its
+    compute mode. ``daemon`` is the process the plugin started (None until it runs, or for a record written
+    before identities were recorded)."""
 
     device: str                  # the GPU or MIG UUID it serves
     gpu: str                     # the physical GPU
     compute_mode_set: bool       # the GPU was switched to EXCLUSIVE_PROCESS for it
+    daemon: ProcessIdentity | None = None
 
     def to_json(self) -> bytes:
-        return json.dumps({"device": self.device, "gpu": self.gpu, "computeModeSet": self.compute_mode_set}).encode()
+        doc: dict[str, Any] = {"device": self.device, "gpu": self.gpu, "computeModeSet": self.compute_mode_set}
+        if self.daemon is not None:
+            doc["daemon"] = self.daemon.to_json()
+        return json.dumps(doc).encode()
+
+    @classmethod
+    def derived(cls, device: str, gpu: str) -> MpsDaemonRecord:
+        """The record the plugin writes for a daemon on ``device``: a whole GPU is switched to EXCLUSIVE_PROCESS
+        while its daemon runs, a MIG device has no compute mode. Used to rebuild a record that is lost or
+        damaged: it follows from the device alone."""
+        return cls(device=device, gpu=gpu, compute_mode_set=device == gpu and not is_mig_uuid(device))
 
 
 @dataclass(frozen=True)
@@ -178,11 +203,19 @@ class MpsPaths:
 
 
 class MpsDaemons:
-    """The node's MPS control daemons, one per device. The caller holds the device's GPU lock."""
+    """The node's MPS control daemons, one per device. The caller holds the device's GPU lock.
 
-    def __init__(self, control: SharingControl, state_dir: Path | str) -> None:
+    policy:     the node policy's MPS settings (tenancy, shm size)
+    mount_shm:  each daemon's shared-memory directory is a tmpfs of ``policy.shm_size`` (False: a plain
+                directory, for tests without mount privileges)
+    """
+
+    def __init__(self, control: SharingControl, state_dir: Path | str, *, policy: MpsNodePolicy = MpsNodePolicy(),
+                 mount_shm: bool = False) -> None:
         self.control = control
         self.root = Path(state_dir) / "mps"
+        self.policy = policy
+        self.mount_shm = mount_shm
         self._lock = threading.RLock()
         self.restarts: dict[str, int] = {}
 
@@ -191,35 +224,64 @@ class MpsDaemons:
         (108 bytes), which a state directory plus a 40-character UUID would not leave room for."""
         if not device or "/" in device or device in (".", ".."):
             raise SharingError(f"MPS: {device!r} is not a device UUID")
-        return MpsPaths(self.root / hashlib.sha256(device.encode()).hexdigest()[:12])
+        return MpsPaths(self.root / _dir_name(device))
 
     def records(self) -> dict[str, MpsDaemonRecord]:
-        """Every daemon described on disk (running or not), by device."""
+        """Every daemon described on disk by a record that checks out (running or not), by device."""
         out: dict[str, MpsDaemonRecord] = {}
-        try:
-            entries = sorted(self.root.iterdir())
-        except FileNotFoundError:
-            return out
-        for entry in entries:
+        for entry in self._dirs():
             record = self._read_at(MpsPaths(entry))
             if record is not None:
                 out[record.device] = record
         return out
+
+    def _dirs(self) -> list[Path]:
+        try:
+            return sorted(e for e in self.root.iterdir() if not e.is_symlink() and e.is_dir())
+        except FileNotFoundError:
+            return []
 
     def _read(self, device: str) -> MpsDaemonRecord | None:
         return self._read_at(self.paths(device))
 
     @staticmethod
     def _read_at(paths: MpsPaths) -> MpsDaemonRecord | None:
+        """The record in ``paths`` if it is a regular file of ours that names the device this directory is for;
+        None (with one log line when something is there) otherwise: such a record is never acted on."""
         try:
-            doc = json.loads(paths.record.read_bytes())
-            return MpsDaemonRecord(device=str(doc["device"]), gpu=str(doc["gpu"]),
-                                   compute_mode_set=bool(doc["computeModeSet"]))
-        except (OSError, ValueError, KeyError, TypeError):
+            doc = json.loads(read_regular_file(paths.record, MAX_RECORD_BYTES))
+            device, gpu, mode_set = doc["device"], doc["gpu"], doc["computeModeSet"]
+            if not isinstance(device, str) or not isinstance(gpu, str) or not isinstance(mode_set, bool):
+                raise TypeError("device and gpu must be strings, computeModeSet a boolean")
+            if not device or "/" in device or _dir_name(device) != paths.base.name:
+                raise ValueError(f"it names device {device!r}, whose daemon directory is not {paths.base.name}")
+            daemon = ProcessIdentity.from_json(doc.get("daemon"))
+        except FileNotFoundError:
             return None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            log.warning("MPS daemon record %s is damaged and not trusted (%s); it is rebuilt from what runs",
+                        paths.record, _one_line(err))
+            return None
+        return MpsDaemonRecord(device=device, gpu=gpu, compute_mode_set=mode_set, daemon=daemon)
 
-    def running(self, device: str) -> bool:
-        return self.control.mps_daemon_running(self.paths(device).pipe_dir)
+    def _current(self, device: str, gpu: str) -> MpsDaemonRecord:
+        """The record of ``device``'s daemon: the one on disk when it checks out and agrees with ``gpu``, else
+        rebuilt (the daemon found through the PID file it writes, which only root can write)."""
+        record = self._read(device)
+        if record is None or record.gpu != gpu:
+            record = MpsDaemonRecord.derived(device, gpu)
+        if record.daemon is None:
+            found = self.control.mps_daemon(self.paths(device).pipe_dir)
+            if found is not None:
+                record = replace(record, daemon=found)
+        return record
+
+    def _alive(self, record: MpsDaemonRecord) -> bool:
+        return record.daemon is not None and self.control.mps_daemon_running(self.paths(record.device).pipe_dir,
+                                                                             record.daemon)
+
+    def running(self, device: str, gpu: str | None = None) -> bool:
+        return self._alive(self._current(device, gpu or device))
 
     def ensure(self, device: str, gpu: str, whole_gpu: bool,
                step: Callable[[str], None] = lambda _: None) -> MpsPaths:
@@ -228,58 +290,87 @@ class MpsDaemons:
         each change (the driver's crash hook for tests)."""
         paths = self.paths(device)
         with self._lock:
-            if self.running(device):
+            record = self._current(device, gpu)
+            if self._alive(record):
+                self._keep(record)
                 return paths
-            record = self._read(device) or MpsDaemonRecord(device=device, gpu=gpu,
-                                                           compute_mode_set=whole_gpu and not is_mig_uuid(device))
+            record = replace(record, daemon=None,
+                             compute_mode_set=whole_gpu and not is_mig_uuid(device))
             try:
                 # Written before the GPU or any process changes: a crash after this line is found and undone.
+                self.root.mkdir(mode=0o711, parents=True, exist_ok=True)
+                paths.base.mkdir(mode=0o711, exist_ok=True)
                 write_atomic(paths.record, record.to_json(), mode=0o600)
-                for directory in (paths.pipe_dir, paths.shm_dir, paths.log_dir):
-                    Path(directory).mkdir(parents=True, exist_ok=True)
-                os.chmod(paths.log_dir, 0o700)
+                self._fresh_directories(paths)
                 if record.compute_mode_set:
                     self.control.set_compute_mode(gpu, "EXCLUSIVE_PROCESS")
                     step("mps-compute-mode-set")
-                self.control.start_mps_daemon(self._spec(record))
+                record = replace(record, daemon=self.control.start_mps_daemon(self._spec(record)))
+                write_atomic(paths.record, record.to_json(), mode=0o600)
             except (SharingError, OSError) as err:
                 self._teardown(record, strict=False)
                 if isinstance(err, OSError):
                     raise SharingError(f"MPS daemon for {device}: preparing {paths.base} failed: {err}") from err
                 raise
-            log.info("started MPS daemon for %s", device)
+            log.info("started MPS daemon for %s (pid %d)", device, record.daemon.pid)
             return paths
+
+    def _keep(self, record: MpsDaemonRecord) -> None:
+        """Write a rebuilt record of a running daemon back (replacing, never following, what is there)."""
+        if self._read(record.device) != record:
+            write_atomic(self.paths(record.device).record, record.to_json(), mode=0o600)
+
+    def _fresh_directories(self, paths: MpsPaths) -> None:
+        """Before every daemon start: the pipe and shm directories exist and are empty. The daemon (root) writes
+        its PID file and log into the pipe directory following links, so nothing left there by anyone may
+        remain; the directories themselves are kept (never replaced), so containers that have them mounted see
+        the new daemon. The log directory is the plugin's own."""
+        for directory, mode in ((paths.pipe_dir, 0o755), (paths.shm_dir, 0o1777), (paths.log_dir, 0o700)):
+            _own_directory(directory, mode)
+        if self.mount_shm and not tmpfs.is_mountpoint(paths.shm_dir):
+            tmpfs.mount_tmpfs(paths.shm_dir, self.policy.shm_size_bytes)
+        for directory in (paths.pipe_dir, paths.shm_dir):
+            _empty_directory(directory)
 
     def _spec(self, record: MpsDaemonRecord) -> MpsDaemonSpec:
         paths = self.paths(record.device)
         return MpsDaemonSpec(pipe_dir=paths.pipe_dir, log_dir=paths.log_dir, visible_devices=(record.device,),
                              shm_dir=paths.shm_dir)
 
-    def release(self, device: str) -> None:
+    def release(self, device: str, gpu: str | None = None) -> None:
         """The last claim left: stop the daemon, restore the compute mode, remove its directories. Idempotent;
         raises SharingError when the daemon cannot be stopped (the claim's undo entry then stays for a retry)."""
         with self._lock:
-            record = self._read(device)
-            if record is None:
-                record = MpsDaemonRecord(device=device, gpu=device, compute_mode_set=False)
+            record = self._current(device, gpu or self._gpu_of(device))
             self._teardown(record, strict=True)
             log.info("stopped MPS daemon for %s", device)
 
-    def supervise(self, in_use: Sequence[str]) -> list[str]:
-        """Restart the daemons of ``in_use`` devices that are not running. Returns the devices restarted."""
+    def _gpu_of(self, device: str) -> str:
+        record = self._read(device)
+        return record.gpu if record is not None else device
+
+    def supervise(self, in_use: Mapping[str, str]) -> list[str]:
+        """Restart the daemons of ``in_use`` devices (device -> GPU) that are not running, in emptied
+        directories. Returns the devices restarted."""
         restarted = []
         with self._lock:
-            records = self.records()
-            for device in in_use:
-                record = records.get(device)
-                if record is None or self.running(device):
+            for device, gpu in sorted(in_use.items()):
+                record = self._current(device, gpu)
+                if self._alive(record):
+                    self._keep(record)
                     continue
-                log.warning("MPS daemon for %s is not running; restarting it", device)
+                paths = self.paths(device)
+                others = self.control.lookalikes(paths.pipe_dir, record.daemon)
+                log.warning("MPS daemon for %s is not running; restarting it%s", device,
+                            f" (ignoring process(es) {', '.join(map(str, others))} that only look like it)"
+                            if others else "")
                 try:
-                    for directory in (self.paths(device).pipe_dir, self.paths(device).shm_dir,
-                                      self.paths(device).log_dir):
-                        Path(directory).mkdir(parents=True, exist_ok=True)
-                    self.control.start_mps_daemon(self._spec(record))
+                    paths.base.mkdir(mode=0o711, parents=True, exist_ok=True)
+                    record = MpsDaemonRecord.derived(device, gpu)
+                    write_atomic(paths.record, record.to_json(), mode=0o600)
+                    self._fresh_directories(paths)
+                    record = replace(record, daemon=self.control.start_mps_daemon(self._spec(record)))
+                    write_atomic(paths.record, record.to_json(), mode=0o600)
                 except (SharingError, OSError) as err:
                     log.error("restarting MPS daemon for %s failed (will retry): %s", device, err)
                     continue
@@ -287,11 +378,35 @@ class MpsDaemons:
                 restarted.append(device)
         return restarted
 
+    def remove_unknown(self, in_use: Mapping[str, str]) -> list[str]:
+        """Directories under the MPS root that belong to no device in use and hold no record that checks out
+        (a damaged record): their daemon, found through its PID file, is stopped and they are removed. Returns
+        the directories removed."""
+        known = {_dir_name(d) for d in in_use} | {_dir_name(d) for d in self.records()}
+        removed = []
+        with self._lock:
+            for entry in self._dirs():
+                if entry.name in known:
+                    continue
+                paths = MpsPaths(entry)
+                daemon = self.control.mps_daemon(paths.pipe_dir)
+                try:
+                    self.control.stop_mps_daemon(paths.pipe_dir, daemon)
+                except SharingError as err:
+                    log.error("stopping the MPS daemon in %s failed: %s", entry, err)
+                    continue
+                self._remove_directories(paths)
+                log.warning("removed MPS daemon directory %s: its record was missing or damaged and no claim uses "
+                            "it%s; the compute mode of its GPU is left as it is", entry,
+                            f" (stopped daemon {daemon.pid})" if daemon else "")
+                removed.append(entry.name)
+        return removed
+
     def _teardown(self, record: MpsDaemonRecord, strict: bool) -> None:
         paths = self.paths(record.device)
         # Stop first: the compute mode of a GPU must not change under a running daemon.
         try:
-            self.control.stop_mps_daemon(paths.pipe_dir)
+            self.control.stop_mps_daemon(paths.pipe_dir, record.daemon)
         except SharingError as err:
             if strict:
                 raise
@@ -303,8 +418,17 @@ class MpsDaemons:
                 if strict:
                     raise
                 log.error("resetting the compute mode of GPU %s failed: %s", record.gpu, err)
-        # rmtree never follows a symlink a workload planted in pipe/ or shm/; the record goes last, so an
-        # interrupted teardown is found again.
+        self._remove_directories(paths)
+
+    @staticmethod
+    def _remove_directories(paths: MpsPaths) -> None:
+        # rmtree never follows a symlink planted in pipe/ or shm/; the record goes last, so an interrupted
+        # teardown is found again.
+        if tmpfs.is_mountpoint(paths.shm_dir):
+            try:
+                tmpfs.unmount(paths.shm_dir)
+            except OSError as err:
+                log.error("%s", err)
         for directory in (paths.pipe_dir, paths.shm_dir, paths.log_dir):
             shutil.rmtree(directory, ignore_errors=True)
         remove_file(paths.record)
@@ -312,3 +436,47 @@ class MpsDaemons:
             paths.base.rmdir()
         except OSError:
             pass
+
+
+def _dir_name(device: str) -> str:
+    return hashlib.sha256(device.encode()).hexdigest()[:12]
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+def _own_directory(path: str, mode: int) -> None:
+    """``path`` is a directory (not a link) with ``mode``, owned by this process's user; a link or file in its
+    place is removed first."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat.S_ISDIR(st.st_mode):
+        os.unlink(path)
+        st = None
+    if st is None:
+        os.mkdir(path, mode)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if os.fstat(fd).st_uid != os.geteuid():
+            os.fchown(fd, os.geteuid(), os.getegid())
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def _empty_directory(path: str) -> None:
+    """Remove everything in ``path`` without following a link: names are resolved relative to a descriptor
+    of the directory opened with O_NOFOLLOW, and sub-directories removed by the fd-based ``rmtree``."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for name in os.listdir(fd):
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(name, dir_fd=fd)
+            else:
+                os.unlink(name, dir_fd=fd)
+    finally:
+        os.close(fd)

@@ -9,7 +9,8 @@ Rules both implementations share:
 
 * Time-slice intervals (Default=0, Short=1, Medium=2, Long=3) apply to whole GPUs; a GPU (or a MIG device)
   that does not support it fails with ``SharingNotSupported``, a clean per-claim error.
-* An MPS control daemon is identified by its pipe directory: one daemon per pipe directory.
+* An MPS control daemon serves one pipe directory, and is known by the identity of its process (PID and start
+  time) from the moment it starts: a process elsewhere that looks like it is never taken for it.
 * A GPU in EXCLUSIVE_PROCESS compute mode admits one process, so at most one MPS daemon serves it (the
   driver runs one daemon per GPU or MIG device, and switches a whole GPU to EXCLUSIVE_PROCESS under it). The
   compute mode of a GPU an MPS daemon serves is not changed while the daemon runs.
@@ -28,6 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Sequence
 
+from dra.node.processes import ProcessIdentity, identify, is_alive, send_signal, wait_gone
+from dra.node.safefiles import read_regular_file
+
 log = logging.getLogger(__name__)
 
 TimeSliceInterval = Literal["Default", "Short", "Medium", "Long"]
@@ -36,6 +40,7 @@ ComputeMode = Literal["DEFAULT", "EXCLUSIVE_PROCESS"]
 COMPUTE_MODES: tuple[str, ...] = ("DEFAULT", "EXCLUSIVE_PROCESS")
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
+MPS_PID_FILE = "nvidia-cuda-mps-control.pid"      # written by the daemon into its pipe directory
 
 
 class SharingError(RuntimeError):
@@ -87,20 +92,30 @@ class SharingControl(ABC):
         """DEFAULT or EXCLUSIVE_PROCESS (whole GPUs only)."""
 
     @abstractmethod
-    def start_mps_daemon(self, spec: MpsDaemonSpec) -> None:
-        """Start an MPS control daemon; returns once it runs."""
+    def start_mps_daemon(self, spec: MpsDaemonSpec) -> ProcessIdentity:
+        """Start an MPS control daemon; returns once it runs, with the identity of the daemon process."""
 
     @abstractmethod
-    def mps_daemon_running(self, pipe_dir: str) -> bool:
-        """Whether the daemon of this pipe directory is alive."""
+    def mps_daemon(self, pipe_dir: str) -> ProcessIdentity | None:
+        """The running daemon of this pipe directory as its own PID file names it (checked against the process),
+        for a daemon whose identity was not recorded; None when there is none."""
+
+    @abstractmethod
+    def mps_daemon_running(self, pipe_dir: str, daemon: ProcessIdentity) -> bool:
+        """Whether the daemon process ``daemon`` (started for this pipe directory) is alive."""
 
     @abstractmethod
     def mps_command(self, pipe_dir: str, command: str) -> str:
         """Send one control command (e.g. ``set_default_active_thread_percentage 50``); returns its reply."""
 
     @abstractmethod
-    def stop_mps_daemon(self, pipe_dir: str) -> None:
-        """Stop the daemon (``quit``, then signals); a daemon that is not running is fine."""
+    def stop_mps_daemon(self, pipe_dir: str, daemon: ProcessIdentity | None) -> None:
+        """Stop the daemon (``quit``, then signals to ``daemon`` alone); a daemon that is not running is fine."""
+
+    def lookalikes(self, pipe_dir: str, daemon: ProcessIdentity | None) -> list[int]:
+        """Processes other than ``daemon`` that present themselves as this pipe directory's daemon: never
+        acted on, only reported (any pod with the host's PID namespace can start one)."""
+        return []
 
 
 # ----- real: the driver's programs --------------------------------------------------------------------------------
@@ -205,9 +220,7 @@ class NvidiaSmiSharingControl(SharingControl):
             extra["CUDA_VISIBLE_DEVICES"] = ",".join(visible)
         return self._env(extra)
 
-    def start_mps_daemon(self, spec: MpsDaemonSpec) -> None:
-        if self.mps_daemon_running(spec.pipe_dir):
-            raise SharingError(f"MPS daemon for {spec.pipe_dir}: already running")
+    def start_mps_daemon(self, spec: MpsDaemonSpec) -> ProcessIdentity:
         argv = [self.mps_control, "-d"]
         launcher: list[str] = []
         if self.isolate_shm and spec.shm_dir:
@@ -228,7 +241,8 @@ class NvidiaSmiSharingControl(SharingControl):
                     env[name] = os.environ[name]
                 else:
                     del env[name]
-            argv = [sys.executable, "-m", "dra.node.mpslaunch", *launcher, "--", *argv]
+            # -I: neither the working directory nor PYTHON* variables decide what the root launcher imports.
+            argv = [sys.executable, "-I", "-m", "dra.node.mpslaunch", *launcher, "--", *argv]
         out_path = Path(spec.log_dir) / "control-start.out"
         try:
             # The daemon forks away and may keep inherited descriptors open: give it a file, not a pipe, or
@@ -245,31 +259,52 @@ class NvidiaSmiSharingControl(SharingControl):
             raise SharingError(f"MPS daemon for {spec.pipe_dir}: {' '.join(argv)} exited with {done.returncode}: "
                                f"{_read_private(out_path)}")
         deadline = time.monotonic() + self.timeout_s
-        while not self.mps_daemon_running(spec.pipe_dir):
+        while True:
+            daemon = self.mps_daemon(spec.pipe_dir)
+            if daemon is not None:
+                return daemon
             if time.monotonic() > deadline:
                 raise SharingError(f"MPS daemon for {spec.pipe_dir}: did not come up (see {spec.log_dir})")
             time.sleep(0.05)
 
-    def _daemon_pids(self, pipe_dir: str) -> list[int]:
-        """Processes that are an MPS control daemon (``... nvidia-cuda-mps-control -d``) for ``pipe_dir``."""
-        want = f"CUDA_MPS_PIPE_DIRECTORY={pipe_dir}".encode()
+    def mps_daemon(self, pipe_dir: str) -> ProcessIdentity | None:
+        """The daemon named by the PID file NVIDIA's daemon writes into its pipe directory. Only root writes
+        there (containers get the directory read-only), and the process must still look like this pipe
+        directory's daemon: a PID file left behind by a dead daemon names nothing, or a process since reused."""
+        try:
+            text = read_regular_file(os.path.join(pipe_dir, MPS_PID_FILE), 64).decode("ascii", "replace").strip()
+        except OSError:
+            return None
+        if not text.isdigit():
+            return None
+        pid = int(text)
+        daemon = identify(pid, self.proc_root)
+        if daemon is None or not self._looks_like_daemon(pid, pipe_dir):
+            return None
+        return daemon
+
+    def _looks_like_daemon(self, pid: int, pipe_dir: str) -> bool:
+        """``... nvidia-cuda-mps-control -d`` with this pipe directory in its environment: only a check of a
+        PID that a trusted source named, since any process can look like this."""
+        entry = self.proc_root / str(pid)
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            return False
+        return (b"-d" in argv and any(os.path.basename(a) == MPS_CONTROL.encode() for a in argv)
+                and f"CUDA_MPS_PIPE_DIRECTORY={pipe_dir}".encode() in environ)
+
+    def lookalikes(self, pipe_dir: str, daemon: ProcessIdentity | None) -> list[int]:
         pids = []
         for entry in self.proc_root.iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-                if b"-d" not in argv or not any(os.path.basename(a) == MPS_CONTROL.encode() for a in argv):
-                    continue
-                if want not in (entry / "environ").read_bytes().split(b"\0"):
-                    continue
-            except OSError:
-                continue  # gone meanwhile, or not ours to read
-            pids.append(int(entry.name))
+            if entry.name.isdigit() and (daemon is None or int(entry.name) != daemon.pid) \
+                    and self._looks_like_daemon(int(entry.name), pipe_dir):
+                pids.append(int(entry.name))
         return pids
 
-    def mps_daemon_running(self, pipe_dir: str) -> bool:
-        return bool(self._daemon_pids(pipe_dir))
+    def mps_daemon_running(self, pipe_dir: str, daemon: ProcessIdentity) -> bool:
+        return is_alive(daemon, self.proc_root)
 
     def mps_command(self, pipe_dir: str, command: str) -> str:
         _check_control_socket(pipe_dir)
@@ -285,27 +320,19 @@ class NvidiaSmiSharingControl(SharingControl):
                 f"MPS daemon for {pipe_dir}: command {command!r} exited with {done.returncode}: {output}")
         return (done.stdout or "").strip()
 
-    def stop_mps_daemon(self, pipe_dir: str) -> None:
-        pids = self._daemon_pids(pipe_dir)
-        if not pids:
+    def stop_mps_daemon(self, pipe_dir: str, daemon: ProcessIdentity | None) -> None:
+        daemon = daemon if daemon is not None and self.mps_daemon_running(pipe_dir, daemon) else None
+        if daemon is None:
             return
         try:
             self.mps_command(pipe_dir, "quit")
         except SharingError as err:
             log.warning("%s; sending signals instead", err)
         for sig, wait_s in ((None, self.timeout_s), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            # Signals reach the recorded process only (through a pidfd): never a process that took its PID.
             if sig is not None:
-                for pid in self._daemon_pids(pipe_dir):
-                    try:
-                        os.kill(pid, sig)
-                    except ProcessLookupError:
-                        pass
-            deadline = time.monotonic() + wait_s
-            while self._daemon_pids(pipe_dir):
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-            else:
+                send_signal(daemon, sig)
+            if wait_gone(daemon, wait_s):
                 return
         raise SharingError(f"MPS daemon for {pipe_dir}: still running after quit, SIGTERM and SIGKILL")
 

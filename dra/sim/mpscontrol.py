@@ -12,7 +12,8 @@ process that started it.
 It refuses what the real one refuses, so a design the hardware would reject fails here too: a second daemon
 for a pipe directory; a daemon for a GPU that another daemon serves while the GPU is in EXCLUSIVE_PROCESS
 compute mode (one process may hold the GPU); a device this node does not have; a thread percentage outside
-1..100; a pinned memory limit above the device's memory. GPU facts (compute mode, memory, MIG devices) come
+1..100; a pinned memory limit above the device's memory. And it does what the real one does with its pipe
+directory: writes its PID file and log there, following links. GPU facts (compute mode, memory, MIG devices) come
 from the simulated node's state file (``GPU_DRA_SIM_STATE``), and the daemons serving each device are
 registered beside it, so separate processes see each other. Started by ``python -m dra.sim.mpscontrol``.
 """
@@ -28,6 +29,7 @@ from typing import Any
 
 STATE_ENV = "GPU_DRA_SIM_STATE"
 CONTROL_SOCKET = "control"
+PID_FILE = "nvidia-cuda-mps-control.pid"
 COMPUTEMODE_EXCLUSIVE_PROCESS = 3            # NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
 
 
@@ -149,6 +151,32 @@ class _Daemon:
         return False, f"Error: unknown command {line.strip()!r}"
 
 
+def _write_pipe_files(pipe_dir: str, line: str) -> None:
+    """What NVIDIA's daemon leaves in its pipe directory besides the sockets, written the way it writes them
+    (measured on an H200): its PID over the start of ``nvidia-cuda-mps-control.pid`` (no truncation), and its
+    log lines into ``log``, a FIFO it creates where none exists. Both are opened following links, as root: a
+    link planted there is written through."""
+    fd = os.open(os.path.join(pipe_dir, PID_FILE), os.O_WRONLY | os.O_CREAT, 0o666)
+    try:
+        os.write(fd, str(os.getpid()).encode())
+    finally:
+        os.close(fd)
+    log = os.path.join(pipe_dir, "log")
+    if not os.path.exists(log):
+        os.mkfifo(log, 0o777)
+        return
+    try:
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
+    except OSError:
+        return                                          # a FIFO nobody reads: the line is dropped
+    try:
+        os.write(fd, (line + "\n").encode())
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def _log(log_dir: str, text: str) -> None:
     try:
         with open(os.path.join(log_dir, "control.log"), "a") as out:
@@ -200,6 +228,7 @@ def _daemon_main() -> int:
         for uuid in visible:
             (registry / uuid).write_text(json.dumps({"pid": os.getpid(), "pipe": pipe_dir}))
     daemon = _Daemon(pipe_dir, log_dir, visible)
+    _write_pipe_files(pipe_dir, f"[{os.getpid()}] Starting control daemon for {','.join(visible)}")
     _log(log_dir, f"[{os.getpid()}] Starting control daemon for {','.join(visible)}")
     signal.signal(signal.SIGTERM, lambda *_: _shutdown(server, control, registry, visible, pipe_dir))
     os.write(write_end, b"1")
@@ -208,13 +237,18 @@ def _daemon_main() -> int:
         conn, _ = server.accept()
         with conn:
             data = b""
-            while not data.endswith(b"\n"):
-                chunk = conn.recv(4096)
-                if not chunk:
-                    break
-                data += chunk
-            ok, reply = daemon.command(data.decode(errors="replace"))
-            conn.sendall((("OK " if ok else "ERR ") + reply + "\n").encode())
+            try:
+                while not data.endswith(b"\n") and len(data) < 65536:
+                    chunk = conn.recv(4096)
+                    if not chunk:
+                        break
+                    data += chunk
+                if not data.strip():
+                    continue                            # a client that only connected (a liveness probe)
+                ok, reply = daemon.command(data.decode(errors="replace"))
+                conn.sendall((("OK " if ok else "ERR ") + reply + "\n").encode())
+            except OSError:
+                continue                                # a client gone mid-way does not end the daemon
             _log(log_dir, f"[{os.getpid()}] {data.decode(errors='replace').strip()} -> {reply}")
             if ok and data.split() == [b"quit"]:
                 _shutdown(server, control, registry, visible, pipe_dir)

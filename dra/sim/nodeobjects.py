@@ -14,12 +14,14 @@ from dra.sim.driverroot import SimulatedDriverRoot
 from dra.sim.fleet import FleetError, NodeSpec, load_fleet, nvml_for_node
 from dra.sim.mpscontrol import STATE_ENV as MPS_STATE_ENV, write_simulated_mps_control
 from dra.sim.sharing import SimulatedSharingControl
+from dra.sim.standin import LISTING_STATE_DIR, GpuListing
 from dra.sim.state import SimulatedStateError
 
 
 class SimulatedNodeObjects(NodeObjects):
     """node:        the fleet node whose GPUs are simulated
-    state_file:  where the GPUs' state outlives the process (None: in memory only)"""
+    state_file:  where the GPUs' state outlives the process (None: in memory only); the GPU listing for the
+                 CUDA stand-in (dra.sim.standin) is kept beside it, in ``sim-gpus/``"""
 
     simulated = True
 
@@ -27,6 +29,7 @@ class SimulatedNodeObjects(NodeObjects):
         super().__init__(paths)
         self.node = node
         self.state_file = state_file
+        self.listing: GpuListing | None = None     # set when NVML is opened
 
     @classmethod
     def from_fleet(cls, fleet_file: str, node_name: str, paths: NodePaths | None = None, *,
@@ -42,7 +45,7 @@ class SimulatedNodeObjects(NodeObjects):
         p = self.paths
         return SimulatedDriverRoot(p.driver_root, driver_version=driver_version or self.node.driver_version,
                                    host_root=p.host_driver_root, dev_root=p.dev_root, proc_root=p.proc_root,
-                                   hook_path=p.cdi_hook_path)
+                                   hook_path=p.cdi_hook_path, listing=self.listing)
 
     def preload_nvml(self) -> str | None:
         return None   # the simulated library is Python
@@ -53,6 +56,9 @@ class SimulatedNodeObjects(NodeObjects):
         except SimulatedStateError as err:
             raise NodeSetupError(f"--sim-state: {err}") from None
         nvml.nvmlInit()
+        if self.state_file is not None:
+            # Beside the state file: in the plugin's state directory, which the host sees at the same path.
+            self.listing = GpuListing(nvml, self.state_file.parent / LISTING_STATE_DIR)
         return nvml
 
     def sharing_control(self, driver_root: DriverRoot, *, nvml: Any = None, state_dir: Path | None = None,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from dra.node.processes import ProcessIdentity
 from dra.node.sharingtools import (
     MpsDaemonSpec,
     SharingControl,
@@ -16,9 +17,14 @@ from dra.node.sharingtools import (
     check_interval,
     is_mig_uuid,
 )
+# Identities of in-memory daemons: above the kernel's largest PID (2**22), so never a real process.
+_FIRST_SIMULATED_PID = 1 << 22
+
+
 @dataclass
 class SimulatedMpsDaemon:
     spec: MpsDaemonSpec
+    identity: ProcessIdentity
     alive: bool = True
     active_thread_percentage: int | None = None
     pinned_memory_limits: dict[str, str] = field(default_factory=dict)
@@ -52,6 +58,7 @@ class SimulatedSharingControl(SharingControl):
         self.time_slices: dict[str, str] = {}
         self.compute_modes: dict[str, str] = {}
         self.daemons: dict[str, SimulatedMpsDaemon] = {}
+        self._started = 0
         self.actions: list[tuple[Any, ...]] = []
 
     def _check_gpu(self, uuid: str, what: str) -> None:
@@ -103,7 +110,7 @@ class SimulatedSharingControl(SharingControl):
                 self.nvml.nvmlDeviceSetComputeMode(handle, getattr(self.nvml, f"NVML_COMPUTEMODE_{mode}"))
             self.actions.append(("set_compute_mode", gpu_uuid, mode))
 
-    def start_mps_daemon(self, spec: MpsDaemonSpec) -> None:
+    def start_mps_daemon(self, spec: MpsDaemonSpec) -> ProcessIdentity:
         if self.mps is not None:
             return self.mps.start_mps_daemon(spec)
         with self._lock:
@@ -123,15 +130,28 @@ class SimulatedSharingControl(SharingControl):
             for directory in (spec.pipe_dir, spec.log_dir):
                 if not Path(directory).is_dir():
                     raise SharingError(f"MPS daemon for {spec.pipe_dir}: directory {directory} does not exist")
-            self.daemons[spec.pipe_dir] = SimulatedMpsDaemon(spec=spec)
+            self._started += 1
+            identity = ProcessIdentity(pid=_FIRST_SIMULATED_PID + self._started, start_time=self._started)
+            self.daemons[spec.pipe_dir] = SimulatedMpsDaemon(spec=spec, identity=identity)
             self.actions.append(("start_mps_daemon", spec.pipe_dir, spec.visible_devices))
+            return identity
 
-    def mps_daemon_running(self, pipe_dir: str) -> bool:
+    def mps_daemon(self, pipe_dir: str) -> ProcessIdentity | None:
         if self.mps is not None:
-            return self.mps.mps_daemon_running(pipe_dir)
+            return self.mps.mps_daemon(pipe_dir)
         with self._lock:
             daemon = self.daemons.get(pipe_dir)
-            return daemon is not None and daemon.alive
+            return daemon.identity if daemon is not None and daemon.alive else None
+
+    def mps_daemon_running(self, pipe_dir: str, daemon: ProcessIdentity) -> bool:
+        if self.mps is not None:
+            return self.mps.mps_daemon_running(pipe_dir, daemon)
+        with self._lock:
+            current = self.daemons.get(pipe_dir)
+            return current is not None and current.alive and current.identity == daemon
+
+    def lookalikes(self, pipe_dir: str, daemon: ProcessIdentity | None) -> list[int]:
+        return self.mps.lookalikes(pipe_dir, daemon) if self.mps is not None else []
 
     def mps_command(self, pipe_dir: str, command: str) -> str:
         if self.mps is not None:
@@ -164,12 +184,12 @@ class SimulatedSharingControl(SharingControl):
                 return ""
             raise SharingError(f"MPS daemon for {pipe_dir}: unknown command {command!r}")
 
-    def stop_mps_daemon(self, pipe_dir: str) -> None:
+    def stop_mps_daemon(self, pipe_dir: str, daemon: ProcessIdentity | None) -> None:
         if self.mps is not None:
-            return self.mps.stop_mps_daemon(pipe_dir)
+            return self.mps.stop_mps_daemon(pipe_dir, daemon)
         with self._lock:
-            daemon = self.daemons.get(pipe_dir)
-            if daemon is None or not daemon.alive:
+            current = self.daemons.get(pipe_dir)
+            if current is None or not current.alive or current.identity != daemon:
                 return
             self.mps_command(pipe_dir, "quit")
             self.actions.append(("stop_mps_daemon", pipe_dir))
