@@ -1,9 +1,11 @@
 """A real node for a `LocalCluster`: containerd (with runc) and a kubelet as local processes, running pods.
 
-The binaries and the two test images come from hack/build-node.sh (kubelet, containerd, ctr,
-containerd-shim-runc-v2, runc; OCI archives of a pause image and a busybox image, imported into containerd
-since no registry is reachable). Pods must use ``hostNetwork: true`` (the node has no pod network, only a
-loopback CNI configuration so that the runtime reports its network ready) and ``imagePullPolicy: Never``.
+The binaries and the test images come from hack/build-node.sh (kubelet, containerd, ctr,
+containerd-shim-runc-v2, runc; OCI archives of a pause image, a busybox image and the glibc cuda-probe image,
+imported into containerd since no registry is reachable), as does the CUDA stand-in that
+`install_driver_root` lays out in a simulated node's driver root. Pods must use ``hostNetwork: true`` (the
+node has no pod network, only a loopback CNI configuration so that the runtime reports its network ready)
+and ``imagePullPolicy: Never``.
 
 Needs root and cgroups (v1 with every hierarchy mounted, or v2 with controllers delegated to the root).
 Everything lives under the node's work dir except what the kubelet insists on writing elsewhere: its
@@ -39,7 +41,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -90,10 +92,38 @@ def busybox_image() -> str:
     return pinned_version("BUSYBOX_IMAGE")
 
 
+def cuda_probe_image() -> str:
+    """The glibc test image with cuda-probe (hack/cuda-standin), which the example pods run."""
+    return pinned_version("CUDA_PROBE_IMAGE")
+
+
+# Archive in the node's images directory -> the image it holds.
+IMAGE_ARCHIVES: dict[str, Callable[[], str]] = {"pause.oci.tar": pause_image, "busybox.oci.tar": busybox_image,
+                                                "cuda-probe.oci.tar": cuda_probe_image}
+
+
+def cuda_standin_dir(bin_dir: Path) -> Path:
+    """The built CUDA stand-in of a node build (``lib/``, ``bin/``), beside its bin directory."""
+    return bin_dir.parent / "cuda-standin"
+
+
+def install_driver_root(root: Path, bin_dir: Path, layout: str, driver_version: str) -> list[str]:
+    """The node build's CUDA stand-in installed in a simulated node's driver root as a real driver install of
+    ``layout`` (dra.sim.driverlayout.LAYOUTS) is; returns the paths created under ``root``."""
+    from dra.sim.driverlayout import DriverLayoutError, install_standin
+
+    try:
+        return install_standin(root, cuda_standin_dir(bin_dir), layout, driver_version)
+    except DriverLayoutError as err:
+        raise NodeError(f"cannot install the CUDA stand-in into {root}: {err}") from None
+
+
 def _missing(bin_dir: Path) -> list[str]:
     missing = [b for b in NODE_BINARIES if not os.access(bin_dir / b, os.X_OK)]
     images = bin_dir.parent / "images"
-    missing += [f"../images/{i}" for i in ("pause.oci.tar", "busybox.oci.tar") if not (images / i).is_file()]
+    missing += [f"../images/{i}" for i in IMAGE_ARCHIVES if not (images / i).is_file()]
+    if not (cuda_standin_dir(bin_dir) / "lib").is_dir():
+        missing.append("../cuda-standin/lib")
     return missing
 
 
@@ -989,7 +1019,8 @@ temp = {q(str(d / 'containerd' / 'tmp'))}
                         f"{self.startup_timeout:.0f}s (last: {last})\n{self.logs_tail()}")
 
     def _import_images(self, bin_dir: Path) -> None:
-        for archive, ref in (("pause.oci.tar", pause_image()), ("busybox.oci.tar", busybox_image())):
+        for archive, image in IMAGE_ARCHIVES.items():
+            ref = image()
             self.ctr("images", "import", "--snapshotter", self.snapshotter, str(self.images_dir / archive), timeout=120)
             names = self.ctr("images", "ls", "-q").stdout.split()
             if ref not in names:

@@ -153,9 +153,9 @@ def test_nvidia_smi_lists_like_the_real_one(standin: Path, tmp_path: Path) -> No
 
 # ---- the listing from the simulated NVML ----------------------------------------------------------
 
+STATIC_MIG = {"enabled": True, "instances": [{"profile": "3g.40gb", "start": 4}]}
 FLEET = {"nodes": [{"name": "n1", "gpus": [{"model": "H100-80GB", "count": 2},
-                                          {"model": "H100-80GB", "count": 1,
-                                           "mig": {"enabled": True, "instances": [{"profile": "3g.40gb", "start": 4}]}}]}]}
+                                          {"model": "H100-80GB", "count": 1, "mig": STATIC_MIG}]}]}
 
 
 @dataclass
@@ -166,7 +166,8 @@ class OpenOnly:
     caps: bool = True
 
     def gpu_node(self, minor: int) -> DeviceNodeInfo:
-        return NULL if minor in self.gpus else DeviceNodeInfo(path=f"/dev/gpu-dra-missing{minor}", major=195, minor=minor)
+        missing = DeviceNodeInfo(path=f"/dev/gpu-dra-missing{minor}", major=195, minor=minor)
+        return NULL if minor in self.gpus else missing
 
     def mig_cap_nodes(self, gpu_minor: int, gi_id: int, ci_id: int) -> tuple[DeviceNodeInfo, DeviceNodeInfo]:
         missing = DeviceNodeInfo(path="/dev/gpu-dra-missing-cap", major=234, minor=1)

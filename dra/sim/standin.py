@@ -89,8 +89,9 @@ def _gpu_lines(nvml: Any, root: NodeDescriber, index: int) -> list[str]:
         if None in caps:
             continue
         mig_handle = nvml.nvmlDeviceGetHandleByUUID(m.uuid)
-        lines.append(f"mig {index} {m.gi_id} {m.ci_id} {caps[0]} {caps[1]} {m.uuid} "
-                     f"{nvml.nvmlDeviceGetMemoryInfo(mig_handle).total} {_one_line(nvml.nvmlDeviceGetName(mig_handle))}")
+        memory = nvml.nvmlDeviceGetMemoryInfo(mig_handle).total
+        lines.append(f"mig {index} {m.gi_id} {m.ci_id} {caps[0]} {caps[1]} {m.uuid} {memory} "
+                     f"{_one_line(nvml.nvmlDeviceGetName(mig_handle))}")
     return lines
 
 
