@@ -26,9 +26,6 @@ case "$WHAT" in hook|validate|all) ;; *) die "unknown target '$WHAT' (hook, vali
 HOOK_DIR="$CACHE_ROOT/cdi-hook/$NVIDIA_CTK_VERSION"
 HOOK_BIN="$HOOK_DIR/bin/nvidia-cdi-hook"
 VALIDATE_SRC="$HACK/cdi-validate"
-VALIDATE_KEY=$(cat "$VALIDATE_SRC/main.go" "$VALIDATE_SRC/go.mod" "$VALIDATE_SRC/go.sum" | sha256sum | cut -c1-16)
-VALIDATE_DIR="$CACHE_ROOT/cdi-validate/$VALIDATE_KEY"
-VALIDATE_BIN="$VALIDATE_DIR/bin/cdi-validate"
 
 need_go() {
   [ -z "${GPU_DRA_CDI_NO_BUILD:-}" ] || die "no $1 in the cache; run hack/build-cdi-tools.sh (or make cdi-tools)"
@@ -71,6 +68,12 @@ build_hook() {
 }
 
 build_validate() {
+  # Keyed by its sources: a change to main.go or the library version builds a new one.
+  local key
+  key=$(cat "$VALIDATE_SRC/main.go" "$VALIDATE_SRC/go.mod" "$VALIDATE_SRC/go.sum" | sha256sum | cut -c1-16) \
+    || die "cannot read $VALIDATE_SRC"
+  local VALIDATE_KEY=$key VALIDATE_DIR="$CACHE_ROOT/cdi-validate/$key"
+  local VALIDATE_BIN="$VALIDATE_DIR/bin/cdi-validate"
   if [ -x "$VALIDATE_BIN" ] && [ "$(cat "$VALIDATE_DIR/.complete" 2>/dev/null)" = "$VALIDATE_KEY" ]; then
     log "reusing $VALIDATE_BIN"; echo "$VALIDATE_BIN"; return
   fi

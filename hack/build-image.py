@@ -10,7 +10,9 @@ project's own wheel installed next to them, packed by this script.
 Three layers, each cached by a hash of its inputs under ~/.cache/gpu-dra/image (GPU_DRA_CACHE moves it):
   base  Debian packages of deploy/image/debian.lock: python3.11 and the libraries it and the wheels link
         (no shell, no package manager), /etc/passwd with the non-root user 65532, a dpkg status.d for scanners;
-  deps  the wheels of deploy/image/requirements.lock, hash-checked, in /usr/local/lib/python3.11/dist-packages;
+  deps  the wheels of deploy/image/requirements.lock, hash-checked, in /usr/local/lib/python3.11/dist-packages,
+        and /usr/local/bin/nvidia-cdi-hook (hack/build-cdi-tools.sh, NVIDIA_CTK_VERSION; static), which the chart
+        installs on each node for the CDI specs;
   app   the project's wheel (built with the setuptools of deploy/image/requirements-build.lock) and
         /usr/local/bin/gpu-dra.
 Python files are byte-compiled by the image's own Python with unchecked-hash pycs (they do not depend on file
@@ -72,6 +74,8 @@ UID = GID = 65532
 USER = "gpu-dra"
 SITE = f"usr/local/lib/python{PYTHON}/dist-packages"
 ENTRYPOINT = "/usr/local/bin/gpu-dra"
+# The driver's own CDI hook, copied onto each node by the chart's init container (deploy/helm: kubelet-plugin.yaml).
+CDI_HOOK = "/usr/local/bin/nvidia-cdi-hook"
 # The project's packages and data, as pyproject.toml's [tool.setuptools] selects them.
 SOURCE_PACKAGES = ["api", "cli", "controller", "dra", "kube", "kubeletplugin"]
 SOURCE_SUFFIXES = {".py", ".yaml", ".proto"}
@@ -426,7 +430,21 @@ def pip(python: str, *args: str, what: str) -> None:
     run([python, "-m", "pip", "--disable-pip-version-check", "--no-input", *args], what)
 
 
-def build_deps(root: Path, base: Path, cache: Path, python: str, debs: list[Deb]) -> None:
+def cdi_hook_binary(given: Path | None) -> Path:
+    """The nvidia-cdi-hook to ship: `given` (--cdi-hook), else hack/build-cdi-tools.sh's (built or reused)."""
+    if given is not None:
+        if not given.is_file():
+            raise BuildError(f"--cdi-hook {given}: no such file")
+        return given
+    proc = subprocess.run(["bash", str(HACK / "build-cdi-tools.sh"), "hook"], capture_output=True, text=True)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        last = proc.stderr.strip().splitlines()[-1:] or ["no output"]
+        raise BuildError(f"hack/build-cdi-tools.sh hook failed: {last[0]} (or pass --cdi-hook PATH)")
+    return Path(lines[-1])
+
+
+def build_deps(root: Path, base: Path, cache: Path, python: str, debs: list[Deb], hook: Path) -> None:
     wheels = cache / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     flags = pip_target_flags(debs)
@@ -436,6 +454,10 @@ def build_deps(root: Path, base: Path, cache: Path, python: str, debs: list[Deb]
         str(wheels), "--target", str(root / SITE), "--no-compile", *flags, what=f"pip install of {PYPI_LOCK.name}")
     _tidy_target(root)
     compile_pycs(base, root, SITE)
+    target = root / CDI_HOOK.lstrip("/")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(hook, target)
+    target.chmod(0o755)
 
 
 def _tidy_target(root: Path) -> None:
@@ -612,11 +634,11 @@ def project_version() -> str:
     return str(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"])
 
 
-def build_layers(cache: Path, python: str) -> list[Layer]:
+def build_layers(cache: Path, python: str, hook: Path) -> list[Layer]:
     script = Path(__file__).read_bytes() + (HACK / "build-oci-image.py").read_bytes()
     debs = read_debian_lock()
     base_key = key_of(script, DEBIAN_LOCK.read_bytes(), platform.machine())
-    deps_key = key_of(base_key, PYPI_LOCK.read_bytes())
+    deps_key = key_of(base_key, PYPI_LOCK.read_bytes(), sha256_file(hook))
     app_key = key_of(base_key, BUILD_LOCK.read_bytes(),
                      *(str(f.relative_to(REPO)) + "\0" + f.read_text() for f in source_files()))
 
@@ -627,7 +649,8 @@ def build_layers(cache: Path, python: str) -> list[Layer]:
                         for k, key in (("deps", deps_key), ("app", app_key))]
         if any(needs_python):  # the image's Python compiles the pycs of the other layers
             extract_layer(base.blob, base_root)
-        deps = cached_layer(cache, "deps", deps_key, lambda root: build_deps(root, base_root, cache, python, debs))
+        deps = cached_layer(cache, "deps", deps_key,
+                            lambda root: build_deps(root, base_root, cache, python, debs, hook))
         app_dir = cache / "layers" / f"app-{app_key}"
         app = cached_layer(cache, "app", app_key,
                            lambda root: build_app(root, base_root, cache, python, debs, app_dir / "wheel"))
@@ -640,7 +663,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     repository = args.repository or pinned("DRIVER_IMAGE_REPOSITORY")
     version = project_version()
     name = f"{repository}:{args.tag or version}"
-    layers = build_layers(cache, args.python)
+    layers = build_layers(cache, args.python, cdi_hook_binary(args.cdi_hook))
     key = key_of(name, *(layer.key for layer in layers), Path(__file__).read_bytes())
     out = cache / "archives" / key / "gpu-dra-driver.oci.tar"
     if not out.exists():
@@ -670,7 +693,7 @@ def cmd_rootfs(args: argparse.Namespace) -> int:
     cache = Path(os.environ.get("GPU_DRA_CACHE", Path.home() / ".cache/gpu-dra")) / "image"
     cache.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    for layer in build_layers(cache, args.python):
+    for layer in build_layers(cache, args.python, cdi_hook_binary(args.cdi_hook)):
         extract_layer(layer.blob, args.out)
     print(args.out)
     return 0
@@ -705,6 +728,8 @@ def cmd_lock(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--python", default=sys.executable, help="the Python whose pip downloads and installs wheels")
+    ap.add_argument("--cdi-hook", type=Path, default=os.environ.get("CDI_HOOK") or None,
+                    help="the nvidia-cdi-hook binary to ship (default: built or reused by hack/build-cdi-tools.sh)")
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build the OCI archive (cached)")
     b.add_argument("--repository", default=os.environ.get("IMAGE_REPOSITORY"),
