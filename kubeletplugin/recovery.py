@@ -142,7 +142,9 @@ def _log_conservative_start(loaded: LoadResult, adopted: list[str], checkpoint: 
     except (mig.MigError, nvml.NVMLError) as err:
         mig_kept.append(f"(listing failed: {err})")
     cdi_kept = sorted(uid for uid in cdi.list_claim_specs() if uid not in claims)
-    if loaded.corrupt:
+    if loaded.damage:
+        reason = f"{loaded.damage}; the checkpoint was set aside"
+    elif loaded.corrupt:
         reason = (f"the checkpoint could not be read and was moved to {loaded.corrupt_file}"
                   if loaded.corrupt_file else "the checkpoint could not be read")
     else:

@@ -186,6 +186,7 @@ class LoadResult:
     unreadable_claims: tuple[str, ...] = ()         # UIDs of records that could not be parsed (skipped)
     boot_id_stamped: bool = False                   # a file without boot ID got the current one
     corrupt: bool = False                           # the file could not be read at all (moved aside if possible)
+    damage: str = ""                                # what was wrong with the journal ("" when nothing was)
 
     @property
     def state_lost(self) -> bool:
@@ -300,6 +301,7 @@ class CheckpointStore:
                     records[key] = record
         corrupt = corrupt_file is not None or (snapshot is None and self._unreadable_snapshot)
         self._journal_id, self._journal_on_disk = "", False
+        damage = ""
         if corrupt:
             self._set_aside(self.journal_path, "the snapshot beside it was unreadable", dir_fd)
         else:
@@ -307,6 +309,7 @@ class CheckpointStore:
             problem = journal.problem or self._mismatch(snapshot, journal)
             if problem:
                 corrupt, corrupt_file = True, self._journal_damaged(problem, journal.exists, snapshot is not None)
+                damage = f"checkpoint journal {self.journal_path} {problem}"
                 records, unreadable, snapshot = {}, [], None
             elif journal.exists:
                 self._journal_id, self._journal_on_disk = journal.journal_id, True
@@ -321,7 +324,7 @@ class CheckpointStore:
             return LoadResult(claims=0, dropped_claims=dropped, unreadable_claims=tuple(unreadable)), records
         self._single_holders(records, order)
         return LoadResult(claims=len(records), corrupt_file=corrupt_file, unreadable_claims=tuple(unreadable),
-                          boot_id_stamped=stamped, corrupt=corrupt), records
+                          boot_id_stamped=stamped, corrupt=corrupt, damage=damage), records
 
     def _read_snapshot(self, dir_fd: int) -> tuple[CheckpointFile | None, Path | None]:
         """(snapshot, where a corrupt one was moved). Sets ``_unreadable_snapshot`` when it could not be read."""
