@@ -19,13 +19,14 @@ import ssl
 import sys
 import threading
 from collections.abc import Mapping
-from http.server import ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import Counter
 
 from api.config import ConfigError, decode_opaque_config
-from kube.httpserver import ProbeHandler
+from api.config.errors import printable
+from controller.boundedjson import loads_bounded
+from kube.httpserver import BoundedHTTPServer, ConnectionLimits, ProbeHandler, start
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,12 @@ CLAIM_SPEC_PATHS: dict[str, tuple[str, ...]] = {
     "resourceclaims": ("spec",),
     "resourceclaimtemplates": ("spec", "spec"),
 }
-MAX_BODY = 16 << 20  # well above the API server's 3 MiB request limit
+# The API server sends at most its own request limit (3 MiB) plus the review's envelope; a larger body comes from
+# something else and is refused before it is read.
+MAX_BODY = 3 << 20
+# Deep enough for any config the decoder accepts (its own bound, MAX_PARAMETERS_DEPTH, below the ~10 levels of the
+# review around the parameters); deeper containers are read as null, which the decoder then refuses for depth.
+MAX_JSON_DEPTH = 64
 
 
 def config_problems(obj: Any, resource: str, *, driver_name: str, compat_nvidia: bool) -> list[str]:
@@ -80,9 +86,11 @@ def review(body: Any, *, driver_name: str, compat_nvidia: bool) -> dict[str, Any
         response["status"] = {"code": 422, "reason": "Invalid", "message": "; ".join(problems)}
         obj = request.get("object") if isinstance(request.get("object"), Mapping) else {}
         meta = obj.get("metadata") if isinstance(obj.get("metadata"), Mapping) else {}
-        log.info("denied %s %s/%s: %s", name, request.get("namespace", ""),
-                 meta.get("name") or meta.get("generateName", ""), response["status"]["message"])
-    REVIEWS.labels(name or "unknown", "allowed" if not problems else "denied").inc()
+        # Names as sent: the API server has validated them, anyone else who reaches the port has not.
+        who = f"{name} {request.get('namespace', '')}/{meta.get('name') or meta.get('generateName', '')}"
+        log.info("denied %s: %s", printable(who), response["status"]["message"])
+    # Only the resources served are labels: a review of anything else must not add a series.
+    REVIEWS.labels(name if name in CLAIM_SPEC_PATHS else "other", "allowed" if not problems else "denied").inc()
     return {"apiVersion": body.get("apiVersion", "admission.k8s.io/v1"), "kind": "AdmissionReview",
             "response": response}
 
@@ -127,50 +135,54 @@ class _CertReloader:
             return self._context
 
 
-class _TLSServer(ThreadingHTTPServer):
-    daemon_threads = True
+class _TLSServer(BoundedHTTPServer):
     reloader: _CertReloader
 
     def get_request(self) -> tuple[socket.socket, Any]:
         sock, addr = self.socket.accept()
-        # The handshake happens in the handler's thread (first read): a slow client cannot stall accept().
+        # The handshake happens in a worker (its first read, under the idle timeout): accepting never waits on a client.
         return self.reloader.context().wrap_socket(sock, server_side=True, do_handshake_on_connect=False), addr
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # Failed handshakes (a client that does not trust the CA, a TCP probe) are routine: one line, no traceback.
-        log.warning("connection from %s: %s", client_address[0], sys.exc_info()[1])
+        log.warning("connection from %s: %s", client_address[0], printable(str(sys.exc_info()[1])))
+
+
+class _ReviewHandler(ProbeHandler):
+    """POST /validate besides the probes and /metrics."""
+
+    driver_name: str
+    compat_nvidia: bool
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server naming
+        if self.path.split("?", 1)[0] != "/validate":
+            self._reply(404, "text/plain; charset=utf-8", b"not found\n")
+            return
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            self._reply(411, "text/plain; charset=utf-8", b"Content-Length required\n")
+            return
+        if not 0 < length <= MAX_BODY:
+            # Answered before the body is read; the connection is closed with the rest unread.
+            self._reply(413, "text/plain; charset=utf-8", f"body must be 1 to {MAX_BODY} bytes\n".encode())
+            return
+        body = self.rfile.read(length)
+        try:
+            answer = review(loads_bounded(body, MAX_JSON_DEPTH), driver_name=self.driver_name,
+                            compat_nvidia=self.compat_nvidia)
+        except (ValueError, UnicodeDecodeError) as exc:
+            self._reply(400, "text/plain; charset=utf-8", f"{printable(str(exc))}\n".encode())
+            return
+        self._reply(200, "application/json", json.dumps(answer).encode())
 
 
 def serve(address: str, port: int, cert_file: str, key_file: str, *, driver_name: str,
-          compat_nvidia: bool) -> ThreadingHTTPServer:
+          compat_nvidia: bool, limits: ConnectionLimits = ConnectionLimits()) -> BoundedHTTPServer:
     """Starts serving in a background thread; port 0 picks a free one (server.server_address). Stop with
     server.shutdown(). Raises OSError or ssl.SSLError when the certificate or key cannot be loaded."""
-
-    class Handler(ProbeHandler):
-        timeout = 30  # per connection: a client that stops sending does not hold a thread for ever
-
-        def do_POST(self) -> None:  # noqa: N802 - http.server naming
-            if self.path.split("?", 1)[0] != "/validate":
-                self._reply(404, "text/plain; charset=utf-8", b"not found\n")
-                return
-            try:
-                length = int(self.headers.get("Content-Length", ""))
-            except ValueError:
-                self._reply(411, "text/plain; charset=utf-8", b"Content-Length required\n")
-                return
-            if not 0 < length <= MAX_BODY:
-                self._reply(413, "text/plain; charset=utf-8", b"body too large or empty\n")
-                return
-            try:
-                answer = review(json.loads(self.rfile.read(length)), driver_name=driver_name,
-                                compat_nvidia=compat_nvidia)
-            except (ValueError, UnicodeDecodeError) as exc:
-                self._reply(400, "text/plain; charset=utf-8", f"{exc}\n".encode())
-                return
-            self._reply(200, "application/json", json.dumps(answer).encode())
-
     reloader = _CertReloader(cert_file, key_file)
-    server = _TLSServer((address, port), Handler)
+    handler = type("Handler", (_ReviewHandler,), {"driver_name": driver_name, "compat_nvidia": compat_nvidia})
+    server = _TLSServer((address, port), handler, limits=limits)
     server.reloader = reloader
-    threading.Thread(target=server.serve_forever, name="webhook", daemon=True).start()
-    return server
+    return start(server, "webhook")

@@ -10,11 +10,9 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-from http.server import ThreadingHTTPServer
-
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from kube.httpserver import HealthCheck, serve_health_and_metrics
+from kube.httpserver import BoundedHTTPServer, HealthCheck, serve_health_and_metrics
 from kube.metrics import SLICE_POOLS, SLICE_SYNCS, SLICE_WRITES
 
 NAMESPACE = "gpu_dra"
@@ -90,7 +88,7 @@ class PluginMetrics:
         self.devices.labels(state="unhealthy").set(unhealthy)
 
     def serve(self, port: int, addr: str = "0.0.0.0", *, health: HealthCheck | None = None,
-              live: HealthCheck | None = None) -> ThreadingHTTPServer:
+              live: HealthCheck | None = None) -> BoundedHTTPServer:
         """Expose /metrics, /healthz, /readyz (``health``) and /livez (``live``) on ``port`` (a daemon thread;
         port 0 picks a free one). Stop it with ``shutdown()`` on the returned server."""
         return serve_health_and_metrics(port, health or (lambda: (True, "ok")), addr, registry=self.registry,

@@ -247,3 +247,101 @@ def test_a_claim_copy_is_not_modified() -> None:
     before = copy.deepcopy(obj)
     answer(obj)
     assert obj == before
+
+
+# --- hostile input: line breaks in names, deep nesting, made-up resources -------------------------------------
+
+def test_a_newline_in_a_map_key_is_escaped_in_the_denial_and_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    forged = "x\n2026-01-01 00:00:00 INFO controller.webhook: allowed everything"
+    params = {**GOOD_MPS, "sharing": {"strategy": "MPS", "mps": {forged: 1, "bell\x07\u202e": 2}}}
+    obj = claim((DRIVER, params))
+    obj["metadata"]["name"] = "c\nforged"
+    with caplog.at_level("INFO", logger="controller.webhook"):
+        message = answer(obj)["status"]["message"]
+    assert "\n" not in message and "\x07" not in message and "\u202e" not in message
+    assert "sharing.mps.x\\n2026-01-01 00:00:00 INFO" in message and "bell\\x07\\u202e: unknown field" in message
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("denied")]
+    assert "\n" not in line and "ns/c\\nforged" in line and "sharing.mps.x\\n2026" in line
+
+
+def test_control_characters_are_escaped_in_every_part_of_a_config_message() -> None:
+    # The kind (no apiVersion to check it against) and a string value, besides keys.
+    with pytest.raises(ConfigError) as err:
+        decode_opaque_config({"kind": "Gpu\nConfig"}, compat_nvidia=False)
+    assert "\n" not in str(err.value) and "Gpu\\nConfig" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        decode_opaque_config({**GOOD_MPS, "sharing": {"strategy": "MPS\r\n"}}, compat_nvidia=False)
+    assert "\r" not in str(err.value) and "\n" not in str(err.value)
+
+
+def _nested(levels: int) -> dict[str, Any]:
+    deep: dict[str, Any] = {}
+    node = deep
+    for _ in range(levels - 1):
+        node["a"] = {}
+        node = node["a"]
+    return deep
+
+
+@pytest.mark.parametrize("levels", [31, 3000])
+def test_deeply_nested_parameters_get_a_clear_denial(levels: int) -> None:
+    from api.config.decode import MAX_PARAMETERS_DEPTH
+
+    params = {**GOOD_MPS, "sharing": {"strategy": "MPS", "mps": _nested(levels)}}  # parameters are 2 levels more
+    response = answer(claim((DRIVER, params)))
+    assert response["status"]["message"] == \
+        f"spec.devices.config[0].opaque.parameters: parameters nested deeper than {MAX_PARAMETERS_DEPTH} levels"
+    # One level less is read, and refused for what it says.
+    assert "unknown field" in answer(claim((DRIVER, {**GOOD_MPS, "sharing": {"strategy": "MPS", "mps": _nested(
+        MAX_PARAMETERS_DEPTH - 2)}})))["status"]["message"]
+
+
+def test_the_webhooks_json_bound_leaves_every_config_the_decoder_reads_intact() -> None:
+    """Containers past MAX_JSON_DEPTH are read as null; that must only ever happen inside parameters the decoder
+    refuses for depth anyway (a template's parameters sit 10 levels down in the review)."""
+    from api.config.decode import MAX_PARAMETERS_DEPTH
+    from controller.boundedjson import loads_bounded
+    from controller.webhook import MAX_JSON_DEPTH
+
+    assert MAX_JSON_DEPTH >= 10 + MAX_PARAMETERS_DEPTH + 1
+    deepest = template((DRIVER, {**GOOD_MPS, "sharing": {"strategy": "MPS", "mps": _nested(MAX_PARAMETERS_DEPTH - 2)}}))
+    review_ = admission(deepest)
+    assert loads_bounded(json.dumps(review_).encode(), MAX_JSON_DEPTH) == review_
+    too_deep = json.dumps(admission(claim((DRIVER, "DEEP")))).replace('"DEEP"', "[" * 2000 + "]" * 2000)
+    decoded = loads_bounded(too_deep.encode(), MAX_JSON_DEPTH)
+    params = decoded["request"]["object"]["spec"]["devices"]["config"][0]["opaque"]["parameters"]
+    depth = 0
+    while isinstance(params, list):
+        params, depth = (params[0] if params else None), depth + 1
+    assert depth == MAX_JSON_DEPTH - 8 and params is None  # parameters of a claim sit at level 9
+
+
+@pytest.mark.parametrize(("text", "depth", "expected"), [
+    ('{"a": [1, {"b": "[[[["}], "c": {"d": {"e": 1}}}', 2, {"a": [1, None], "c": {"d": None}}),
+    ('{"a": "]]]]}}}}", "b": [[[1]]]}', 3, {"a": "]]]]}}}}", "b": [[None]]}),
+    ('{"s": "\\"{[", "t": [[]]}', 2, {"s": '"{[', "t": [None]}),
+    ("[[[[]]]]", 4, [[[[]]]]),
+])
+def test_loads_bounded_cuts_only_containers_past_the_bound(text: str, depth: int, expected: Any) -> None:
+    from controller.boundedjson import loads_bounded
+
+    assert loads_bounded(text.encode(), depth) == expected
+
+
+@pytest.mark.parametrize("text", ['{"a": [[[[', "[[[]]]]]", b"\xff[]"])
+def test_loads_bounded_refuses_what_is_no_json(text: str | bytes) -> None:
+    from controller.boundedjson import loads_bounded
+
+    with pytest.raises(ValueError):
+        loads_bounded(text.encode() if isinstance(text, str) else text, 2)
+
+
+def test_reviews_of_other_resources_add_no_metric_series() -> None:
+    from prometheus_client import REGISTRY
+
+    body = admission(claim((DRIVER, GOOD_MPS)))
+    body["request"]["resource"]["resource"] = "made-up-resource-7f3a"
+    assert review(body, driver_name=DRIVER, compat_nvidia=False)["response"]["allowed"]
+    assert REGISTRY.get_sample_value("gpu_dra_webhook_reviews_total",
+                                     {"resource": "made-up-resource-7f3a", "result": "allowed"}) is None
+    assert REGISTRY.get_sample_value("gpu_dra_webhook_reviews_total", {"resource": "other", "result": "allowed"})

@@ -15,6 +15,10 @@ from api.names import CONFIG_API_VERSION, NVIDIA_CONFIG_API_VERSION
 OUR_KINDS: dict[str, type[BaseModel]] = {"GpuConfig": GpuConfig, "MigDeviceConfig": MigDeviceConfig}
 NVIDIA_KINDS: dict[str, type[BaseModel]] = {"GpuConfig": NvidiaGpuConfig, "MigDeviceConfig": NvidiaMigDeviceConfig}
 
+# Our configs are at most a handful of levels deep; anything far deeper is refused before the model sees it (pydantic
+# and the message builders recurse, and a deep enough document would end in RecursionError instead of a message).
+MAX_PARAMETERS_DEPTH = 32
+
 # Which config kind configures which device `type` attribute value (slots and shares are carved from GPUs).
 CONFIG_KIND_FOR_DEVICE_TYPE: dict[str, str] = {
     "gpu": "GpuConfig",
@@ -31,6 +35,21 @@ def _registry(compat_nvidia: bool) -> dict[str, dict[str, type[BaseModel]]]:
     return registry
 
 
+def nested_deeper_than(value: Any, limit: int) -> bool:
+    """Whether objects and lists nest more than `limit` levels in `value` (a JSON-like document; walked without
+    recursion, so any depth is measured)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, Mapping) else node if isinstance(node, (list, tuple)) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
 def decode_opaque_config(parameters: Any, *, compat_nvidia: bool) -> DeviceConfig:
     """Validate and decode opaque parameters. NVIDIA's types are mapped to ours when `compat_nvidia` is set.
 
@@ -39,6 +58,8 @@ def decode_opaque_config(parameters: Any, *, compat_nvidia: bool) -> DeviceConfi
     """
     if not isinstance(parameters, Mapping):
         raise ConfigError([("", f"parameters must be an object with apiVersion and kind, got {describe(parameters)}")])
+    if nested_deeper_than(parameters, MAX_PARAMETERS_DEPTH):
+        raise ConfigError([("", f"parameters nested deeper than {MAX_PARAMETERS_DEPTH} levels")])
     api_version, kind = parameters.get("apiVersion"), parameters.get("kind")
     registry = _registry(compat_nvidia)
     if not isinstance(api_version, str) or not api_version:

@@ -1,7 +1,8 @@
 """ConfigError: one exception for every problem found in a user's opaque configuration.
 
 Each problem names the field path inside the parameters (e.g. `sharing.mps.activeThreadPercentage`)
-so a claim author can find it; the apiVersion and kind are part of the message.
+so a claim author can find it; the apiVersion and kind are part of the message. Everything in a message may come
+from the user (map keys, values, kinds), so it is rendered through `printable`: one line, whatever the input.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ class ConfigError(ValueError):
         parts = [f"{path}: {reason}" if path else reason for path, reason in self.problems]
         body = "; ".join(parts) or "invalid configuration"
         subject = " ".join(p for p in (self.api_version, self.kind) if p)
-        return f"{subject}: {body}" if subject else body
+        return printable(f"{subject}: {body}" if subject else body)
 
     def with_prefix(self, prefix: str) -> ConfigError:
         """The same problems with paths under `prefix`, e.g. `spec.devices.config[0].opaque.parameters`."""
@@ -35,6 +36,15 @@ class ConfigError(ValueError):
                 return prefix
             return f"{prefix}{path}" if path.startswith("[") else f"{prefix}.{path}"
         return ConfigError(((join(p), r) for p, r in self.problems), api_version=self.api_version, kind=self.kind)
+
+
+def printable(text: str) -> str:
+    """`text` with every character that is not printable (newlines, other control characters, bidi overrides, line
+    separators) written as its Python escape (\\n, \\x1b, \\u202e): user-supplied keys and values in a message or
+    a log line cannot start a new line or disguise the text around them."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def describe(value: Any) -> str:
@@ -55,12 +65,14 @@ def describe(value: Any) -> str:
 
 
 def format_path(loc: Sequence[str | int]) -> str:
+    """pydantic's error location as a field path (`sharing.mps.limits[0]`); keys are the user's, made printable."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
         else:
-            out += f".{part}" if out else str(part)
+            key = printable(str(part))
+            out += f".{key}" if out else key
     return out
 
 
