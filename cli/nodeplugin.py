@@ -106,6 +106,8 @@ class LocalNodePlugin:
                 "--cdi-root", str(self.cdi_dir), "--state-dir", str(self.state_dir), "--fleet", str(self.fleet),
                 "--sim-state", str(self.sim_state), "--driver-root", str(self.driver_root),
                 "--dev-root", str(self.driver_root), "--cdi-hook-path", str(self.cdi_hook),
+                # MPS shared memory as on a real node: a tmpfs per daemon (unmounted with the node's work dir).
+                "--mps-shm-tmpfs", "true",
                 "--metrics-port", str(self.metrics_port),
                 "--log-format", "text", "--log-level", self.log_level, *self.extra_args]
 

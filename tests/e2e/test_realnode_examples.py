@@ -106,8 +106,9 @@ def wants_mps(published: dict[str, dict[str, Any]], claims: list[dict[str, Any]]
 
 def check_pod(real: RealNode, plugin: LocalNodePlugin, namespace: str, pod_name: str) -> Checked:
     """Each container of the running pod saw exactly the device nodes and NVIDIA_VISIBLE_DEVICES of its claims
-    (this driver's results only); an MPS client also its daemon's pipe directory and /dev/shm (the probe's
-    markers show up in the directories of a running daemon on the host), a non-MPS one nothing of MPS."""
+    (this driver's results only); an MPS client also its daemon's pipe directory, read-only, with the daemon's
+    control socket, and /dev/shm (the probe's marker shows up in the shm directory beside a running daemon's pipe
+    directory on the host), a non-MPS one nothing of MPS."""
     pod = real.pod(namespace, pod_name)
     published = real.devices(plugin)
     out = Checked()
@@ -134,13 +135,16 @@ def check_pod(real: RealNode, plugin: LocalNodePlugin, namespace: str, pod_name:
             assert view.env.get("CUDA_MPS_PIPE_DIRECTORY") == MPS_PIPE, view.env
             assert nvidia_mounts == {MPS_PIPE}, view.mounts
             marker = probe_marker(pod_name, container["name"])
-            assert sorted(view.wrote) == sorted([f"{MPS_PIPE}/{marker}", f"/dev/shm/{marker}"]), view.wrote
-            # The container's directories are a running daemon's: its markers are there on the host.
+            # The pipe directory is read-only in the container (the root daemon writes there following links).
+            assert view.wrote == [f"/dev/shm/{marker}"], view.wrote
+            assert {"control", "nvidia-cuda-mps-control.pid"} <= set(view.pipe_entries), view.pipe_entries
+            # The container's directories are a running daemon's: its marker is in the shm beside that daemon's
+            # pipe directory on the host.
             daemons = plugin.mps_daemons()
-            pipe = next((d for d in daemons.values() if (d / marker).is_file()), None)
-            assert pipe is not None, f"no running MPS daemon's pipe directory has {marker}: {daemons}"
-            shm = [p for p in plugin.state_dir.rglob(marker) if p.parent != pipe]
-            assert len(shm) == 1 and shm[0].parent.parent == pipe.parent, (shm, pipe)
+            shm = list(plugin.state_dir.rglob(marker))
+            assert len(shm) == 1 and shm[0].parent.name == "shm", shm
+            pipe = shm[0].parent.parent / "pipe"
+            assert pipe in daemons.values(), f"{pipe} is no running MPS daemon's pipe directory: {daemons}"
             out.mps_dirs += [pipe, shm[0].parent]
         else:
             assert not any(k.startswith("CUDA_MPS_") for k in view.env), view.env
@@ -295,17 +299,17 @@ def mps_template(name: str, parent_uuid: str, threads: int, memory: str) -> dict
 
 def test_two_pods_on_mps_slots_of_one_gpu_are_clients_of_one_daemon(real: RealNode, ours: LocalNodePlugin) -> None:
     """Two pods, each with its own claim on an MPS slot of the same GPU: both run, each container's environment
-    carries its own claim's limits, and both wrote into the pipe directory of the one daemon serving that GPU."""
+    carries its own claim's limits, and both use the pipe directory of the one daemon serving that GPU."""
     slots = [a for a in real.devices(ours).values() if a["type"] == "slot" and a.get("sharing") == "mps"]
     assert slots, "the node publishes no MPS slot"
     parent = slots[0]["parentUUID"]
     namespace = "mps-two-pods"
     pods, checked = run_and_check(real, ours, namespace, [
-        mps_template("mps-a", parent, 30, "8Gi"), mps_template("mps-b", parent, 60, "12Gi"),
+        mps_template("mps-a", parent, 15, "8Gi"), mps_template("mps-b", parent, 25, "12Gi"),
         pod_with("mps-a", "mps-a", ["cuda"]), pod_with("mps-b", "mps-b", ["cuda"])])
     a, b = (real.view(namespace, p, "cuda").env for p in ("mps-a", "mps-b"))
-    assert (a["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], a["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]) == ("30", "0=8192M"), a
-    assert (b["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], b["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]) == ("60", "0=12288M"), b
+    assert (a["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], a["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]) == ("15", "0=8192M"), a
+    assert (b["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], b["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]) == ("25", "0=12288M"), b
     assert a["NVIDIA_VISIBLE_DEVICES"] == b["NVIDIA_VISIBLE_DEVICES"] == parent
     # check_pod found each container's markers in a running daemon's pipe directory: the same one for both.
     pipes = {c.mps_dirs[0] for c in checked}
