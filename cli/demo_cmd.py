@@ -211,7 +211,7 @@ def run_demo(ctx: DemoContext, fleet: Any, examples: list[Any], *, timeout: floa
     from api.deviceclasses import device_classes
     from cli.demo_examples import apply_objects, create_namespace, describe_pending, wait_for_allocation
     from cli.demo_node import wait_for_pods
-    from cli.localnode import busybox_image
+    from cli.localnode import cuda_probe_image
     from cli.podprobe import for_local_node
     from cli.publish_cmd import SIMULATED_LABEL, desired_fleet_pools
     from controller.cluster import ClusterController
@@ -255,7 +255,7 @@ def run_demo(ctx: DemoContext, fleet: Any, examples: list[Any], *, timeout: floa
                    f"{', '.join(e.name for e in examples)}")
         for example in examples:
             objects = example.objects if real is None else [
-                for_local_node(o, busybox_image()) if o["kind"] == "Pod" else o for o in example.objects]
+                for_local_node(o, cuda_probe_image()) if o["kind"] == "Pod" else o for o in example.objects]
             try:
                 apply_objects(kube, objects, ctx.namespace)
             except ApiError as exc:

@@ -1,6 +1,7 @@
 """The demo's real node: one node of the fleet runs a real kubelet, containerd and runc (`cli.localnode`) and
 `gpu-dra kubelet-plugin` for its simulated GPUs (`cli.nodeplugin`), so the example pods that the scheduler
-puts there actually run; each prints what its container sees (`cli.podprobe`).
+puts there actually run; each prints what its container sees (`cli.podprobe`), the devices libcuda and NVML
+show it included: the plugin's driver root holds the CUDA stand-in laid out as a host driver install.
 
 When the node cannot start (not root, no cgroups, the node binaries cannot be built) the demo goes on without
 it, scheduling only, and says why in one line (`RealNodeUnavailable`).
@@ -15,7 +16,7 @@ from typing import Any
 
 from cli.demo_examples import PodClaim, collection
 from cli.localcluster import ClusterError
-from cli.localnode import LocalNode, NodeError
+from cli.localnode import LocalNode, NodeError, install_driver_root
 from cli.nodeplugin import LocalNodePlugin, NodePluginError
 from cli.podprobe import ContainerView, parse_probe
 
@@ -56,6 +57,10 @@ class RealNode:
     def start_plugin(self, fleet: Path, driver: str) -> LocalNodePlugin:
         """`gpu-dra kubelet-plugin` for this node, registered with its kubelet. Raises NodePluginError."""
         self.plugin = LocalNodePlugin(self.node, fleet, driver, log_level="warning")
+        try:
+            install_driver_root(self.plugin.driver_root, self.node.bin_dir, "host", fleet=fleet, node_name=self.name)
+        except NodeError as exc:
+            raise NodePluginError(str(exc)) from exc
         self.plugin.start()
         self.plugin.wait_registered(PLUGIN_TIMEOUT)
         return self.plugin

@@ -107,14 +107,17 @@ def cuda_standin_dir(bin_dir: Path) -> Path:
     return bin_dir.parent / "cuda-standin"
 
 
-def install_driver_root(root: Path, bin_dir: Path, layout: str, driver_version: str) -> list[str]:
-    """The node build's CUDA stand-in installed in a simulated node's driver root as a real driver install of
-    ``layout`` (dra.sim.driverlayout.LAYOUTS) is; returns the paths created under ``root``."""
+def install_driver_root(root: Path, bin_dir: Path, layout: str, *, fleet: Path, node_name: str) -> list[str]:
+    """The node build's CUDA stand-in installed in the driver root of the simulated node `node_name` of `fleet`,
+    as a real driver install of ``layout`` (dra.sim.driverlayout.LAYOUTS) is, its libraries named after the
+    node's driver version; returns the paths created under ``root``."""
     from dra.sim.driverlayout import DriverLayoutError, install_standin
+    from dra.sim.fleet import FleetError, load_fleet
 
     try:
-        return install_standin(root, cuda_standin_dir(bin_dir), layout, driver_version)
-    except DriverLayoutError as err:
+        version = load_fleet(fleet).node(node_name).driver_version
+        return install_standin(root, cuda_standin_dir(bin_dir), layout, version)
+    except (DriverLayoutError, FleetError) as err:
         raise NodeError(f"cannot install the CUDA stand-in into {root}: {err}") from None
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from cli.podprobe import ContainerView, SeenDevice, parse_probe, probe_script
 from dra.node import migdevices
 from dra.node.cdi import common_edits
 from dra.node.driverroot import DeviceNodeInfo, DriverRoot, DriverRootError
@@ -267,3 +268,30 @@ def test_layout_errors_name_the_problem(standin: Path, tmp_path: Path) -> None:
     (empty / "lib").mkdir(parents=True)
     with pytest.raises(DriverLayoutError, match=r"expected one built libcuda\.so\.<version>, found none"):
         install_standin(tmp_path / "r2", empty, "host", VERSION)
+
+
+# ---- the pod probe script with cuda-probe -------------------------------------------------------
+
+def test_pod_probe_reports_what_cuda_probe_saw(standin: Path, tmp_path: Path) -> None:
+    """cli.podprobe's script runs cuda-probe between its markers; parse_probe reads its devices back."""
+    (tmp_path / "sleep").write_text("#!/bin/sh\n")
+    (tmp_path / "sleep").chmod(0o755)
+    env = {"PATH": f"{standin / 'bin'}:{tmp_path}:/usr/bin:/bin", "LD_LIBRARY_PATH": str(standin / "lib"),
+           "GPU_DRA_SIM_GPUS": str(listing(tmp_path))}
+    done = subprocess.run(["sh", "-c", probe_script("p", "cuda")], env=env, capture_output=True, text=True,
+                          timeout=30)
+    view = parse_probe(done.stdout)
+    assert view.complete and view.probed, done.stdout
+    assert view.cuda == [SeenDevice(G1, 81559, "NVIDIA H100 80GB HBM3"),
+                         SeenDevice(M0, 40192, "NVIDIA H100 80GB HBM3 MIG 3g.40gb")]
+    assert [d.uuid for d in view.nvml] == [G1, G2] and [d.uuid for d in view.nvml_mig] == [M0]
+    assert view.cuda_summary() == f"cuda: 2 devices {G1}, 81559 MiB, {M0}, 40192 MiB"
+    assert view.summary().endswith(view.cuda_summary())
+    # No libraries: the reason is kept and shown.
+    env.pop("LD_LIBRARY_PATH")
+    view = parse_probe(subprocess.run(["sh", "-c", probe_script("p", "cuda")], env=env, capture_output=True,
+                                      text=True, timeout=30).stdout)
+    assert view.cuda == [] and view.cuda_error is not None and view.cuda_error.startswith("dlopen libcuda.so.1: ")
+    assert view.cuda_summary().startswith("cuda: 0 devices (dlopen libcuda.so.1: ")
+    one = ContainerView(cuda=[SeenDevice(G1, 81559, "x")], probed=True)
+    assert one.cuda_summary() == f"cuda: 1 device {G1}, 81559 MiB"

@@ -2,8 +2,10 @@
 ``gpu-dra kubelet-plugin`` for it with simulated GPUs, shared by the tests of a module.
 
 Pods come from the examples (or are written like them) and run through `cli.podprobe.for_local_node`: the
-busybox image prints the NVIDIA device nodes, environment and mounts its container got, then sleeps. The
-tests assert on that output, and on what the plugin left on the node after the kubelet unprepared.
+cuda-probe image prints the NVIDIA device nodes, environment and mounts its container got and the devices
+libcuda.so.1 and libnvidia-ml.so.1 show it, then sleeps. Each plugin's driver root holds the CUDA stand-in
+laid out as a real driver install (host Debian layout unless a test picks another). The tests assert on that
+output, and on what the plugin left on the node after the kubelet unprepared.
 Nothing here skips: a node that cannot start fails the tests with the reason.
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ import yaml
 from api.deviceclasses import device_classes
 from api.names import DEFAULT_DRIVER_NAME
 from cli.localcluster import ClusterError, LocalCluster
-from cli.localnode import LocalNode, NodeError, busybox_image, cleanup_leftovers
+from cli.localnode import LocalNode, NodeError, cleanup_leftovers, cuda_probe_image, install_driver_root
 from cli.nodeplugin import LocalNodePlugin, NodePluginError
 from cli.podprobe import ContainerView, for_local_node, parse_probe
 from kube.client import DEVICE_CLASSES, ApiError, KubeApi
@@ -115,11 +117,17 @@ class RealNode:
                 if not exc.conflict:
                     raise
 
-    def plugin(self, driver: str = DEFAULT_DRIVER_NAME, *extra_args: str) -> LocalNodePlugin:
-        """A plugin process for this node (not started); stopped with the node."""
+    def plugin(self, driver: str = DEFAULT_DRIVER_NAME, *extra_args: str, layout: str = "host") -> LocalNodePlugin:
+        """A plugin process for this node (not started); stopped with the node. Its driver root gets the CUDA
+        stand-in in `layout` (dra.sim.driverlayout.LAYOUTS)."""
         assert self.node is not None and self.fleet is not None
         plugin = LocalNodePlugin(self.node, self.fleet, driver, extra_args=extra_args)
         self.plugins.append(plugin)
+        try:
+            install_driver_root(plugin.driver_root, self.node.bin_dir, layout, fleet=self.fleet,
+                                node_name=self.node.name)
+        except NodeError as exc:
+            pytest.fail(str(exc), pytrace=False)
         return plugin
 
     def start_plugin(self, plugin: LocalNodePlugin, timeout: float = 60.0) -> LocalNodePlugin:
@@ -175,7 +183,7 @@ class RealNode:
         order = {"ResourceClaimTemplate": 0, "ResourceClaim": 1, "Pod": 2}
         for obj in sorted(objects, key=lambda o: order.get(o["kind"], 9)):
             if obj["kind"] == "Pod":
-                obj = for_local_node(obj, busybox_image(), self.node.name)
+                obj = for_local_node(obj, cuda_probe_image(), self.node.name)
                 pods.append(obj["metadata"]["name"])
             create(self.kube, namespace, obj)
         return pods
