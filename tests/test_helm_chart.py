@@ -15,6 +15,7 @@ import yaml
 from api.deviceclasses import device_classes
 from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
 from cli.main import build_parser
+from controller.cluster import DRIVER_LABEL, MANAGED_BY, MANAGED_BY_LABEL
 from helmchart import CHART, ROOT, helm, render, template_args
 
 SIMULATED = str(ROOT / "deploy" / "kind" / "values-simulated.yaml")
@@ -34,6 +35,15 @@ def one(objects: list[dict[str, Any]], kind: str, component: str | None = None) 
         component is None or o["metadata"]["labels"].get("app.kubernetes.io/component") == component)]
     assert len(found) == 1, f"{len(found)} {kind} objects for component {component}"
     return found[0]
+
+
+def policy(objects: list[dict[str, Any]], suffix: str) -> dict[str, Any]:
+    """The ValidatingAdmissionPolicy named `<fullname>-<suffix>`, after checking its binding names it."""
+    [found] = [o for o in objects if o["kind"] == "ValidatingAdmissionPolicy" and o["metadata"]["name"].endswith(suffix)]
+    [binding] = [o for o in objects if o["kind"] == "ValidatingAdmissionPolicyBinding"
+                 and o["spec"]["policyName"] == found["metadata"]["name"]]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    return found
 
 
 def container(workload: dict[str, Any]) -> dict[str, Any]:
@@ -74,8 +84,8 @@ def test_chart_defaults_name_the_image_make_image_builds() -> None:
 def test_default_render_has_every_object_once(default: list[dict[str, Any]]) -> None:
     kinds = Counter(o["kind"] for o in default)
     assert kinds == {"DaemonSet": 1, "Deployment": 2, "ServiceAccount": 2, "ClusterRole": 2, "ClusterRoleBinding": 2,
-                     "ConfigMap": 1, "DeviceClass": 8, "ValidatingAdmissionPolicy": 1,
-                     "ValidatingAdmissionPolicyBinding": 1, "Secret": 1, "Service": 1, "PodDisruptionBudget": 1,
+                     "ConfigMap": 1, "DeviceClass": 8, "ValidatingAdmissionPolicy": 3,
+                     "ValidatingAdmissionPolicyBinding": 3, "Secret": 1, "Service": 1, "PodDisruptionBudget": 1,
                      "ValidatingWebhookConfiguration": 1}, kinds
     for o in default:
         if o["kind"] != "DeviceClass":  # named after the driver
@@ -153,20 +163,43 @@ def test_rbac_binds_each_role_to_its_service_account(default: list[dict[str, Any
     plugin_role = roles["gpu-dra-gpu-dra-driver-kubelet-plugin"]
     driver_rule = [r for r in plugin_role["rules"] if r["resources"] == ["resourceclaims/driver"]]
     assert driver_rule[0]["resourceNames"] == [DEFAULT_DRIVER_NAME]
+    # Only what the code calls (the e2e test test_least_privilege runs those calls with these grants alone).
+    assert {(tuple(r["resources"]), tuple(r["verbs"])) for r in plugin_role["rules"]} == {
+        (("resourceslices",), ("create", "get", "list", "watch", "update", "delete")),
+        (("resourceclaims",), ("get",)), (("resourceclaims/status",), ("patch",)),
+        (("resourceclaims/driver",), ("associated-node:patch",)), (("nodes",), ("get",))}
     controller_role = roles["gpu-dra-gpu-dra-driver-controller"]
-    assert any(r["resources"] == ["deviceclasses"] and "create" in r["verbs"] for r in controller_role["rules"])
+    by_name = [r for r in controller_role["rules"] if r.get("resourceNames")]
+    assert [(r["resources"], r["verbs"]) for r in by_name] == [(["deviceclasses"], ["get", "update"])]
+    assert by_name[0]["resourceNames"] == [c["metadata"]["name"] for c in device_classes(DEFAULT_DRIVER_NAME)]
+    assert {(tuple(r["resources"]), tuple(r["verbs"])) for r in controller_role["rules"] if not r.get("resourceNames")} == {
+        (("deviceclasses",), ("create", "list", "delete")), (("resourceslices",), ("list", "delete")),
+        (("nodes",), ("list",))}
+    compat = {o["metadata"]["name"]: o for o in render("--set", "compatNvidia=true") if o["kind"] == "ClusterRole"}
+    [compat_names] = [r["resourceNames"] for r in compat["gpu-dra-gpu-dra-driver-controller"]["rules"]
+                      if r.get("resourceNames")]
+    assert compat_names == [c["metadata"]["name"] for c in device_classes(compat_nvidia=True)]
 
 
 def test_device_classes_and_admission_policy(default: list[dict[str, Any]]) -> None:
     classes = [o for o in default if o["kind"] == "DeviceClass"]
     assert classes == device_classes(DEFAULT_DRIVER_NAME)
-    policy = one(default, "ValidatingAdmissionPolicy")
-    assert policy["spec"]["matchConstraints"]["resourceRules"][0]["resources"] == ["resourceslices"]
-    variables = {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
-    assert variables["driverName"] == f"'{DEFAULT_DRIVER_NAME}'"
-    assert "system:serviceaccount:gpu-dra:gpu-dra-gpu-dra-driver-kubelet-plugin" in \
-        policy["spec"]["matchConditions"][0]["expression"]
-    assert one(default, "ValidatingAdmissionPolicyBinding")["spec"]["policyName"] == policy["metadata"]["name"]
+    slices = policy(default, "-resourceslices")
+    claims = policy(default, "-resourceclaim-status")
+    for p, resource in ((slices, "resourceslices"), (claims, "resourceclaims/status")):
+        assert p["spec"]["matchConstraints"]["resourceRules"][0]["resources"] == [resource]
+        variables = {v["name"]: v["expression"] for v in p["spec"]["variables"]}
+        assert variables["driverName"] == f"'{DEFAULT_DRIVER_NAME}'"
+        assert "'authentication.kubernetes.io/node-name' in request.userInfo.extra" in variables["userNodeName"]
+        assert p["spec"]["matchConditions"][0]["expression"] == \
+            "request.userInfo.username == 'system:serviceaccount:gpu-dra:gpu-dra-gpu-dra-driver-kubelet-plugin'"
+    # The labels the controller puts on the classes it makes (controller.cluster) are the ones its deletes need.
+    classes_policy = policy(default, "-deviceclass-deletes")
+    rule = classes_policy["spec"]["validations"][0]["expression"]
+    assert f"['{MANAGED_BY_LABEL}'] == '{MANAGED_BY}'" in rule
+    assert f"['{DRIVER_LABEL}'] == '{DEFAULT_DRIVER_NAME}'" in rule
+    assert classes_policy["spec"]["matchConditions"][0]["expression"] == \
+        "request.userInfo.username == 'system:serviceaccount:gpu-dra:gpu-dra-gpu-dra-driver-controller'"
 
 
 def test_webhook_deployment_service_and_certificate(default: list[dict[str, Any]], tmp_path: Path) -> None:
@@ -262,8 +295,9 @@ def test_nvidia_compat_mode() -> None:
                                                     f"resourceclaimtemplates.{NVIDIA_DRIVER_NAME}"}
     for hook in vwc["webhooks"]:
         assert f"c.opaque.driver == '{NVIDIA_DRIVER_NAME}'" in hook["matchConditions"][0]["expression"]
-    policy = one(objects, "ValidatingAdmissionPolicy")
-    assert {v["name"]: v["expression"] for v in policy["spec"]["variables"]}["driverName"] == f"'{NVIDIA_DRIVER_NAME}'"
+    for suffix in ("-resourceslices", "-resourceclaim-status"):
+        variables = {v["name"]: v["expression"] for v in policy(objects, suffix)["spec"]["variables"]}
+        assert variables["driverName"] == f"'{NVIDIA_DRIVER_NAME}'"
 
 
 def test_explicit_api_endpoint_for_clusters_without_kube_proxy() -> None:

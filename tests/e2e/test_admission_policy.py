@@ -1,26 +1,23 @@
 """The chart's ValidatingAdmissionPolicy on the real API server: a node's kubelet plugin may write only its own
 node's ResourceSlices, in its own pool and under its own driver name.
 
-The policy is rendered from deploy/helm/gpu-dra-driver/templates/validatingadmissionpolicy.yaml (every template
-expression in it must be one this test knows, so the test follows the chart). Requests are sent as the
+The policy is rendered by `helm template` from deploy/helm/gpu-dra-driver/templates/validatingadmissionpolicy.yaml
+(with the CEL it shares with the chart's other policies, templates/_admission.tpl). Requests are sent as the
 plugin's service account with the node name in the token's extra, as a node-bound token carries it (the
 admin impersonates that identity), so the API server compiles and runs the policy's CEL as in a cluster."""
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
+from helmchart import render
 from kube.client import SLICES, ApiError, KubeApi
 
 pytestmark = pytest.mark.e2e
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "deploy/helm/gpu-dra-driver/templates/validatingadmissionpolicy.yaml"
 NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
 POLICIES = "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies"
 BINDINGS = "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicybindings"
@@ -29,18 +26,11 @@ CLUSTER_ROLE_BINDINGS = "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings"
 
 
 def render_policy(fullname: str, namespace: str, driver: str) -> list[dict[str, Any]]:
-    """The template as `helm template` would render it with these names (the policy enabled)."""
-    values = {
-        '{{- if .Values.validatingAdmissionPolicy.enabled }}': "",
-        "{{- end }}": "",
-        '{{- include "gpu-dra-driver.labels" . | nindent 4 }}': "\n    app.kubernetes.io/part-of: gpu-dra-driver",
-        '{{ include "gpu-dra-driver.fullname" . }}': fullname,
-        "{{ .Release.Namespace }}": namespace,
-        '{{ include "gpu-dra-driver.kubeletPluginServiceAccount" . }}': f"{fullname}-kubelet-plugin",
-        '{{ include "gpu-dra-driver.driverName" . }}': driver,
-    }
-    text = re.sub(r"\{\{.*?\}\}", lambda m: values[m.group(0)], TEMPLATE.read_text())
-    return [d for d in yaml.safe_load_all(text) if d]
+    """The chart's ResourceSlice policy and its binding as `helm template` renders them with these names."""
+    objects = render("--set", f"driverName={driver}", "--set", f"fullnameOverride={fullname}",
+                     release=fullname, namespace=namespace)
+    return [o for o in objects if o["kind"] in ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+            and o["metadata"]["name"] == f"{fullname}-resourceslices"]
 
 
 def as_plugin(cluster: Any, user: str, node: str) -> KubeApi:
@@ -91,7 +81,7 @@ class Setup:
         self.create(CLUSTER_ROLES, {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
                                     "metadata": {"name": self.fullname}, "rules": [{
                                         "apiGroups": ["resource.k8s.io"], "resources": ["resourceslices"],
-                                        "verbs": ["create", "get", "list", "watch", "update", "patch", "delete"]}]})
+                                        "verbs": ["create", "get", "list", "watch", "update", "delete"]}]})
         self.create(CLUSTER_ROLE_BINDINGS, {
             "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
             "metadata": {"name": self.fullname},
