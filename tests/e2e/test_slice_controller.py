@@ -2,6 +2,7 @@
 upstream counts them, recovery from external deletes and from an unreachable API server."""
 from __future__ import annotations
 
+import json
 import logging
 import re
 import socket
@@ -15,7 +16,7 @@ from prometheus_client import REGISTRY
 from cli.localcluster import free_port
 from kube.backoff import Backoff
 from kube.client import SLICES, KubeApi
-from kube.resourceslices import DesiredPool, Owner, ResourceSliceController, slice_name
+from kube.resourceslices import SPEC_ANNOTATION, DesiredPool, Owner, ResourceSliceController, slice_name
 from kube.serverversion import fetch_server_minor
 from e2e_helpers import TcpForwarder, consuming_device, counter_sets, gpu_devices, pool_summary, slices_of
 from standin.workloads import wait_until
@@ -174,6 +175,46 @@ def test_externally_deleted_or_edited_slices_are_restored(api_client: Any, drive
         assert ctl.wait_for_sync(5)
         assert delta(ctl, before) == {"create": 1, "update": 2}
         assert gone in pool_summary(slices_of(api_client, driver_name))
+
+
+def test_an_edited_slice_that_carries_our_annotation_along_is_restored(api_client: Any, driver_name: str,
+                                                                       node: str) -> None:
+    """Edits that keep our annotation valid-looking: an edited copy put in place of the slice (what `kubectl
+    replace --force` does: generation 1 again, the value our annotation names for a created slice), and one
+    patch that changes the spec and raises the annotation's generation with it. Neither is the slice our
+    write made (another uid, another generation), so both are compared in full and put back."""
+    kube = KubeApi(api_client)
+    with controller(api_client, driver_name, Owner.node(node)) as ctl:
+        ctl.update({node: three_slices(node)})
+        assert ctl.wait_for_sync(30), ctl.errors
+
+        def spare_devices() -> int:
+            return len(slices_of(api_client, driver_name)[2]["spec"]["devices"])
+
+        victim = slices_of(api_client, driver_name)[2]
+        name = victim["metadata"]["name"]
+        copy = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+                "metadata": {k: v for k, v in victim["metadata"].items()
+                             if k in ("name", "labels", "annotations", "ownerReferences")},
+                "spec": {**victim["spec"], "devices": victim["spec"]["devices"][:1]}}
+        kube.delete(SLICES, name)
+        stored = kube.create(SLICES, copy)
+        note = json.loads(stored["metadata"]["annotations"][SPEC_ANNOTATION])
+        assert note["generation"] == stored["metadata"]["generation"] == 1
+        wait_until(lambda: spare_devices() == 2, 15, "the slice replaced by an edited copy to be restored")
+        assert ctl.wait_for_sync(5), ctl.errors
+
+        victim = kube.get(f"{SLICES}/{name}")
+        note = json.loads(victim["metadata"]["annotations"][SPEC_ANNOTATION])
+        note["generation"] = victim["metadata"]["generation"] + 1
+        patched = kube.request("PATCH", f"{SLICES}/{name}", content_type="application/merge-patch+json", body={
+            "metadata": {"annotations": {SPEC_ANNOTATION: json.dumps(note)}},
+            "spec": {"devices": victim["spec"]["devices"][:1]}})
+        assert patched["metadata"]["generation"] == note["generation"]
+        wait_until(lambda: spare_devices() == 2, 15, "the slice patched with its annotation to be restored")
+        assert ctl.wait_for_sync(5), ctl.errors
+        summary = list(pool_summary(slices_of(api_client, driver_name)).values())
+        assert len(summary) == 3 and len(set(summary)) == 1 and summary[0][1] == 3    # one complete pool
 
 
 def test_unreachable_api_server_is_retried_with_growing_back_off(api_client: Any, cluster: Any, driver_name: str,
