@@ -5,6 +5,7 @@ nothing behind once every claim is unprepared. Prints tried / survived / leaked.
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from pathlib import Path
 from typing import Callable
@@ -62,12 +63,34 @@ def _empty_files(snap: Path, journal: Path) -> None:
     journal.write_bytes(b"")
 
 
+def _journal_linked_elsewhere(snap: Path, journal: Path) -> None:
+    elsewhere = snap.parent.parent / "elsewhere.journal"
+    elsewhere.write_bytes(b"")                # a write through the link would start a journal there
+    journal.unlink()
+    journal.symlink_to(elsewhere)
+
+
+def _journal_fifo(snap: Path, journal: Path) -> None:
+    journal.unlink()
+    os.mkfifo(journal, 0o600)                 # a read would wait for a writer forever
+
+
+def _journal_without_header(snap: Path, journal: Path) -> None:
+    journal.write_bytes(journal.read_bytes().split(b"\n", 1)[1])
+
+
+def _snapshot_of_another_user(snap: Path, journal: Path) -> None:
+    os.chown(snap, 4242, 4242)
+
+
 VARIANTS: dict[str, Callable[[Path, Path], None]] = {
     "torn snapshot": _torn_snapshot, "garbage snapshot": _garbage_snapshot,
     "directory in place of the snapshot": _directory_snapshot, "torn journal": _torn_journal,
     "garbage journal line": _garbage_journal_line, "record under another claim's key": _swapped_key,
     "one record unreadable": _one_record_unreadable, "journal deleted after compaction": _journal_deleted,
-    "both files empty": _empty_files,
+    "both files empty": _empty_files, "journal linked elsewhere": _journal_linked_elsewhere,
+    "FIFO in place of the journal": _journal_fifo, "journal without its header": _journal_without_header,
+    "snapshot of another user": _snapshot_of_another_user,
 }
 
 
@@ -85,6 +108,7 @@ def _prepared_node(tmp_path: Path) -> tuple[Node, list]:
     return node, refs
 
 
+@pytest.mark.timeout(120)                     # a FIFO read by mistake would hang the start
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_a_damaged_checkpoint_recovers_without_leaks(tmp_path: Path, variant: str) -> None:
     node, refs = _prepared_node(tmp_path)
@@ -106,6 +130,7 @@ def test_a_damaged_checkpoint_recovers_without_leaks(tmp_path: Path, variant: st
         + list(driver.cdi.list_claim_specs()) + [p for p, d in node.control.daemons.items() if d.alive]
     stats["leaked"] += len(leaked)
     assert leaked == []
+    assert not (tmp_path / "elsewhere.journal").exists() or (tmp_path / "elsewhere.journal").read_bytes() == b""
     stats["survived"] += 1
 
 
