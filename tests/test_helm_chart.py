@@ -20,7 +20,7 @@ from helmchart import CHART, ROOT, helm, render, template_args
 
 SIMULATED = str(ROOT / "deploy" / "kind" / "values-simulated.yaml")
 NAMESPACED = {"ServiceAccount", "ConfigMap", "Secret", "Service", "Deployment", "DaemonSet", "PodDisruptionBudget",
-              "Certificate", "Issuer"}
+              "Certificate", "Issuer", "NetworkPolicy"}
 
 
 def by_kind(objects: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -86,7 +86,7 @@ def test_default_render_has_every_object_once(default: list[dict[str, Any]]) -> 
     assert kinds == {"DaemonSet": 1, "Deployment": 2, "ServiceAccount": 2, "ClusterRole": 2, "ClusterRoleBinding": 2,
                      "ConfigMap": 1, "DeviceClass": 8, "ValidatingAdmissionPolicy": 3,
                      "ValidatingAdmissionPolicyBinding": 3, "Secret": 1, "Service": 1, "PodDisruptionBudget": 1,
-                     "ValidatingWebhookConfiguration": 1}, kinds
+                     "ValidatingWebhookConfiguration": 1, "NetworkPolicy": 3}, kinds
     for o in default:
         if o["kind"] != "DeviceClass":  # named after the driver
             assert o["metadata"]["name"].startswith("gpu-dra-gpu-dra-driver"), o["metadata"]["name"]
@@ -351,7 +351,7 @@ def test_components_can_be_turned_off() -> None:
     objects = render("--set", "webhook.enabled=false", "--set", "controller.enabled=false",
                      "--set", "deviceClasses.create=false", "--set", "validatingAdmissionPolicy.enabled=false")
     assert Counter(o["kind"] for o in objects) == {"DaemonSet": 1, "ServiceAccount": 1, "ClusterRole": 1,
-                                                   "ClusterRoleBinding": 1, "ConfigMap": 1}
+                                                   "ClusterRoleBinding": 1, "ConfigMap": 1, "NetworkPolicy": 1}
     single = render("--set", "webhook.replicas=1")
     assert "PodDisruptionBudget" not in by_kind(single)
 
