@@ -2,7 +2,8 @@
 
 pynvml opens ``libnvidia-ml.so.1`` by soname. In the plugin container the driver lives under a mounted
 driver root (e.g. /driver-root), outside the loader's search path. Opening the library by its full path
-first makes the later dlopen by soname return the same, already loaded library.
+first makes the later dlopen by soname return the same, already loaded library. The driver root is read with its
+device and /proc roots (the node's ``--dev-root`` and ``--proc-root``): ``dra.node.nodeobjects`` builds it so.
 """
 from __future__ import annotations
 
