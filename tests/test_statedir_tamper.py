@@ -326,6 +326,16 @@ def test_a_failed_journal_rename_does_not_lose_later_changes(tmp_path, boot_file
     assert not reread.load().state_lost and "after-failure" in reread.claims()
 
 
+def test_a_damaged_journal_after_a_reboot_is_void_like_the_rest_of_that_boot(tmp_path, boot_file, caplog):
+    """A reboot resets what the records describe: the start drops them as after any reboot, not carefully."""
+    store = prepared_store(tmp_path, boot_file)
+    store.journal_path.write_bytes(b"")
+    boot_file.write_text("e2b1d9c4-5f6a-4c3b-8e7d-1a2b3c4d5e6f\n")
+    result = store_at(tmp_path, boot_file).load()
+    assert not result.state_lost and [r.uid for r in result.dropped_claims] == ["in-snapshot"]
+    assert "is empty" in errors(caplog)[0]
+
+
 # ----- one exclusive device, two records -------------------------------------------------------------------------
 def test_two_records_holding_one_exclusive_device_are_resolved_in_one_line(tmp_path, boot_file, caplog):
     store = store_at(tmp_path, boot_file)

@@ -300,6 +300,8 @@ class CheckpointStore:
                 else:
                     records[key] = record
         corrupt = corrupt_file is not None or (snapshot is None and self._unreadable_snapshot)
+        rebooted = bool(snapshot is not None and snapshot.node_boot_id and self._boot_id
+                        and snapshot.node_boot_id != self._boot_id)
         self._journal_id, self._journal_on_disk = "", False
         damage = ""
         if corrupt:
@@ -307,7 +309,11 @@ class CheckpointStore:
         else:
             journal = self._read_journal(dir_fd)
             problem = journal.problem or self._mismatch(snapshot, journal)
-            if problem:
+            if problem and rebooted:
+                # The state of an earlier boot is void anyway (dropped below): nothing to be careful about.
+                if journal.exists:
+                    self._quarantine(self.journal_path, ValueError(problem), required=True)
+            elif problem:
                 corrupt, corrupt_file = True, self._journal_damaged(problem, journal.exists, snapshot is not None)
                 damage = f"checkpoint journal {self.journal_path} {problem}"
                 records, unreadable, snapshot = {}, [], None
@@ -316,7 +322,7 @@ class CheckpointStore:
                 if snapshot is not None and (not snapshot.journal_id or journal.journal_id == snapshot.journal_id):
                     self._replay(journal.ops, records, unreadable, order)
                 # else: the journal this snapshot already holds (a crash during compaction): nothing to replay
-        if snapshot is not None and snapshot.node_boot_id and self._boot_id and snapshot.node_boot_id != self._boot_id:
+        if rebooted and snapshot is not None:
             dropped = tuple(records[uid] for uid in sorted(records))
             log.warning("node rebooted since checkpoint %s was written (boot ID %s, now %s): dropping %d "
                         "prepared claim(s): %s", self.path, snapshot.node_boot_id, self._boot_id, len(dropped),
@@ -447,8 +453,10 @@ class CheckpointStore:
                 "Run the newer plugin again, or unprepare every claim on this node and delete the file")
 
     def _quarantine(self, path: Path, err: Exception, required: bool = False) -> Path | None:
-        reason = _problem(err) if isinstance(err, UnsafeFile) else (str(err).splitlines()[0] if str(err)
-                                                                     else type(err).__name__)
+        if isinstance(err, UnsafeFile):
+            reason = err.problem
+        else:
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         try:
             target = set_aside(path, self._clock())
         except OSError as move_err:
