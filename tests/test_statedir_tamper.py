@@ -274,6 +274,25 @@ def test_fresh_start_and_clean_stop_are_not_damage(tmp_path, boot_file, caplog):
     assert errors(caplog) == []
 
 
+@pytest.mark.parametrize("stop", ["clean", "crash"])
+def test_files_of_a_plugin_before_journal_ids_are_not_damage(tmp_path, boot_file, caplog, stop):
+    """An upgrade: snapshot without journal IDs, journal whose header has none, as the earlier plugin left them
+    after a clean stop (header only) or a crash (changes after the header)."""
+    state = tmp_path / "state"
+    state.mkdir()
+    snap = {"schemaVersion": 2, "nodeBootId": BOOT,
+            "claims": {"a": record("a", "gpu-1").model_dump(mode="json", by_alias=True)}}
+    (state / "checkpoint.json").write_text(json.dumps(snap))
+    journal = b'{"schemaVersion": 2}\n'
+    if stop == "crash":
+        journal += json.dumps({"put": record("b").model_dump(mode="json", by_alias=True)}).encode() + b"\n"
+    (state / "checkpoint.json.journal").write_bytes(journal)
+    store = store_at(tmp_path, boot_file)
+    assert not store.load().state_lost and errors(caplog) == []
+    assert store.claims().keys() == ({"a"} if stop == "clean" else {"a", "b"})
+    assert json.loads((state / "checkpoint.json").read_text())["journalId"]
+
+
 def test_a_crash_during_the_first_start_is_not_damage(tmp_path, boot_file, monkeypatch, caplog):
     """The first load puts a header-only journal in place before the first snapshot; a crash between them."""
     monkeypatch.setattr(checkpoint_module, "write_regular_file",
