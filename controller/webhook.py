@@ -8,6 +8,8 @@ the plugin.
 
 Served over TLS by `serve`: POST /validate (AdmissionReview admission.k8s.io/v1), GET /healthz and /readyz.
 The certificate and key are read again whenever their files change (a rotated Secret), for new connections.
+Anyone who reaches the port is bounded like the API server: bodies of at most 3 MiB, JSON of at most 64 levels
+(deeper parts read as null, refused by the decoder), threads and connection time as `kube.httpserver` bounds them.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from prometheus_client import Counter
 
 from api.config import ConfigError, decode_opaque_config
 from api.config.errors import printable
-from controller.boundedjson import loads_bounded
+from kube.boundedjson import loads_bounded
 from kube.httpserver import BoundedHTTPServer, ConnectionLimits, ProbeHandler, start
 
 log = logging.getLogger(__name__)

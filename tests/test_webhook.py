@@ -300,7 +300,7 @@ def test_the_webhooks_json_bound_leaves_every_config_the_decoder_reads_intact() 
     """Containers past MAX_JSON_DEPTH are read as null; that must only ever happen inside parameters the decoder
     refuses for depth anyway (a template's parameters sit 10 levels down in the review)."""
     from api.config.decode import MAX_PARAMETERS_DEPTH
-    from controller.boundedjson import loads_bounded
+    from kube.boundedjson import loads_bounded
     from controller.webhook import MAX_JSON_DEPTH
 
     assert MAX_JSON_DEPTH >= 10 + MAX_PARAMETERS_DEPTH + 1
@@ -323,14 +323,14 @@ def test_the_webhooks_json_bound_leaves_every_config_the_decoder_reads_intact() 
     ("[[[[]]]]", 4, [[[[]]]]),
 ])
 def test_loads_bounded_cuts_only_containers_past_the_bound(text: str, depth: int, expected: Any) -> None:
-    from controller.boundedjson import loads_bounded
+    from kube.boundedjson import loads_bounded
 
     assert loads_bounded(text.encode(), depth) == expected
 
 
 @pytest.mark.parametrize("text", ['{"a": [[[[', "[[[]]]]]", b"\xff[]"])
 def test_loads_bounded_refuses_what_is_no_json(text: str | bytes) -> None:
-    from controller.boundedjson import loads_bounded
+    from kube.boundedjson import loads_bounded
 
     with pytest.raises(ValueError):
         loads_bounded(text.encode() if isinstance(text, str) else text, 2)
