@@ -5,7 +5,8 @@ The examples' pods name a CUDA image and run ``nvidia-smi``; a local node has ne
 policy) and swaps the rest: host network, the node's cuda-probe image (never pulled; Debian's glibc, busybox
 and hack/cuda-standin's cuda-probe) and a probe script that prints the container's NVIDIA device nodes (with
 major:minor), its NVIDIA/CUDA environment and its NVIDIA-related mounts, runs ``cuda-probe --once`` (the
-devices libcuda.so.1 and libnvidia-ml.so.1, loaded by soname, show this container), then sleeps so the pod
+devices libcuda.so.1 and libnvidia-ml.so.1, loaded by soname, show this container) and ``nvidia-smi -L`` where
+the spec mounted one, then sleeps so the pod
 stays Running until it is deleted. `parse_probe` reads that output back. The demo and the real-node tests
 share this, so the tests check what the demo shows.
 """
@@ -32,6 +33,7 @@ for f in /dev/nvidia* /dev/nvidia-caps/*; do
 done
 env | grep -E '^(NVIDIA|CUDA)_' | sort | sed 's/^/env /'
 cuda-probe --once 2>&1
+command -v nvidia-smi >/dev/null && nvidia-smi -L 2>&1 | sed 's/^/smi /'
 awk '$5 ~ /nvidia/ || $5 == "/dev/shm" {{print "mount", $5, $4}}' /proc/self/mountinfo
 if [ -n "$CUDA_MPS_PIPE_DIRECTORY" ]; then
   for d in "$CUDA_MPS_PIPE_DIRECTORY" /dev/shm; do
@@ -93,6 +95,7 @@ class ContainerView:
     cuda: list[SeenDevice] = field(default_factory=list)                 # CUDA devices, in ordinal order
     nvml: list[SeenDevice] = field(default_factory=list)                 # NVML GPUs
     nvml_mig: list[SeenDevice] = field(default_factory=list)             # NVML MIG devices
+    smi: list[str] = field(default_factory=list)                         # `nvidia-smi -L`, when mounted
     cuda_error: str | None = None      # why cuda-probe saw no CUDA device ("dlopen libcuda.so.1: ...")
     nvml_error: str | None = None
     probed: bool = False                                                 # cuda-probe printed its cuda count
@@ -145,6 +148,8 @@ def parse_probe(text: str) -> ContainerView:
             view.wrote.append(line[6:])
         elif line.startswith("pipe "):
             view.pipe_entries = line[5:].split()
+        elif line.startswith("smi "):
+            view.smi.append(line[4:])
         if m := _SEEN.match(line):
             seen = SeenDevice(m.group(3), int(m.group(4)), m.group(5))
             if m.group(1) == "cuda":

@@ -287,6 +287,8 @@ def test_pod_probe_reports_what_cuda_probe_saw(standin: Path, tmp_path: Path) ->
     assert [d.uuid for d in view.nvml] == [G1, G2] and [d.uuid for d in view.nvml_mig] == [M0]
     assert view.cuda_summary() == f"cuda: 2 devices {G1}, 81559 MiB, {M0}, 40192 MiB"
     assert view.summary().endswith(view.cuda_summary())
+    assert view.smi == [f"GPU 0: NVIDIA H100 80GB HBM3 (UUID: {G1})", f"GPU 1: NVIDIA H100 80GB HBM3 (UUID: {G2})",
+                        f"  MIG 3g.40gb     Device  0: (UUID: {M0})"]
     # No libraries: the reason is kept and shown.
     env.pop("LD_LIBRARY_PATH")
     view = parse_probe(subprocess.run(["sh", "-c", probe_script("p", "cuda")], env=env, capture_output=True,

@@ -1,6 +1,8 @@
 """Every example runs as a pod on a real node (kubelet v1.37, containerd 2, runc) and its container sees what its
 claim should give: the asserts are on what the container itself printed (`cli.podprobe`): its /dev/nvidia*
-character devices with their major:minor, its NVIDIA_* and CUDA_* environment, its NVIDIA-related mounts.
+character devices with their major:minor, its NVIDIA_* and CUDA_* environment, its NVIDIA-related mounts, and
+the GPUs or MIG devices libcuda.so.1 and libnvidia-ml.so.1 (the CUDA stand-in in the plugin's driver root,
+loaded by soname through the CDI spec's mounts and hooks) show it: exactly its claims', none of another's.
 Deleting the pod makes the kubelet unprepare: the CDI spec, the checkpointed claim, a dynamic MIG device and
 an MPS daemon's directories are gone.
 
@@ -9,6 +11,7 @@ described by major/minor in the CDI specs and runc creates them in the container
 """
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,8 +22,10 @@ import pytest
 from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
 from cli.demo_examples import load_examples
 from cli.nodeplugin import LocalNodePlugin
-from cli.podprobe import probe_marker
+from cli.podprobe import ContainerView, probe_marker
+from dra.sim.driverlayout import LAYOUTS, triplet
 from dra.sim.driverroot import SIMULATED_CAPS_MAJOR, SimulatedDriverRoot
+from dra.sim.standin import LISTING_CONTAINER_DIR
 from realnode_helpers import EXAMPLES, NVIDIA_MAJOR, NVIDIACTL, RealNode, load_objects
 
 pytestmark = pytest.mark.e2e
@@ -104,6 +109,39 @@ def wants_mps(published: dict[str, dict[str, Any]], claims: list[dict[str, Any]]
     return False
 
 
+def parents_of(published: dict[str, dict[str, Any]], results: list[dict[str, Any]]) -> set[str]:
+    """The physical GPUs behind allocation `results`."""
+    return {published[r["device"]]["uuid" if published[r["device"]]["type"] == "gpu" else "parentUUID"]
+            for r in results}
+
+
+def check_cuda_view(view: ContainerView, hardware: Any, visible: list[str], parents: set[str], where: str) -> None:
+    """cuda-probe found libcuda.so.1 and libnvidia-ml.so.1 by soname, and they show exactly `visible` (the
+    claims' GPUs or MIG devices) through CUDA and the GPUs `parents` with those MIG devices under them through
+    NVML, with the simulated hardware's names and memory."""
+    assert view.probed and view.cuda_error is None and view.nvml_error is None, (where, view.cuda_error,
+                                                                                  view.nvml_error)
+    assert sorted(d.uuid for d in view.cuda) == sorted(visible), (where, view.cuda)
+    assert sorted(d.uuid for d in view.nvml) == sorted(parents), (where, view.nvml)
+    assert sorted(d.uuid for d in view.nvml_mig) == sorted(u for u in visible if u.startswith("MIG-")), (
+        where, view.nvml_mig)
+    for seen in view.cuda + view.nvml + view.nvml_mig:
+        handle = hardware.nvmlDeviceGetHandleByUUID(seen.uuid)
+        assert (seen.name, seen.memory_mib) == (hardware.nvmlDeviceGetName(handle),
+                                                hardware.nvmlDeviceGetMemoryInfo(handle).total >> 20), (where, seen)
+
+
+def driver_mounts(real: RealNode, claim_uids: set[str]) -> dict[str, str]:
+    """What the claims' CDI specs mount into every GPU container (driver files, GPU listing): host path ->
+    container path."""
+    paths: dict[str, str] = {}
+    for uid in claim_uids:
+        for spec_file in real.cdi_files(uid):
+            spec = json.loads(spec_file.read_text())
+            paths |= {m["hostPath"]: m["containerPath"] for m in (spec.get("containerEdits") or {}).get("mounts") or []}
+    return paths
+
+
 def check_pod(real: RealNode, plugin: LocalNodePlugin, namespace: str, pod_name: str) -> Checked:
     """Each container of the running pod saw exactly the device nodes and NVIDIA_VISIBLE_DEVICES of its claims
     (this driver's results only); an MPS client also its daemon's pipe directory, read-only, with the daemon's
@@ -130,7 +168,16 @@ def check_pod(real: RealNode, plugin: LocalNodePlugin, namespace: str, pod_name:
         out.dynamic_mig += dynamic
         assert view.devices == nodes, f"{pod_name}/{container['name']} saw {view.devices}, expected {nodes}"
         assert view.env.get("NVIDIA_VISIBLE_DEVICES") == visible, view.env
-        nvidia_mounts = {m for m in view.mounts if "nvidia" in m}
+        where = f"{pod_name}/{container['name']}"
+        check_cuda_view(view, real.hardware(plugin), visible.split(","), parents_of(published, results), where)
+        # The driver's files and the GPU listing are the spec's common mounts (a mount's root is the end of its
+        # host path; its mount point may differ where the image has a link, /lib64 -> usr/lib64); anything
+        # else NVIDIA is MPS.
+        common = driver_mounts(real, {c["metadata"]["uid"] for c in claims})
+        listing = next(h for h, c in common.items() if c == LISTING_CONTAINER_DIR)
+        assert listing.endswith(view.mounts.get(LISTING_CONTAINER_DIR, "-")), (listing, view.mounts)
+        nvidia_mounts = {m for m, root in view.mounts.items()
+                         if "nvidia" in m and not any(h.endswith(root) for h in common)}
         if wants_mps(published, claims, plugin.driver):
             assert view.env.get("CUDA_MPS_PIPE_DIRECTORY") == MPS_PIPE, view.env
             assert nvidia_mounts == {MPS_PIPE}, view.mounts
@@ -316,6 +363,41 @@ def test_two_pods_on_mps_slots_of_one_gpu_are_clients_of_one_daemon(real: RealNo
     assert len(pipes) == 1, f"the two pods are clients of different daemons: {pipes}"
     assert len(ours.mps_daemons()) == 1, ours.mps_daemons()
     finish(real, ours, namespace, pods, checked)
+
+
+# ---- the driver root's layouts ------------------------------------------------------------------
+
+LIBRARY_FOLDER = {"host": f"/usr/lib/{triplet()}", "operator": f"/usr/lib/{triplet()}", "single-folder": "/lib64"}
+
+
+def test_every_layout_is_covered() -> None:
+    assert sorted(LIBRARY_FOLDER) == sorted(LAYOUTS)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cuda_probe_finds_its_gpu_in_every_driver_root_layout(real: RealNode, layout: str) -> None:
+    """The CUDA stand-in laid out as a host Debian, a GPU-operator or a single-folder driver install: the
+    plugin's own discovery builds the spec (library files mounted, soname links made by the CDI hook's
+    create-symlinks, the library folder given to update-ldcache), and the container's cuda-probe finds exactly
+    its one GPU by soname, nvidia-smi -L lists it."""
+    driver = f"{layout}.{DEFAULT_DRIVER_NAME}"
+    real.add_classes(driver=driver)
+    plugin = real.start_plugin(real.plugin(driver, layout=layout))
+    try:
+        namespace = f"layout-{layout}"
+        pods, checked = run_and_check(real, plugin, namespace, [
+            claim_template("one-gpu", driver), pod_with("one-gpu", "one-gpu", ["cuda"])])
+        view = real.view(namespace, "one-gpu", "cuda")
+        assert [d.uuid for d in view.cuda] == [view.env["NVIDIA_VISIBLE_DEVICES"]], view.cuda
+        assert view.smi == [f"GPU 0: {view.cuda[0].name} (UUID: {view.cuda[0].uuid})"], view.smi
+        spec_file, = real.cdi_files(next(iter(checked[0].claim_uids)))
+        hooks = [h["args"] for h in json.loads(spec_file.read_text())["containerEdits"]["hooks"]]
+        assert ["nvidia-cdi-hook", "update-ldcache", "--folder", LIBRARY_FOLDER[layout]] in hooks, hooks
+        links = next(a for a in hooks if a[1] == "create-symlinks")
+        assert f"{LIBRARY_FOLDER[layout]}/libcuda.so.1" in " ".join(links), links
+        finish(real, plugin, namespace, pods, checked)
+    finally:
+        plugin.stop()
 
 
 # ---- NVIDIA compatibility mode --------------------------------------------------------------------
