@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "webhook": ("cli.webhook_cmd", "serve the validating admission webhook for ResourceClaim configs (TLS)"),
     "doctor": ("cli.doctor_cmd", "check that this node can run GPU containers with this driver (read-only)"),
     "status": ("cli.status_cmd", "who holds which GPU device, what is free, MIG memory slices drawn (read-only)"),
+    "explain": ("cli.explain_cmd", "say why a claim, template or pod's claims are (not) allocatable, node by node"),
     "simulate": ("cli.simulate_cmd", "inject faults (XIDs, lost GPUs, recoveries) into a simulated node's GPUs"),
     "demo": ("cli.demo_cmd", "start a local control plane with a simulated fleet and allocate the examples"),
 }

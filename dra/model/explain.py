@@ -1,0 +1,536 @@
+"""Why a claim is (not) allocatable, node by node, decided the way kube-scheduler's allocator decides it.
+
+For each node and each request alternative: which devices the DeviceClass and request selectors match (CEL),
+and of those which are taken (by which claim and pod), blocked by shared counters, tainted, or short of
+consumable capacity. Then a depth-first search over the requests in order — firstAvailable subrequests in
+their order, devices in slice order, matchAttribute/distinctAttribute constraints, counters and capacity
+shared between the chosen devices — finds an allocation or shows there is none. The verdict comes first, in
+one sentence; the details follow.
+
+Everything here is plain dicts in and records out (dra.model: no API access).
+"""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from fractions import Fraction
+from typing import Any
+
+from api.quantity import quantity_value
+from dra.model.claimrequests import ALL, Alternative, ClaimSpec, Constraint, read_claim_spec
+from dra.model.devicecel import (CelRuntimeError, CelUnsupported, attribute_value, compile_selector,
+                                 device_variable, split_qualified)
+from dra.model.devicefit import capacity_needs, format_amount, untolerated_taints
+from dra.model.poolview import (CounterKey, DeviceKey, Pool, PoolDevice, Usage, allocated_node,
+                                allocation_results, build_pools, claim_id, counter_holders, counters_in_use,
+                                usage_of)
+
+# Bound on the devices the search tries per node; past it the node is reported as undecided, not guessed.
+SEARCH_LIMIT = 200_000
+FREE, TAKEN, COUNTERS, TAINTED, CAPACITY = "free", "taken", "counters", "tainted", "capacity"
+ALLOCATABLE, NOT_ALLOCATABLE, CANNOT_EVALUATE, ALLOCATED = "allocatable", "not allocatable", "cannot evaluate", "allocated"
+
+
+@dataclass
+class Target:
+    """A claim to explain: its id (namespace/name, or a template's "as generated" name) and its dict."""
+
+    name: str
+    claim: dict[str, Any]
+
+
+@dataclass
+class AlternativeReport:
+    request: str
+    wants: str
+    matching: int = 0
+    class_matching: int = 0
+    states: dict[str, int] = field(default_factory=dict)
+    free: list[str] = field(default_factory=list)
+    why_not: list[str] = field(default_factory=list)     # one line per kind of unusable device
+    error: str = ""
+
+
+@dataclass
+class NodeReport:
+    node: str
+    verdict: str
+    reason: str = ""
+    chosen: dict[str, list[str]] = field(default_factory=dict)    # "claim: request" -> devices
+    requests: list[AlternativeReport] = field(default_factory=list)
+    gpus: list[str] = field(default_factory=list)                 # one line per counter set (GPU)
+
+
+@dataclass
+class Explanation:
+    verdict: str
+    sentence: str
+    claims: list[str]
+    nodes: list[NodeReport] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def allocatable(self) -> bool:
+        return self.verdict in (ALLOCATABLE, ALLOCATED)
+
+    def allocatable_nodes(self) -> list[str]:
+        return [n.node for n in self.nodes if n.verdict in (ALLOCATABLE, ALLOCATED)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "allocatable": self.allocatable}
+
+
+class _SearchLimit(Exception):
+    pass
+
+
+@dataclass
+class _Candidate:
+    dev: PoolDevice
+    state: str
+    why: str
+    needs: dict[str, Fraction]
+
+
+class _Context:
+    """The cluster's state for one explanation: pools, usage, counters taken, and CEL results cached."""
+
+    def __init__(self, classes: dict[str, dict[str, Any]], pools: list[Pool], usage: Usage) -> None:
+        self.classes, self.pools, self.usage = classes, pools, usage
+        self.counters_taken = counters_in_use(pools, usage)
+        self.counter_holders = counter_holders(pools, usage)
+        self.capacity_taken: dict[DeviceKey, dict[str, Fraction]] = defaultdict(lambda: defaultdict(Fraction))
+        for key, holders in usage.holders.items():
+            for h in holders:
+                if not h.admin_access:
+                    for n, v in h.consumed.items():
+                        self.capacity_taken[key][n] += v
+        self._vars: dict[DeviceKey, dict[str, Any]] = {}
+        self._matches: dict[tuple[str, DeviceKey], bool] = {}
+
+    def matches(self, expression: str, dev: PoolDevice) -> bool:
+        key = (expression, dev.key)
+        if key not in self._matches:
+            var = self._vars.get(dev.key)
+            if var is None:
+                var = self._vars[dev.key] = device_variable(dev.key[0], dev.raw)
+            self._matches[key] = compile_selector(expression).matches(var)
+        return self._matches[key]
+
+    def class_selectors(self, name: str) -> list[str]:
+        cls = self.classes.get(name)
+        if cls is None:
+            raise LookupError(f"DeviceClass {name} does not exist")
+        return [str((s.get("cel") or {}).get("expression", "")) for s in (cls.get("spec") or {}).get("selectors") or []]
+
+    def pools_for(self, node: str) -> list[Pool]:
+        return [p for p in self.pools if (p.node == node or p.all_nodes) and not p.incomplete]
+
+    def counter_free(self, pool: Pool, cs: str, counter: str) -> Fraction:
+        return pool.counters.get(cs, {}).get(counter, Fraction(0)) - \
+            self.counters_taken.get((pool.driver, pool.name, cs), {}).get(counter, Fraction(0))
+
+
+# ------------------------------------------------------------------------------------ per-device states
+
+def _classify(ctx: _Context, pool: Pool, dev: PoolDevice, alt: Alternative) -> _Candidate:
+    taints = untolerated_taints(dev.taints, alt.tolerations)
+    if taints:
+        return _Candidate(dev, TAINTED, f"taint {', '.join(taints)} not tolerated", {})
+    needs, why = capacity_needs(dev.raw, dev.key[0], alt.capacity)
+    if why:
+        return _Candidate(dev, CAPACITY, why, {})
+    if alt.admin_access:
+        return _Candidate(dev, FREE, "", {})      # admin access ignores what others hold
+    holders = ctx.usage.exclusive(dev.key)
+    if holders and not dev.multi:
+        return _Candidate(dev, TAKEN, "held by " + ", ".join(h.describe() for h in holders), needs)
+    if dev.multi:
+        total = dev.raw.get("capacity") or {}
+        for n, amount in needs.items():
+            left = _capacity_total(total, n) - ctx.capacity_taken.get(dev.key, {}).get(n, Fraction(0))
+            if amount > left:
+                return _Candidate(dev, CAPACITY, f"{n}: {format_amount(left)} left, {format_amount(amount)} "
+                                  f"needed (shared by {', '.join(h.describe() for h in holders)})", needs)
+    for cs, counters in dev.consumes().items():
+        for n, v in counters.items():
+            if v > ctx.counter_free(pool, cs, n):
+                held = ctx.counter_holders.get((pool.driver, pool.name, cs), [])
+                who = ", ".join(sorted({f"{d} by {h.describe()}" for d, h in held})) or "nothing allocated"
+                return _Candidate(dev, COUNTERS, f"counter set {cs} ({n}) used up: {who}", needs)
+    return _Candidate(dev, FREE, "", needs)
+
+
+def _capacity_total(caps: dict[str, Any], name: str) -> Fraction:
+    return quantity_value(str((caps.get(name) or {}).get("value", "0")))
+
+
+def _candidates(ctx: _Context, node: str, alt: Alternative, report: AlternativeReport) -> list[tuple[Pool, _Candidate]]:
+    """The devices of the node matching the alternative's class and selectors, each with its state."""
+    class_exprs = ctx.class_selectors(alt.device_class)
+    out = []
+    for pool in ctx.pools_for(node):
+        for dev in pool.devices:
+            try:
+                if not all(ctx.matches(e, dev) for e in class_exprs):
+                    continue
+                report.class_matching += 1
+                if not all(ctx.matches(e, dev) for e in alt.selectors):
+                    continue
+            except CelRuntimeError as exc:
+                raise CelRuntimeError(f"device {dev.name}: {exc}") from exc
+            out.append((pool, _classify(ctx, pool, dev, alt)))
+    report.matching = len(out)
+    report.states = dict(Counter(c.state for _, c in out))
+    report.free = [c.dev.name for _, c in out if c.state == FREE]
+    by_why: dict[str, list[str]] = defaultdict(list)
+    for _, c in out:
+        if c.state != FREE:
+            by_why[f"{c.state}: {c.why}"].append(c.dev.name)
+    report.why_not = [f"{_names(devs)} {why}" for why, devs in by_why.items()]
+    return out
+
+
+def _names(devs: list[str]) -> str:
+    return ", ".join(devs) if len(devs) <= 3 else f"{devs[0]}, {devs[1]} and {len(devs) - 2} more"
+
+
+# ------------------------------------------------------------------------------------------ the search
+
+@dataclass
+class _Slot:
+    claim: str
+    request: str
+    constraints: list[Constraint]
+    alternatives: list[tuple[Alternative, list[tuple[Pool, _Candidate]]]]
+
+
+class _Search:
+    def __init__(self, ctx: _Context, slots: list[_Slot], use_constraints: bool = True) -> None:
+        self.ctx, self.slots, self.use_constraints = ctx, slots, use_constraints
+        self.steps = 0
+        self.chosen: set[DeviceKey] = set()
+        self.counters: dict[CounterKey, dict[str, Fraction]] = defaultdict(lambda: defaultdict(Fraction))
+        self.capacity: dict[DeviceKey, dict[str, Fraction]] = defaultdict(lambda: defaultdict(Fraction))
+        self.values: dict[tuple[str, int], list[Any]] = defaultdict(list)    # (claim, constraint#) -> values
+        self.result: dict[str, list[str]] = {}
+
+    def run(self) -> dict[str, list[str]] | None:
+        return dict(self.result) if self._slot(0) else None
+
+    def _slot(self, i: int) -> bool:
+        if i == len(self.slots):
+            return True
+        slot = self.slots[i]
+        for alt, cands in slot.alternatives:
+            usable = [(p, c) for p, c in cands if c.state == FREE]
+            if alt.mode == ALL:
+                if not cands or len(usable) != len(cands):
+                    continue
+                if self._take_all(slot, alt, usable, i):
+                    return True
+            elif self._choose(slot, alt, usable, 0, alt.count, [], i):
+                return True
+        return False
+
+    def _take_all(self, slot: _Slot, alt: Alternative, usable: list[tuple[Pool, _Candidate]], i: int) -> bool:
+        undo = []
+        for pool, c in usable:
+            if not self._fits(slot, alt, pool, c):
+                for u in reversed(undo):
+                    self._release(*u)
+                return False
+            undo.append(self._apply(slot, alt, pool, c))
+        self.result[f"{slot.claim}: {alt.request}"] = [c.dev.name for _, c in usable]
+        if self._slot(i + 1):
+            return True
+        for u in reversed(undo):
+            self._release(*u)
+        del self.result[f"{slot.claim}: {alt.request}"]
+        return False
+
+    def _choose(self, slot: _Slot, alt: Alternative, usable: list[tuple[Pool, _Candidate]], start: int,
+                left: int, picked: list[str], i: int) -> bool:
+        if left == 0:
+            self.result[f"{slot.claim}: {alt.request}"] = list(picked)
+            if self._slot(i + 1):
+                return True
+            del self.result[f"{slot.claim}: {alt.request}"]
+            return False
+        for j in range(start, len(usable) - left + 1):
+            self.steps += 1
+            if self.steps > SEARCH_LIMIT:
+                raise _SearchLimit()
+            pool, c = usable[j]
+            if not self._fits(slot, alt, pool, c):
+                continue
+            undo = self._apply(slot, alt, pool, c)
+            picked.append(c.dev.name)
+            if self._choose(slot, alt, usable, j + 1, left - 1, picked, i):
+                return True
+            picked.pop()
+            self._release(*undo)
+        return False
+
+    def _fits(self, slot: _Slot, alt: Alternative, pool: Pool, c: _Candidate) -> bool:
+        dev = c.dev
+        if not alt.admin_access:
+            if dev.key in self.chosen and not dev.multi:
+                return False
+            for cs, counters in dev.consumes().items():
+                mine = self.counters.get((pool.driver, pool.name, cs), {})
+                if any(v + mine.get(n, 0) > self.ctx.counter_free(pool, cs, n) for n, v in counters.items()):
+                    return False
+            if dev.multi:
+                caps = dev.raw.get("capacity") or {}
+                taken = self.ctx.capacity_taken.get(dev.key, {})
+                for n, v in c.needs.items():
+                    if v + self.capacity[dev.key][n] + taken.get(n, 0) > _capacity_total(caps, n):
+                        return False
+        if self.use_constraints:
+            for ci, con in enumerate(slot.constraints):
+                if not con.applies_to(alt.request):
+                    continue
+                value = _attribute(dev, con.match_attribute or con.distinct_attribute or "")
+                if value is _MISSING:
+                    return False
+                seen = self.values[(slot.claim, ci)]
+                if con.match_attribute and seen and seen[0] != value:
+                    return False
+                if con.distinct_attribute and value in seen:
+                    return False
+        return True
+
+    def _apply(self, slot: _Slot, alt: Alternative, pool: Pool, c: _Candidate) -> tuple[Any, ...]:
+        dev = c.dev
+        added = dev.key not in self.chosen
+        if not alt.admin_access:
+            self.chosen.add(dev.key)
+            for cs, counters in dev.consumes().items():
+                for n, v in counters.items():
+                    self.counters[(pool.driver, pool.name, cs)][n] += v
+            for n, v in c.needs.items():
+                self.capacity[dev.key][n] += v
+        pushed = []
+        if self.use_constraints:
+            for ci, con in enumerate(slot.constraints):
+                if con.applies_to(alt.request):
+                    self.values[(slot.claim, ci)].append(_attribute(dev, con.match_attribute or con.distinct_attribute or ""))
+                    pushed.append(ci)
+        return (slot, alt, pool, c, added, pushed)
+
+    def _release(self, slot: _Slot, alt: Alternative, pool: Pool, c: _Candidate, added: bool,
+                 pushed: list[int]) -> None:
+        dev = c.dev
+        if not alt.admin_access:
+            if added:
+                self.chosen.discard(dev.key)
+            for cs, counters in dev.consumes().items():
+                for n, v in counters.items():
+                    self.counters[(pool.driver, pool.name, cs)][n] -= v
+            for n, v in c.needs.items():
+                self.capacity[dev.key][n] -= v
+        for ci in pushed:
+            self.values[(slot.claim, ci)].pop()
+
+
+_MISSING = object()
+
+
+def _attribute(dev: PoolDevice, qualified: str) -> Any:
+    attrs = dev.raw.get("attributes") or {}
+    raw = attrs.get(qualified)
+    if raw is None:
+        domain, ident = split_qualified(qualified, dev.key[0])
+        raw = attrs.get(ident) if domain == dev.key[0] else None
+    if raw is None:
+        return _MISSING
+    value = attribute_value(raw)
+    return value.SerializeToString() if hasattr(value, "SerializeToString") else value
+
+
+# ------------------------------------------------------------------------------------------- per node
+
+def _request_reason(slot: _Slot, reports: list[AlternativeReport]) -> str | None:
+    """Why a request alone cannot be met on the node, or None if some alternative could be alone."""
+    parts = []
+    for (alt, cands), rep in zip(slot.alternatives, reports):
+        free = rep.states.get(FREE, 0)
+        if alt.mode == ALL:
+            if cands and free == len(cands):
+                return None
+        elif free >= alt.count:
+            return None
+        if not cands:
+            why = (f"no device of class {alt.device_class} on the node" if not rep.class_matching else
+                   f"none of the {rep.class_matching} devices of class {alt.device_class} matches the selectors")
+        elif alt.mode == ALL:
+            why = f"all {len(cands)} matching devices are needed, {len(cands) - free} cannot be allocated: " + \
+                "; ".join(rep.why_not)
+        elif len(cands) < alt.count:
+            why = f"needs {alt.count} devices, only {len(cands)} match"
+        else:
+            why = f"needs {alt.count}, {free} of {len(cands)} matching usable: " + "; ".join(rep.why_not)
+        parts.append(why if len(slot.alternatives) == 1 else f"{alt.request}: {why}")
+    prefix = f"{slot.claim}: request {slot.request}"
+    return f"{prefix}: " + (parts[0] if len(parts) == 1 else "no alternative fits (" + "; ".join(parts) + ")")
+
+
+def _gpu_lines(ctx: _Context, node: str) -> list[str]:
+    """Per counter set (one per GPU here): who holds it and the largest MIG profile still placeable."""
+    lines = []
+    for pool in ctx.pools_for(node):
+        users: dict[str, list[PoolDevice]] = defaultdict(list)
+        for dev in pool.devices:
+            for cs in dev.consumes():
+                users[cs].append(dev)
+        for cs in pool.counters:
+            held = ctx.counter_holders.get((pool.driver, pool.name, cs), [])
+            text = f"{cs}: " + ("held: " + ", ".join(sorted({f"{d} by {h.describe()}" for d, h in held}))
+                                if held else "nothing allocated")
+            best: tuple[Fraction, str] | None = None
+            for dev in users.get(cs, []):
+                profile = (dev.raw.get("attributes") or {}).get("profile")
+                if not profile or ctx.usage.exclusive(dev.key):
+                    continue
+                if any(v > ctx.counter_free(pool, s, n) for s, cnt in dev.consumes().items() for n, v in cnt.items()):
+                    continue
+                mem = _capacity_total(dev.raw.get("capacity") or {}, "memory")
+                if best is None or mem > best[0]:
+                    best = (mem, str(attribute_value(profile)))
+            if any((d.raw.get("attributes") or {}).get("profile") for d in users.get(cs, [])):
+                text += f"; largest MIG profile still placeable: {best[1] if best else 'none'}"
+            lines.append(text)
+    return lines
+
+
+def _explain_node(ctx: _Context, node: str, targets: list[tuple[str, ClaimSpec]]) -> NodeReport:
+    report = NodeReport(node, NOT_ALLOCATABLE)
+    slots = []
+    reasons = []
+    for name, spec in targets:
+        for req in spec.requests:
+            alts, reps = [], []
+            for alt in req.alternatives:
+                rep = AlternativeReport(alt.request if len(targets) == 1 else f"{name}: {alt.request}", alt.describe())
+                try:
+                    cands = _candidates(ctx, node, alt, rep)
+                except LookupError as exc:
+                    rep.error, cands = str(exc), []
+                except CelRuntimeError as exc:
+                    rep.error = f"CEL runtime error: {exc}"
+                    report.requests.append(rep)
+                    report.reason = f"{name}: request {alt.request}: {rep.error}"
+                    return report
+                report.requests.append(rep)
+                alts.append((alt, cands))
+                reps.append(rep)
+            slot = _Slot(name, req.name, spec.constraints, alts)
+            slots.append(slot)
+            why = _request_reason(slot, reps)
+            errors = [r.error for r in reps if r.error]
+            if why:
+                reasons.append(errors[0] if errors and len(errors) == len(reps) else why)
+    report.gpus = _gpu_lines(ctx, node)
+    if reasons:
+        report.reason = reasons[0]
+        return report
+    try:
+        chosen = _Search(ctx, slots).run()
+        if chosen is not None:
+            report.verdict, report.chosen = ALLOCATABLE, chosen
+            return report
+        if any(s.constraints for s in slots) and _Search(ctx, slots, use_constraints=False).run() is not None:
+            cons = sorted({c.match_attribute or c.distinct_attribute or "" for s in slots for c in s.constraints})
+            report.reason = f"the free devices cannot meet the constraint on {', '.join(cons)}"
+        else:
+            report.reason = "the requests together need more than the free devices, counters or capacity allow"
+    except _SearchLimit:
+        report.verdict = CANNOT_EVALUATE
+        report.reason = f"search stopped after {SEARCH_LIMIT} steps without an answer"
+    return report
+
+
+# ------------------------------------------------------------------------------------------ the whole
+
+def explain(targets: list[Target], classes: list[dict[str, Any]], slices: list[dict[str, Any]],
+            claims: list[dict[str, Any]], taint_rules: list[dict[str, Any]] = (),  # type: ignore[assignment]
+            nodes: list[str] | None = None) -> Explanation:
+    """Explains the targets (the claims of one pod are allocated together, on one node) against the cluster
+    state: the DeviceClasses, ResourceSlices, every ResourceClaim (their allocations) and DeviceTaintRules."""
+    names = [t.name for t in targets]
+    done = [t for t in targets if allocation_results(t.claim)]
+    pending = [t for t in targets if not allocation_results(t.claim)]
+    pools = build_pools(slices, list(taint_rules))
+    ctx = _Context({c["metadata"]["name"]: c for c in classes}, pools,
+                   usage_of(claims, {claim_id(t.claim) for t in targets}))
+    notes = [p.incomplete for p in pools if p.incomplete]
+    fixed = {allocated_node(t.claim) for t in done} - {None}
+    if not pending:
+        where = "; ".join(f"{t.name} on {allocated_node(t.claim) or 'any node'}: " +
+                          ", ".join(r["device"] for r in allocation_results(t.claim)) for t in done)
+        return Explanation(ALLOCATED, f"already allocated: {where}", names, notes=notes)
+    try:
+        specs = [(t.name, read_claim_spec(t.claim.get("spec") or {})) for t in pending]
+        for _, spec in specs:
+            for req in spec.requests:
+                for alt in req.alternatives:
+                    for e in alt.selectors:
+                        compile_selector(e)
+                    if alt.device_class in ctx.classes:
+                        for e in ctx.class_selectors(alt.device_class):
+                            compile_selector(e)
+    except CelUnsupported as exc:
+        return Explanation(CANNOT_EVALUATE, f"cannot evaluate: {exc}", names, notes=notes)
+    node_names = sorted({p.node for p in pools if p.node} | set(nodes or []))
+    if len(fixed) == 1:
+        node_names = [n for n in node_names if n in fixed]
+        notes.append(f"already allocated claims of the pod tie it to node {next(iter(fixed))}")
+    reports = [_explain_node(ctx, n, specs) for n in node_names]
+    return Explanation(*_verdict(reports, node_names), names, reports, notes)
+
+
+def _verdict(reports: list[NodeReport], node_names: list[str]) -> tuple[str, str]:
+    ok = [r for r in reports if r.verdict == ALLOCATABLE]
+    if ok:
+        first = ok[0]
+        picks = "; ".join(f"{k} -> {', '.join(v)}" for k, v in first.chosen.items())
+        more = f" (and {len(ok) - 1} other node{'s' * (len(ok) > 2)})" if len(ok) > 1 else ""
+        return ALLOCATABLE, f"allocatable on {first.node}{more}: {picks}"
+    undecided = [r for r in reports if r.verdict == CANNOT_EVALUATE]
+    if undecided:
+        return CANNOT_EVALUATE, f"cannot evaluate: node {undecided[0].node}: {undecided[0].reason}"
+    if not node_names:
+        return NOT_ALLOCATABLE, "not allocatable: no node has devices published in a complete pool"
+    by_reason: dict[str, list[str]] = defaultdict(list)
+    for r in reports:
+        by_reason[r.reason].append(r.node)
+    parts = [f"{', '.join(ns) if len(ns) <= 3 else f'{len(ns)} nodes'}: {reason}" for reason, ns in by_reason.items()]
+    return NOT_ALLOCATABLE, "not allocatable on any node: " + " | ".join(parts)
+
+
+def format_text(exp: Explanation) -> str:
+    """The verdict sentence first, then per node the requests and GPUs."""
+    lines = [exp.sentence, ""]
+    lines += [f"note: {n}" for n in exp.notes]
+    for node in exp.nodes:
+        head = f"node {node.node}: {node.verdict}"
+        if node.reason:
+            head += f": {node.reason}"
+        lines.append(head)
+        for k, v in node.chosen.items():
+            lines.append(f"  would allocate {k} -> {', '.join(v)}")
+        for rep in node.requests:
+            if rep.error:
+                lines.append(f"  request {rep.request}: {rep.error}")
+                continue
+            states = ", ".join(f"{n} {s}" for s, n in sorted(rep.states.items()))
+            lines.append(f"  request {rep.request} ({rep.wants}): {rep.class_matching} of the class, "
+                         f"{rep.matching} match the selectors" + (f" ({states})" if states else ""))
+            if rep.free:
+                lines.append(f"    free: {_names(rep.free)}")
+            lines += [f"    {w}" for w in rep.why_not]
+        if node.gpus and any(r.matching or r.error for r in node.requests):
+            lines.append("  GPUs (shared counter sets):")
+            lines += [f"    {g}" for g in node.gpus]
+    return "\n".join(lines).rstrip() + "\n"

@@ -1,0 +1,125 @@
+"""The API reads of `gpu-dra explain`: the cluster state the scheduler allocates from (DeviceClasses,
+ResourceSlices, ResourceClaims, DeviceTaintRules, Nodes) and the claims to explain, found from a claim, a
+ResourceClaimTemplate (the claim it would generate) or a pod (its claims, templates' claims through
+status.resourceClaimStatuses). Everything stays a wire-format dict."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kube.client import DEVICE_CLASSES, NODES, RESOURCE_V1, SLICES, ApiError, KubeApi
+
+CLAIMS = f"{RESOURCE_V1}/resourceclaims"
+TAINT_RULES = f"{RESOURCE_V1}/devicetaintrules"
+KINDS = ("claim", "template", "pod")
+
+
+class ExplainTargetError(LookupError):
+    """The object to explain does not exist or cannot be used; the message names it."""
+
+
+@dataclass
+class ClusterState:
+    classes: list[dict[str, Any]]
+    slices: list[dict[str, Any]]
+    claims: list[dict[str, Any]]
+    taint_rules: list[dict[str, Any]]
+    nodes: list[str]
+
+
+@dataclass
+class ExplainTargets:
+    """(name, claim dict) per claim to explain, and lines about how they were found."""
+
+    claims: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def read_cluster_state(kube: KubeApi) -> ClusterState:
+    try:
+        rules = kube.list(TAINT_RULES)["items"]
+    except ApiError as exc:
+        if exc.status not in (404, 403):
+            raise
+        rules = []          # servers before 1.37 have no v1 DeviceTaintRule
+    return ClusterState(kube.list(DEVICE_CLASSES)["items"], kube.list(SLICES)["items"], kube.list(CLAIMS)["items"],
+                        rules, [n["metadata"]["name"] for n in kube.list_metadata(NODES)["items"]])
+
+
+def _claims_path(ns: str) -> str:
+    return f"{RESOURCE_V1}/namespaces/{ns}/resourceclaims"
+
+
+def _get(kube: KubeApi, path: str) -> dict[str, Any] | None:
+    try:
+        return kube.get(path)
+    except ApiError as exc:
+        if exc.not_found:
+            return None
+        raise
+
+
+def generated_claim(template: dict[str, Any], namespace: str, name: str | None = None) -> dict[str, Any]:
+    """The claim a template would generate (unallocated): its spec.spec, in the template's namespace."""
+    tname = template["metadata"]["name"]
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"namespace": namespace, "name": name or f"{tname}-<generated>"},
+            "spec": (template.get("spec") or {}).get("spec") or {}}
+
+
+def find_targets(kube: KubeApi, target: str, namespace: str) -> ExplainTargets:
+    """`target` is NAME (a claim, else a template, else a pod of that name) or claim/NAME, template/NAME,
+    pod/NAME."""
+    kind, _, name = target.rpartition("/")
+    if kind and kind not in KINDS:
+        raise ExplainTargetError(f"{target}: the kind before '/' must be one of {', '.join(KINDS)}")
+    if not name:
+        raise ExplainTargetError(f"{target!r}: no name given")
+    out = ExplainTargets()
+    if kind in ("", "claim"):
+        claim = _get(kube, f"{_claims_path(namespace)}/{name}")
+        if claim is not None:
+            out.claims.append((f"{namespace}/{name}", claim))
+            return out
+    if kind in ("", "template"):
+        tpl = _get(kube, f"{RESOURCE_V1}/namespaces/{namespace}/resourceclaimtemplates/{name}")
+        if tpl is not None:
+            out.claims.append((f"{namespace}/{name} (template, as generated)", generated_claim(tpl, namespace)))
+            return out
+    if kind in ("", "pod"):
+        pod = _get(kube, f"/api/v1/namespaces/{namespace}/pods/{name}")
+        if pod is not None:
+            return _pod_targets(kube, pod, namespace)
+    what = kind or "claim, template or pod"
+    raise ExplainTargetError(f"no {what} named {name} in namespace {namespace}")
+
+
+def _pod_targets(kube: KubeApi, pod: dict[str, Any], namespace: str) -> ExplainTargets:
+    out = ExplainTargets()
+    generated = {s.get("name"): s.get("resourceClaimName")
+                 for s in (pod.get("status") or {}).get("resourceClaimStatuses") or []}
+    for ref in (pod.get("spec") or {}).get("resourceClaims") or []:
+        if ref.get("resourceClaimName"):
+            claim = _get(kube, f"{_claims_path(namespace)}/{ref['resourceClaimName']}")
+            if claim is None:
+                raise ExplainTargetError(f"pod {pod['metadata']['name']}: claim {ref['resourceClaimName']} "
+                                         f"does not exist")
+            out.claims.append((f"{namespace}/{ref['resourceClaimName']}", claim))
+        elif ref.get("resourceClaimTemplateName"):
+            made = generated.get(ref.get("name"))
+            claim = _get(kube, f"{_claims_path(namespace)}/{made}") if made else None
+            if claim is not None:
+                out.claims.append((f"{namespace}/{made}", claim))
+                continue
+            tpl = _get(kube, f"{RESOURCE_V1}/namespaces/{namespace}/resourceclaimtemplates/"
+                             f"{ref['resourceClaimTemplateName']}")
+            if tpl is None:
+                raise ExplainTargetError(f"pod {pod['metadata']['name']}: template "
+                                         f"{ref['resourceClaimTemplateName']} does not exist")
+            out.notes.append(f"pod claim {ref.get('name')}: not generated yet, explained from template "
+                             f"{ref['resourceClaimTemplateName']}")
+            out.claims.append((f"{namespace}/{ref['resourceClaimTemplateName']} (template, as generated)",
+                               generated_claim(tpl, namespace)))
+    if not out.claims:
+        raise ExplainTargetError(f"pod {pod['metadata']['name']} has no resource claims")
+    return out
