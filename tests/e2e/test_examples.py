@@ -245,6 +245,8 @@ def test_gpu_dra_demo_command_end_to_end(tmp_path: Path) -> None:
                for line in on_a), on_a
     assert any("/dev/nvidia-caps/nvidia-cap" in line and "=MIG-" in line for line in on_a), on_a
     assert any("CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in line for line in on_a), on_a
+    # What cuda-probe saw through libcuda: each pod's own GPU or MIG device, with its memory.
+    assert all(re.search(r"; cuda: 1 device (GPU|MIG)-[0-9a-f-]{36}, \d+ MiB$", line) for line in on_a), on_a
     assert all("which has no kubelet: not started" in line for line in saw if line not in on_a), saw
     assert "(mig-partition; prepared by the kubelet)" in out and '"NVIDIA_VISIBLE_DEVICES=MIG-' in out
     assert "==> stopping the real node node-a" in out and "==> stopping the control plane" in out
