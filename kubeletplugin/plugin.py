@@ -187,7 +187,7 @@ class KubeletPlugin:
             return self.node_objects
         o = self.options
         paths = NodePaths(driver_root=o.driver_root, host_driver_root=o.host_driver_root, dev_root=o.dev_root,
-                          proc_root=o.proc_root, cdi_hook_path=getattr(o, "cdi_hook_path", None))
+                          proc_root=o.proc_root, cdi_hook_path=o.cdi_hook_path)
         if o.fleet:
             from dra.sim.nodeobjects import SimulatedNodeObjects
 
