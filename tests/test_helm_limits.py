@@ -31,10 +31,11 @@ def test_every_container_has_requests_and_a_memory_limit_by_default(default: lis
     found = workloads(default)
     assert set(found) == {"kubelet-plugin", "controller", "webhook"}
     for name, w in found.items():
-        [c] = w["spec"]["template"]["spec"]["containers"]
-        resources = c["resources"]
-        assert set(resources["requests"]) == {"cpu", "memory"}, name
-        assert resources["limits"]["memory"], name
+        pod = w["spec"]["template"]["spec"]
+        for c in pod["containers"] + pod.get("initContainers", []):
+            resources = c["resources"]
+            assert set(resources["requests"]) == {"cpu", "memory"}, (name, c["name"])
+            assert resources["limits"]["memory"], (name, c["name"])
     [webhook] = found["webhook"]["spec"]["template"]["spec"]["containers"]
     assert webhook["resources"]["limits"]["memory"] == "512Mi"
     mine = workloads(render("--set", "webhook.resources.limits.memory=1Gi", "--set", "controller.resources=null"))
