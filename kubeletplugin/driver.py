@@ -15,7 +15,8 @@ One claim, end to end (``Driver._prepare_claim``):
 7. Report the prepared devices in the claim's ``status.devices`` (``kubeletplugin.claimstatus``): Ready, and
    which GPU or MIG device is used. A failed status write is logged and counted; the prepare still succeeds.
 
-A failure fails that claim only (its error names the problem) and undoes what was done. Claims of one call
+A failure fails that claim only (its error names the problem) and undoes what was done; the claim and its pods
+get a Warning Event ``PrepareFailed`` with that line (``kube.events``: after the answer, deduplicated per claim). Claims of one call
 prepare in parallel; unrelated claims never wait for each other except on a GPU they both touch.
 
 Start-up recovery (crash, restart, lost checkpoint) is ``kubeletplugin.recovery``.
@@ -119,6 +120,7 @@ class Driver:
         mig_listener: MigListener | None = None,
         on_change: Callable[[], None] | None = None,
         status: ClaimStatusWriter | None = None,
+        events: Any = None,
         log: Any = None,
     ) -> None:
         self.driver_name = driver_name
@@ -140,6 +142,9 @@ class Driver:
                                     devices=devices, mig_listener=mig_listener, crash_point=self._crash_point,
                                     log=self.log)
         self.reporter = ClaimStatusReporter(status, pool_name, devices, metrics)
+        # kube.events.ClaimEventRecorder: a failed prepare becomes a Warning Event on the claim and its pods,
+        # queued after the answer like the status (None: no Events).
+        self.events = events
         # Claims are I/O-bound (API read, file writes, NVML calls): one call's claims run side by side, each
         # waiting only for the GPUs it shares with another claim.
         self._pool = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="claim")
@@ -188,6 +193,8 @@ class Driver:
         """Stop accepting work. Prepared claims, their MIG devices and MPS daemons stay as they are."""
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.reporter.close()
+        if self.events is not None:
+            self.events.close()
         self.checkpoint.close()      # the journal folded into the snapshot: a clean stop leaves one file
 
     # ----- gRPC entry points ---------------------------------------------------------------------------------
@@ -287,13 +294,23 @@ class Driver:
                 if self.metrics:
                     self.metrics.error("prepare", reason)
                 log.error("prepare failed", error=str(err), reason=reason)
+                self._prepare_failed(ref, str(err))
                 return PrepareResult(error=str(err))
             except Exception as err:  # noqa: BLE001 - one claim's bug must not fail the others
                 if self.metrics:
                     self.metrics.error("prepare", "internal")
                 log.exception("prepare failed unexpectedly")
+                self._prepare_failed(ref, f"internal error preparing claim {ref.describe()}: {err}")
                 return PrepareResult(error=f"internal error preparing claim {ref.describe()}: {err}")
+        if self.events is not None:
+            self.events.forget(ref.uid)
         return PrepareResult(devices=tuple(devices))
+
+    def _prepare_failed(self, ref: ClaimRef, message: str) -> None:
+        if self.events is not None:
+            from kube.events import PREPARE_FAILED
+
+            self.events.warn(ref.namespace, ref.name, ref.uid, PREPARE_FAILED, message)
 
     def _prepare_claim(self, ref: ClaimRef, log: Any) -> list[PreparedDevice]:
         with self._claim_locks.hold(ref.uid):

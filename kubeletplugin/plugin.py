@@ -224,6 +224,15 @@ class KubeletPlugin:
                                                node_name=self.options.node_name)
         return None
 
+    def _claim_events(self) -> Any:
+        """Claims read from the API server get a Warning Event when their prepare fails (kube.events)."""
+        if self._claim_source is not None or self._api_client is None:
+            return None
+        from kube.events import ClaimEventRecorder, KubernetesEventWriter
+
+        return ClaimEventRecorder(KubernetesEventWriter(self._api_client), self.options.driver_name,
+                                  self.options.node_name, log=log)
+
     def _sharing_control(self, driver_root: DriverRoot) -> SharingControl:
         if self._sharing is not None:
             return self._sharing
@@ -370,6 +379,7 @@ class KubeletPlugin:
             compat_nvidia=o.compat_nvidia, metrics=self.metrics, max_parallel=o.max_parallel,
             serialize_lock=(state / "serialize.lock") if o.pod_uid else None, mig_listener=self.monitor,
             on_change=self._update_device_gauges, status=self._claim_status_writer(),
+            events=self._claim_events(),
         )
         try:
             self.startup = self.driver.start()

@@ -167,7 +167,8 @@ def test_rbac_binds_each_role_to_its_service_account(default: list[dict[str, Any
     assert {(tuple(r["resources"]), tuple(r["verbs"])) for r in plugin_role["rules"]} == {
         (("resourceslices",), ("create", "get", "list", "watch", "update", "delete")),
         (("resourceclaims",), ("get",)), (("resourceclaims/status",), ("patch",)),
-        (("resourceclaims/driver",), ("associated-node:patch",)), (("nodes",), ("get",))}
+        (("resourceclaims/driver",), ("associated-node:patch",)), (("nodes",), ("get",)),
+        (("events",), ("create", "patch"))}
     controller_role = roles["gpu-dra-gpu-dra-driver-controller"]
     by_name = [r for r in controller_role["rules"] if r.get("resourceNames")]
     assert [(r["resources"], r["verbs"]) for r in by_name] == [(["deviceclasses"], ["get", "update"])]
