@@ -34,7 +34,7 @@ from kubernetes import config as kconfig
 
 from api.names import DEFAULT_DRIVER_NAME
 from cli.localcluster import free_port
-from cli.localnode import cgroup_dirs
+from cli.localnode import cgroup_dirs, install_driver_root
 from cli.nodeplugin import LocalNodePlugin, NodePluginError
 from helmchart import CHART, helm
 from kube.client import DEVICE_CLASSES, SLICES, ApiError, KubeApi
@@ -209,8 +209,11 @@ def installed() -> Iterator[Installation]:
         node.ctr("images", "tag", "--force", image, f"{repository}:{UPGRADE_TAG}")
         names = node.ctr("images", "ls", "-q").stdout.split()
         assert image in names and f"{repository}:{UPGRADE_TAG}" in names, names
-        driver_root = node.workdir / "driver-root"   # a simulated node has no driver files
+        # The simulated node's driver files: the CUDA stand-in, laid out as a host driver install.
+        driver_root = node.workdir / "driver-root"
         driver_root.mkdir()
+        assert real.fleet is not None
+        install_driver_root(driver_root, node.bin_dir, "host", fleet=real.fleet, node_name=node.name)
         # The chart mounts the driver root with HostToContainer propagation, which containerd allows only from a
         # shared or slave mount, as / is on systemd hosts; here / is private. Node.stop unmounts it.
         for argv in (["mount", "--bind", driver_root, driver_root], ["mount", "--make-shared", driver_root]):
