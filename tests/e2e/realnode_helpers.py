@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
+import cdivalidate
 from api.deviceclasses import device_classes
 from api.names import DEFAULT_DRIVER_NAME
 from cli.localcluster import ClusterError, LocalCluster
@@ -202,6 +203,7 @@ class RealNode:
             phase = pod.get("status", {}).get("phase")
             if phase == "Running" and all(self.view(namespace, name, c["name"]).complete
                                           for c in pod["spec"]["containers"]):
+                self.check_cdi_specs(namespace, pod)
                 return pod
             if phase in ("Failed", "Succeeded"):
                 break
@@ -245,6 +247,14 @@ class RealNode:
         return self.kube.get(f"{collection('ResourceClaim', namespace)}/{name}")
 
     # ---- what the plugin left on the node ---------------------------------------------------------
+
+    def check_cdi_specs(self, namespace: str, pod: dict[str, Any]) -> None:
+        """The running pod's claims have their CDI specs on the node, and the CDI reference library loads them."""
+        for ref in pod["spec"].get("resourceClaims") or []:
+            uid = self.claim_of(namespace, pod, ref["name"])["metadata"]["uid"]
+            files = self.cdi_files(uid)
+            assert files, f"pod {namespace}/{pod['metadata']['name']} runs but claim {uid} has no CDI spec"
+            cdivalidate.check_files(files)
 
     def cdi_files(self, uid: str | None = None) -> list[Path]:
         """CDI spec files in the node's CDI directory (those naming the claim `uid`, when given)."""
