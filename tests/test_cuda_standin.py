@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,6 +112,18 @@ def test_probe_lists_only_devices_whose_nodes_open(standin: Path, tmp_path: Path
         f"nvml: mig 1 0 {M0} 40192 MiB NVIDIA H100 80GB HBM3 MIG 3g.40gb",
         "mps: CUDA_MPS_PIPE_DIRECTORY=/tmp/x",
     ]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="creating a character device node needs root (CAP_MKNOD)")
+def test_a_node_without_a_kernel_driver_behind_it_counts(standin: Path, tmp_path: Path) -> None:
+    """What runc creates on a simulated node: a character device of the listed numbers with no driver behind it
+    (open fails with ENXIO); the device is the container's."""
+    node = tmp_path / "nvidia7"
+    os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(195, 7))
+    path = tmp_path / "gpus"
+    path.write_text(f"driver {VERSION} 13000\nctl /dev/null 1 3\ngpu 7 {node} 195 7 0 {G0} 85520809984 NVIDIA H100\n")
+    out = run_probe(standin, path, "cuda-probe", "--once")
+    assert f"cuda: device 0 {G0} 81559 MiB NVIDIA H100" in out, out
 
 
 def test_a_node_of_other_numbers_hides_its_device(standin: Path, tmp_path: Path) -> None:
