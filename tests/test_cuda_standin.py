@@ -242,6 +242,16 @@ def test_simulated_driver_root_refreshes_and_mounts_the_listing(tmp_path: Path) 
     assert uuid0 not in (listing_dir / "gpus").read_text()
 
 
+def test_a_listing_that_cannot_be_written_is_named(tmp_path: Path) -> None:
+    nvml = nvml_for_node(parse_fleet(FLEET).node("n1"))
+    nvml.nvmlInit()
+    blocked = tmp_path / "sim-gpus"
+    blocked.write_text("a file where the directory should be")
+    root = SimulatedDriverRoot(tmp_path / "empty-root", driver_version=VERSION, listing=GpuListing(nvml, blocked))
+    with pytest.raises(DriverRootError, match=f"cannot write the simulated GPU listing {blocked}/gpus: "):
+        root.files()
+
+
 # ---- the driver root layouts ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout", LAYOUTS)

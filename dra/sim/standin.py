@@ -20,6 +20,7 @@ stand-in filters by device access, the file itself is readable by every GPU cont
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from pathlib import Path
@@ -109,9 +110,18 @@ class GpuListing:
         return self.directory / LISTING_FILE
 
     def refresh(self, root: NodeDescriber, ctl: DeviceNodeInfo) -> None:
+        """Rewrites the listing if the GPUs changed; DriverRootError names the file when it cannot be written."""
+        # One view of the hardware: no MIG device created or destroyed between the calls that list it.
+        held = getattr(self.nvml, "hardware_locked", contextlib.nullcontext)
         with self._lock:
-            text = listing_text(self.nvml, root, ctl)
-            if text != self._written or not self.path.is_file():
+            with held():
+                text = listing_text(self.nvml, root, ctl)
+            if text == self._written and self.path.is_file():
+                return
+            try:
                 # Atomic: a container starting now reads either listing, never half of one.
                 write_atomic(self.path, text.encode(), mode=0o644, durable=False)
-                self._written = text
+            except OSError as err:
+                raise DriverRootError(f"cannot write the simulated GPU listing {self.path}: "
+                                      f"{err.strerror or err}") from None
+            self._written = text
