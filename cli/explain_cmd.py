@@ -19,21 +19,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dra.model.claimrequests import ClaimSpecError
-    from dra.model.explain import CANNOT_EVALUATE, Target, explain, format_text
+    from dra.model.explain import CANNOT_EVALUATE, format_text
     from kube.client import ApiError, ApiUnavailable, KubeApi
     from kube.connect import ConnectError, api_client_from
-    from kube.explainreads import ExplainTargetError, find_targets, read_cluster_state
+    from kube.explainreads import ExplainTargetError, explain_target
 
     try:
-        kube = KubeApi(api_client_from(args.kubeconfig))
-        found = find_targets(kube, args.target, args.namespace)
-        state = read_cluster_state(kube)
-        result = explain([Target(n, c) for n, c in found.claims], state.classes, state.slices, state.claims,
-                         state.taint_rules, state.nodes)
+        result = explain_target(KubeApi(api_client_from(args.kubeconfig)), args.target, args.namespace)
     except (ConnectError, ExplainTargetError, ClaimSpecError, ApiError, ApiUnavailable) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
-    result.notes = found.notes + result.notes
     if args.output == "json":
         print(json.dumps(result.to_dict(), indent=2))
     else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dra.model.explain import Explanation, Target, explain
 from kube.client import DEVICE_CLASSES, NODES, RESOURCE_V1, SLICES, ApiError, KubeApi
 
 CLAIMS = f"{RESOURCE_V1}/resourceclaims"
@@ -123,3 +124,13 @@ def _pod_targets(kube: KubeApi, pod: dict[str, Any], namespace: str) -> ExplainT
     if not out.claims:
         raise ExplainTargetError(f"pod {pod['metadata']['name']} has no resource claims")
     return out
+
+
+def explain_target(kube: KubeApi, target: str, namespace: str) -> Explanation:
+    """`gpu-dra explain` as a function: finds the claims of `target` and explains them against the live state."""
+    found = find_targets(kube, target, namespace)
+    state = read_cluster_state(kube)
+    result = explain([Target(n, c) for n, c in found.claims], state.classes, state.slices, state.claims,
+                     state.taint_rules, state.nodes)
+    result.notes = found.notes + result.notes
+    return result

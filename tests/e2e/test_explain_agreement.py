@@ -1,0 +1,361 @@
+"""`gpu-dra explain` agrees with kube-scheduler on the real control plane.
+
+Every example folder and a set of made-up cases (pending ones included) are created; `explain` runs on the
+claim while it is still unallocated (the template, a claim before its pod exists, or a pod the scheduler gave
+up on), then the pod is created and the test waits until the scheduler has allocated its claims or keeps the
+pod Pending as unschedulable. The test fails where the verdicts disagree: allocated → explain said
+allocatable and named the node the scheduler used; pending → explain said not allocatable, and why.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from allocation_helpers import EXAMPLES, FLEETS, PublishedFleet, renamed_fleet
+from cli.demo_examples import apply_objects, collection, delete_namespace, load_example, load_examples
+from dra.model.explain import ALLOCATABLE, NOT_ALLOCATABLE, Explanation
+from dra.model.poolview import allocated_node, allocation_results
+from kube.client import RESOURCE_V1, ApiError, KubeApi
+from kube.explainreads import explain_target
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE_DRIVER = "examples.explain.dra-driver.io"
+TAINT_RULES = f"{RESOURCE_V1}/devicetaintrules"
+_numbers = itertools.count(1)
+
+
+# --------------------------------------------------------------------------------- what the scheduler did
+
+@dataclass
+class Outcome:
+    allocated: bool
+    node: str = ""
+    requests: list[str] = field(default_factory=list)   # allocation results' request names
+    message: str = ""
+
+
+def _pod_claims(kube: KubeApi, ns: str, pod: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The pod's claims, or None while a template's claim is not generated yet."""
+    made = {s["name"]: s.get("resourceClaimName") for s in (pod.get("status") or {}).get("resourceClaimStatuses") or []}
+    out = []
+    for ref in pod["spec"].get("resourceClaims") or []:
+        name = ref.get("resourceClaimName") or made.get(ref["name"])
+        if not name:
+            return None
+        try:
+            out.append(kube.get(f"{collection('ResourceClaim', ns)}/{name}"))
+        except ApiError as exc:
+            if exc.not_found:
+                return None
+            raise
+    return out
+
+
+def scheduler_outcome(kube: KubeApi, ns: str, pod_name: str, timeout: float = 40.0, settle: float = 4.0) -> Outcome:
+    """Waits until the pod is bound with every claim allocated, or has stayed unschedulable (PodScheduled False)
+    for `settle` seconds after all its claims existed."""
+    deadline = time.monotonic() + timeout
+    pending_since: float | None = None
+    while time.monotonic() < deadline:
+        pod = kube.get(f"{collection('Pod', ns)}/{pod_name}")
+        claims = _pod_claims(kube, ns, pod)
+        if pod["spec"].get("nodeName") and claims and all(allocation_results(c) for c in claims):
+            return Outcome(True, pod["spec"]["nodeName"],
+                           [r["request"] for c in claims for r in allocation_results(c)])
+        cond = next((c for c in (pod.get("status") or {}).get("conditions") or [] if c.get("type") == "PodScheduled"), {})
+        if claims is not None and cond.get("status") == "False" and not pod["spec"].get("nodeName"):
+            pending_since = pending_since or time.monotonic()
+            if time.monotonic() - pending_since >= settle:
+                return Outcome(False, message=str(cond.get("message", "")))
+        else:
+            pending_since = None
+        time.sleep(0.25)
+    raise AssertionError(f"pod {ns}/{pod_name}: the scheduler neither allocated nor gave up within {timeout}s")
+
+
+def assert_agree(exp: Explanation, outcome: Outcome, case: str) -> None:
+    text = f"{case}: explain said {exp.sentence!r}; the scheduler "
+    if outcome.allocated:
+        assert exp.verdict == ALLOCATABLE, text + f"allocated on {outcome.node} ({outcome.requests})"
+        assert outcome.node in exp.allocatable_nodes(), text + f"used node {outcome.node}"
+    else:
+        assert exp.verdict == NOT_ALLOCATABLE, text + f"left the pod pending: {outcome.message}"
+
+
+# ------------------------------------------------------------------------------------------ the examples
+
+@pytest.fixture(scope="module")
+def demo_fleet(cluster: Any, api_client: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    doc = renamed_fleet(yaml.safe_load((FLEETS / "demo.yaml").read_text()), "xpex")
+    fleet = PublishedFleet(cluster, api_client, EXAMPLE_DRIVER, doc, tmp_path_factory.mktemp("xpex")).publish()
+    yield fleet
+    fleet.remove()
+
+
+def _create_namespace(kube: KubeApi, name: str, admin: bool = False) -> None:
+    labels = {"resource.kubernetes.io/admin-access": "true"} if admin else {}
+    kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                       "metadata": {"name": name, "labels": labels}})
+
+
+def _explain_before_pods(kube: KubeApi, objects: list[dict[str, Any]], ns: str) -> Explanation:
+    """Explains the first template or claim of `objects` (nothing allocated it yet: no pod exists)."""
+    first = next(o for o in objects if o["kind"] in ("ResourceClaimTemplate", "ResourceClaim"))
+    kind = "template" if first["kind"] == "ResourceClaimTemplate" else "claim"
+    return explain_target(kube, f"{kind}/{first['metadata']['name']}", ns)
+
+
+@pytest.mark.parametrize("example", sorted(e.name for e in load_examples(EXAMPLES, EXAMPLE_DRIVER)))
+def test_explain_agrees_on_every_example(api_client: Any, demo_fleet: Any, example: str) -> None:
+    kube = KubeApi(api_client)
+    ex = load_example(EXAMPLES / example, EXAMPLE_DRIVER)
+    ns = f"xpex-{next(_numbers)}"
+    _create_namespace(kube, ns)
+    try:
+        apply_objects(kube, [o for o in ex.objects if o["kind"] != "Pod"], ns)
+        exp = _explain_before_pods(kube, ex.objects, ns)
+        apply_objects(kube, ex.pods, ns)
+        for pod in ex.pods:
+            outcome = scheduler_outcome(kube, ns, pod["metadata"]["name"])
+            assert outcome.allocated, f"{example}: example not allocated: {outcome.message}"
+            assert_agree(exp, outcome, example)
+            if example == "first-available":
+                assert any(k.endswith(": gpu/h100") for n in exp.nodes for k in n.chosen), exp.sentence
+    finally:
+        delete_namespace(kube, ns)
+
+
+# ---------------------------------------------------------------------------------------------- the cases
+
+H100 = [{"model": "H100-80GB", "count": 1}]
+L4 = [{"model": "L4", "count": 1}]
+
+
+def _exactly(cls: str, cel: str | None = None, **kw: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"deviceClassName": cls, **kw}
+    if cel:
+        body["selectors"] = [{"cel": {"expression": cel}}]
+    return body
+
+
+def _spec(*requests: dict[str, Any], constraints: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    devices: dict[str, Any] = {"requests": list(requests)}
+    if constraints:
+        devices["constraints"] = constraints
+    return {"devices": devices}
+
+
+def _req(name: str, body: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "exactly": body}
+
+
+GPU, MIG, SLOT, SHARED = "D", "mig.D", "slot.D", "shared.D"
+
+
+@dataclass
+class Case:
+    name: str
+    gpus: list[dict[str, Any]]
+    claim: dict[str, Any]                                 # the ResourceClaimSpec under test
+    allocated: bool                                       # what the scheduler is expected to do
+    reason: str = ""                                      # words the pending verdict must contain
+    policy: dict[str, Any] | None = None
+    first: list[dict[str, Any]] = field(default_factory=list)   # claims allocated before, each with a pod
+    taints: list[dict[str, Any]] = field(default_factory=list)  # DeviceTaintRules: {device, taint}
+    template: bool = False
+    admin: bool = False
+    second_claim: dict[str, Any] | None = None            # the pod also uses this claim
+    request: str = ""                                     # allocated request name the explain must pick too
+
+
+def _sub(name: str, cls: str, cel: str | None = None) -> dict[str, Any]:
+    return {"name": name, **_exactly(cls, cel)}
+
+
+ONE = _spec(_req("gpu", _exactly(GPU)))
+MIG_1G = _spec(_req("mig", _exactly(MIG, "device.attributes['D'].profile == '1g.10gb'")))
+MIG_7G = _spec(_req("mig", _exactly(MIG, "device.attributes['D'].profile == '7g.80gb'")))
+WHOLE_AND_MIG = {"default": {"wholeGpu": True, "mig": "dynamic"}}
+MIG_ONLY = {"default": {"wholeGpu": False, "mig": "dynamic"}}
+TS_SLOTS = {"default": {"wholeGpu": True, "slots": {"count": 4, "strategy": "time-slicing"}}}
+SLOTS_ONLY = {"default": {"wholeGpu": False, "slots": {"count": 4, "strategy": "time-slicing"}}}
+SHARES = {"default": {"wholeGpu": False, "memoryShares": {"minimum": "1Gi", "step": "1Gi"}}}
+NO_SCHEDULE = {"key": "example.com/maintenance", "value": "planned", "effect": "NoSchedule"}
+FIRST_AVAILABLE = _spec({"name": "gpu", "firstAvailable": [
+    _sub("h100", GPU, "device.attributes['D'].productName.startsWith('NVIDIA H100')"),
+    _sub("big", GPU, "device.capacity['D'].memory.compareTo(quantity('20Gi')) >= 0")]})
+
+CASES = [
+    Case("selector-matches-nothing", H100, _spec(_req("gpu", _exactly(GPU, "device.attributes['D'].productName == 'NVIDIA B300'"))),
+         False, "matches the selectors"),
+    Case("every-device-taken", L4, ONE, False, "taken", first=[ONE]),
+    Case("whole-gpu-holds-counters-mig-unavailable", H100, MIG_1G, False, "counter set", policy=WHOLE_AND_MIG,
+         first=[ONE]),
+    Case("mig-beside-a-held-gpu", [{"model": "H100-80GB", "count": 2}], MIG_7G, True, policy=WHOLE_AND_MIG,
+         first=[ONE]),
+    Case("mig-all-slices-drawn", H100, MIG_1G, False, "counter set", policy=MIG_ONLY, first=[MIG_7G]),
+    Case("mig-fits-beside-mig", H100, MIG_1G, True, policy=MIG_ONLY, first=[MIG_1G, MIG_1G], template=True),
+    Case("taint-not-tolerated", L4, ONE, False, "taint", taints=[{"device": "gpu-0", "taint": NO_SCHEDULE}]),
+    Case("taint-tolerated", L4, _spec(_req("gpu", _exactly(GPU, tolerations=[
+        {"key": "example.com/maintenance", "operator": "Exists", "effect": "NoSchedule"}]))), True,
+         taints=[{"device": "gpu-0", "taint": NO_SCHEDULE}]),
+    Case("taint-on-one-of-two", [{"model": "L4", "count": 2}], ONE, True,
+         taints=[{"device": "gpu-0", "taint": NO_SCHEDULE}]),
+    Case("match-attribute-unsatisfiable", [{"model": "H100-80GB", "count": 2}],
+         _spec(_req("gpu", _exactly(GPU, count=2)),
+               constraints=[{"matchAttribute": "resource.kubernetes.io/pcieRoot"}]), False, "constraint"),
+    Case("match-attribute-across-requests", H100,
+         _spec(_req("a", _exactly(MIG, "device.attributes['D'].profile == '1g.10gb'")),
+               _req("b", _exactly(MIG, "device.attributes['D'].profile == '2g.20gb'")),
+               constraints=[{"requests": ["a", "b"], "matchAttribute": "D/parentUUID"}]), True, policy=MIG_ONLY),
+    Case("count-too-high", [{"model": "L4", "count": 2}], _spec(_req("gpu", _exactly(GPU, count=3))), False,
+         "only 2 match"),
+    Case("count-fits", [{"model": "L4", "count": 2}], _spec(_req("gpu", _exactly(GPU, count=2))), True),
+    Case("first-available-second-subrequest", L4, FIRST_AVAILABLE, True, template=True, request="gpu/big"),
+    Case("first-available-first-taken", [{"model": "H100-80GB", "count": 1}, {"model": "L4", "count": 1}],
+         FIRST_AVAILABLE, True, first=[_spec(_req("gpu", _exactly(GPU, "device.attributes['D'].productName.startsWith('NVIDIA H100')")))],
+         request="gpu/big"),
+    Case("first-available-none-fits", L4, FIRST_AVAILABLE, False, "no alternative fits", first=[ONE]),
+    Case("memory-share-capacity-exhausted", H100, _spec(_req("share", _exactly(SHARED, capacity={"requests": {"memory": "20Gi"}}))),
+         False, "left", policy=SHARES, first=[_spec(_req("share", _exactly(SHARED, capacity={"requests": {"memory": "70Gi"}})))]),
+    Case("memory-share-fits", H100, _spec(_req("share", _exactly(SHARED, capacity={"requests": {"memory": "5Gi"}}))),
+         True, policy=SHARES, first=[_spec(_req("share", _exactly(SHARED, capacity={"requests": {"memory": "70Gi"}})))]),
+    Case("all-mode", [{"model": "L4", "count": 2}], _spec(_req("gpu", _exactly(GPU, allocationMode="All"))), True),
+    Case("all-mode-one-taken", [{"model": "L4", "count": 2}], _spec(_req("gpu", _exactly(GPU, allocationMode="All"))),
+         False, "all 2 matching devices are needed", first=[ONE]),
+    Case("admin-access-on-a-taken-device", L4, _spec(_req("gpu", _exactly(GPU, adminAccess=True))), True,
+         first=[ONE], admin=True),
+    Case("slots-held-by-whole-gpu", L4, _spec(_req("slot", _exactly(SLOT))), False, "counter set", policy=TS_SLOTS,
+         first=[ONE]),
+    Case("slots-count-fits", L4, _spec(_req("slot", _exactly(SLOT, count=4))), True, policy=SLOTS_ONLY),
+    Case("slots-count-too-high", L4, _spec(_req("slot", _exactly(SLOT, count=5))), False, "only 4 match",
+         policy=SLOTS_ONLY),
+    Case("semver-selector-satisfied", L4, _spec(_req("gpu", _exactly(GPU, "device.attributes['D'].driverVersion.isGreaterThan(semver('550.0.0'))"))),
+         True),
+    Case("semver-selector-too-new", L4, _spec(_req("gpu", _exactly(GPU, "device.attributes['D'].driverVersion.compareTo(semver('999.0.0')) >= 0"))),
+         False, "matches the selectors"),
+    Case("quantity-is-greater-than", H100, _spec(_req("gpu", _exactly(GPU, "device.capacity['D'].memory.isGreaterThan(quantity('80Gi'))"))),
+         False, "matches the selectors"),
+    Case("class-does-not-exist", L4, _spec(_req("gpu", _exactly("nosuch.D"))), False, "does not exist"),
+    Case("two-claims-one-gpu", L4, ONE, False, "together", second_claim=ONE),
+    Case("two-claims-two-gpus", [{"model": "L4", "count": 2}], ONE, True, second_claim=ONE),
+]
+
+
+def _driver_in(obj: Any, driver: str) -> Any:
+    """The spec with the placeholder domain D (CEL domains, class names) replaced by the case's driver."""
+    if isinstance(obj, dict):
+        return {_driver_in(k, driver): _driver_in(v, driver) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_driver_in(v, driver) for v in obj]
+    if isinstance(obj, str):
+        return (obj.replace("['D']", f"['{driver}']").replace("D/", f"{driver}/")
+                if obj not in ("D",) and not obj.endswith(".D") else obj[:-1] + driver)
+    return obj
+
+
+def _claim(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name}, "spec": spec}
+
+
+def _template(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": name},
+            "spec": {"spec": spec}}
+
+
+def _pod(name: str, claims: list[tuple[str, str]]) -> dict[str, Any]:
+    """A pod using each (pod claim name, "claim:<name>" or "template:<name>")."""
+    refs = [{"name": n, ("resourceClaimName" if src.startswith("claim:") else "resourceClaimTemplateName"):
+             src.split(":", 1)[1]} for n, src in claims]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+            "spec": {"restartPolicy": "Never", "resourceClaims": refs,
+                     "containers": [{"name": "c", "image": "example.invalid/none",
+                                     "resources": {"claims": [{"name": n} for n, _ in claims]}}]}}
+
+
+@pytest.fixture
+def case_env(cluster: Any, api_client: Any, tmp_path: Path) -> Any:
+    made: list[tuple[PublishedFleet, str, list[str]]] = []
+    kube = KubeApi(api_client)
+
+    def make(case: Case) -> tuple[str, str, str, str]:
+        n = next(_numbers)
+        driver, node, ns = f"x{n}.explain.dra-driver.io", f"xp{n}-node", f"xp-{n}"
+        spec: dict[str, Any] = {"name": node, "gpus": case.gpus}
+        if case.policy:
+            spec["policy"] = case.policy
+        workdir = tmp_path / str(n)
+        workdir.mkdir()
+        fleet = PublishedFleet(cluster, api_client, driver, {"nodes": [spec]}, workdir).publish()
+        rules = []
+        for i, t in enumerate(case.taints):
+            rule = {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceTaintRule", "metadata": {"name": f"xp{n}-{i}"},
+                    "spec": {"deviceSelector": {"driver": driver, "pool": node, "device": t["device"]},
+                             "taint": t["taint"]}}
+            kube.create(TAINT_RULES, rule)
+            rules.append(rule["metadata"]["name"])
+        made.append((fleet, ns, rules))
+        _create_namespace(kube, ns, admin=case.admin)
+        return driver, node, ns, str(n)
+
+    yield make
+    for fleet, ns, rules in made:
+        delete_namespace(kube, ns)
+        for r in rules:
+            kube.request("DELETE", f"{TAINT_RULES}/{r}")
+        fleet.remove()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_explain_agrees_with_the_scheduler(api_client: Any, case_env: Any, case: Case) -> None:
+    kube = KubeApi(api_client)
+    driver, node, ns, _ = case_env(case)
+    for i, spec in enumerate(case.first):
+        apply_objects(kube, [_claim(f"first-{i}", _driver_in(spec, driver)),
+                             _pod(f"first-{i}", [("c", f"claim:first-{i}")])], ns)
+        before = scheduler_outcome(kube, ns, f"first-{i}")
+        assert before.allocated, f"{case.name}: claim first-{i} was meant to be allocated first: {before.message}"
+    spec = _driver_in(case.claim, driver)
+    if case.template:
+        apply_objects(kube, [_template("under-test", spec)], ns)
+        refs = [("c", "template:under-test")]
+    else:
+        apply_objects(kube, [_claim("under-test", spec)], ns)
+        refs = [("c", "claim:under-test")]
+    if case.second_claim is not None:
+        apply_objects(kube, [_claim("second", _driver_in(case.second_claim, driver))], ns)
+        refs.append(("d", "claim:second"))
+    if case.second_claim is None:
+        # Allocation needs a pod: explain the claim (or template) before the pod exists, so nothing holds it yet.
+        exp = explain_target(kube, f"{'template' if case.template else 'claim'}/under-test", ns)
+        apply_objects(kube, [_pod("under-test", refs)], ns)
+    else:
+        # Two claims are allocated together: explain the pod while a scheduling gate keeps the scheduler off it.
+        gated = _pod("under-test", refs)
+        gated["spec"]["schedulingGates"] = [{"name": "example.com/explain-first"}]
+        apply_objects(kube, [gated], ns)
+        exp = explain_target(kube, "pod/under-test", ns)
+        kube.request("PATCH", f"{collection('Pod', ns)}/under-test", body={"spec": {"schedulingGates": None}},
+                     content_type="application/merge-patch+json")
+    outcome = scheduler_outcome(kube, ns, "under-test")
+    assert outcome.allocated == case.allocated, \
+        f"{case.name}: the scheduler {'allocated' if outcome.allocated else 'did not allocate'} ({outcome.message})"
+    assert_agree(exp, outcome, case.name)
+    if not outcome.allocated:
+        assert case.reason in exp.sentence, f"{case.name}: {exp.sentence!r} does not say {case.reason!r}"
+    if case.request:
+        assert outcome.requests == [case.request], outcome.requests
+        chosen = next(r for r in exp.nodes if r.node == outcome.node).chosen
+        assert any(k.endswith(f": {case.request}") for k in chosen), (exp.sentence, chosen)
