@@ -22,6 +22,7 @@ from cli.localcluster import ClusterError, LocalCluster, find_binaries, pinned_v
 from controller.cluster import DRIVER_LABEL, MANAGED_BY, MANAGED_BY_LABEL, ClusterController
 from helmchart import render
 from kube.client import DEVICE_CLASSES, NODES, RESOURCE_V1, SLICES, ApiError, KubeApi
+from kube.events import KubernetesEventWriter, claim_ref, event_body, micro_time
 from kube.resourceslices import DesiredPool, Owner, ResourceSliceController
 from kubeletplugin.claims import ClaimRef, KubernetesClaimSource
 from kubeletplugin.claimstatus import DeviceStatus, KubernetesClaimStatusWriter
@@ -266,7 +267,8 @@ def test_the_plugins_and_the_controllers_own_calls_pass_with_the_chart_rbac_alon
     own = r.claim(r.ns_a, "own", r.node_a)
     r.wait_until_enforced(own)
 
-    # The plugin: reads a claim by name (and nothing more), publishes and watches its node's slices.
+    # The plugin: reads a claim by name (and nothing more), publishes and watches its node's slices, reports a
+    # failed prepare as an Event.
     got = KubernetesClaimSource(r.plugin_a_client).get_claim(r.ns_a, "own", own["metadata"]["uid"])
     assert got["metadata"]["uid"] == own["metadata"]["uid"]
     pool = {r.node_a: DesiredPool(slices=[{"devices": [{"name": "gpu-0"}]}], node_name=r.node_a)}
@@ -279,6 +281,12 @@ def test_the_plugins_and_the_controllers_own_calls_pass_with_the_chart_rbac_alon
         slices.update({})                              # and a delete
         assert slices.wait_for_sync(30), slices.errors
         assert slices.writes_by_operation == {"create": 1, "update": 1, "delete": 1}
+    # A failed prepare's Warning Event on the claim: created, then its series patched.
+    events = KubernetesEventWriter(r.plugin_a_client)
+    event = event_body(claim_ref(r.ns_a, "own", own["metadata"]["uid"]), reason="PrepareFailed", note="probe",
+                       controller=driver, instance=r.node_a, now=time.time())
+    events.create(event)
+    events.patch(r.ns_a, event["metadata"]["name"], {"series": {"count": 2, "lastObservedTime": micro_time(time.time())}})
     for what, call in (("list claims", lambda: r.plugin_a.list(claim_path(r.ns_a))),
                        ("list nodes", lambda: r.plugin_a.list(NODES)),
                        ("patch slices", lambda: r.plugin_a.request("PATCH", f"{SLICES}/x", body={},
