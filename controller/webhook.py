@@ -142,7 +142,7 @@ class _TLSServer(BoundedHTTPServer):
 
     def get_request(self) -> tuple[socket.socket, Any]:
         sock, addr = self.socket.accept()
-        # The handshake happens in a worker (its first read, under the idle timeout): accepting never waits on a client.
+        # No handshake here: the server does it without blocking, as the client's bytes arrive, under its timeouts.
         return self.reloader.context().wrap_socket(sock, server_side=True, do_handshake_on_connect=False), addr
 
     def handle_error(self, request: Any, client_address: Any) -> None:

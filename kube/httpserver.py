@@ -2,14 +2,16 @@
 and the admission webhook. `BoundedHTTPServer` serves them with bounded threads, connections and time."""
 from __future__ import annotations
 
+import io
 import logging
 import selectors
 import socket
+import ssl
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from queue import SimpleQueue
 from typing import Any
@@ -25,31 +27,47 @@ HealthCheck = Callable[[], tuple[bool, str]]
 class ConnectionLimits:
     """What one client, or many, can hold of a server."""
 
-    # Requests handled at once: the only threads besides the one that accepts. A readable connection waits for one.
+    # Requests handled at once: the only threads besides the one that accepts. A connection gets one once its
+    # request head has arrived; until then it costs no thread.
     workers: int = 4
-    # Open connections. A connection holds no thread until its first bytes arrive; when a new one would exceed
-    # this, the longest-waiting silent one is closed (clients that mean to ask send at once).
+    # Open connections. When a new one would exceed this, the longest-waiting one whose head has not arrived is
+    # closed (clients that mean to ask send at once).
     max_connections: int = 128
-    # Seconds a connection may stay silent: before its first byte, and between reads while handled (the TLS
-    # handshake included).
+    # Seconds a connection may stay silent: while its head arrives (the TLS handshake included) and between reads
+    # of its body.
     idle_timeout: float = 10.0
-    # Seconds from a connection's first byte until it is cut, whatever it still sends or reads: a client that
-    # trickles its request (or reads the answer byte by byte) holds a worker for no longer than this.
+    # Seconds for the head to arrive after the connection is accepted, and again for the request to be read and
+    # answered once a worker has it: a client that trickles its request, or reads the answer byte by byte, is cut.
     request_timeout: float = 30.0
+
+
+# A longer request head is refused: the kubelet's, Prometheus's and the API server's are a few hundred bytes.
+MAX_HEAD = 16 << 10
+
+
+@dataclass
+class _Arriving:
+    """A connection whose request head is still arriving, read by the accepting thread as it comes."""
+
+    addr: Any
+    silent_until: float
+    head_by: float
+    head: bytearray = field(default_factory=bytearray)
+    handshaken: bool = False
 
 
 class BoundedHTTPServer(HTTPServer):
     """An HTTPServer whose `serve_forever` runs `limits.workers` worker threads and one thread that accepts
-    connections, watches the silent ones (no thread each) and cuts those past their time. Each connection carries
-    one request (HTTP/1.0, as BaseHTTPRequestHandler answers). Subclasses may wrap accepted sockets in
-    `get_request` (TLS, with the handshake left to the worker's first read)."""
+    connections, reads their request heads without blocking (and their TLS handshakes, for a `get_request` that
+    wraps sockets in TLS without handshaking), hands complete heads to the workers and cuts connections past their
+    time. Each connection carries one request (HTTP/1.0, as BaseHTTPRequestHandler answers)."""
 
     request_queue_size = 128  # listen backlog: connections are accepted promptly, and counted then
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], *,
                  limits: ConnectionLimits = ConnectionLimits()) -> None:
         self.limits = limits
-        self._ready: SimpleQueue[tuple[socket.socket, Any] | None] = SimpleQueue()
+        self._ready: SimpleQueue[tuple[socket.socket, Any, bytes] | None] = SimpleQueue()
         self._lock = threading.Lock()
         self._busy: dict[socket.socket, float] = {}  # handed to the workers -> when it is cut
         self._stop = threading.Event()
@@ -63,21 +81,19 @@ class BoundedHTTPServer(HTTPServer):
                    for i in range(self.limits.workers)]
         for worker in workers:
             worker.start()
-        waiting: dict[socket.socket, tuple[Any, float]] = {}  # silent connections, oldest first -> (address, expiry)
+        arriving: dict[socket.socket, _Arriving] = {}  # oldest first
         try:
             with selectors.DefaultSelector() as sel:
                 sel.register(self.socket, selectors.EVENT_READ)
                 while not self._stop.is_set():
                     for key, _ in sel.select(poll_interval):
                         if key.fileobj is self.socket:
-                            self._accept(sel, waiting)
+                            self._accept(sel, arriving)
                         else:
-                            conn: Any = key.fileobj
-                            sel.unregister(conn)
-                            self._dispatch(conn, waiting.pop(conn)[0])
-                    self._expire(sel, waiting)
+                            self._receive(sel, arriving, key.fileobj)  # type: ignore[arg-type]
+                    self._expire(sel, arriving)
         finally:
-            for conn in waiting:
+            for conn in arriving:
                 self.shutdown_request(conn)
             for _ in workers:
                 self._ready.put(None)
@@ -90,38 +106,54 @@ class BoundedHTTPServer(HTTPServer):
         self._stopped.wait()
 
     def connections(self) -> int:
-        """Connections handed to the workers and not closed yet (tests, metrics)."""
+        """Connections handed to the workers and not closed yet."""
         with self._lock:
             return len(self._busy)
 
-    def _accept(self, sel: selectors.BaseSelector, waiting: dict[socket.socket, tuple[Any, float]]) -> None:
+    def _accept(self, sel: selectors.BaseSelector, arriving: dict[socket.socket, _Arriving]) -> None:
         try:
             conn, addr = self.get_request()
+            conn.setblocking(False)
         except OSError as exc:  # the client left already, or no file descriptor is left
             log.debug("accept: %s", exc)
             return
-        if len(waiting) + self.connections() >= self.limits.max_connections:
-            if not waiting:  # every connection is being answered: refuse this one
+        if len(arriving) + self.connections() >= self.limits.max_connections:
+            if not arriving:  # every connection is being answered: refuse this one
                 self.shutdown_request(conn)
                 return
-            oldest = next(iter(waiting))
-            sel.unregister(oldest)
-            del waiting[oldest]
-            self.shutdown_request(oldest)
-        waiting[conn] = (addr, time.monotonic() + self.limits.idle_timeout)
+            self._drop(sel, arriving, next(iter(arriving)))
+        now = time.monotonic()
+        arriving[conn] = _Arriving(addr, now + self.limits.idle_timeout, now + self.limits.request_timeout)
         sel.register(conn, selectors.EVENT_READ)
 
-    def _dispatch(self, conn: socket.socket, addr: Any) -> None:
-        with self._lock:
-            self._busy[conn] = time.monotonic() + self.limits.request_timeout
-        self._ready.put((conn, addr))
-
-    def _expire(self, sel: selectors.BaseSelector, waiting: dict[socket.socket, tuple[Any, float]]) -> None:
-        now = time.monotonic()
-        for conn in [c for c, (_, expiry) in waiting.items() if expiry <= now]:
+    def _receive(self, sel: selectors.BaseSelector, arriving: dict[socket.socket, _Arriving],
+                 conn: socket.socket) -> None:
+        state = arriving[conn]
+        state.silent_until = time.monotonic() + self.limits.idle_timeout
+        try:
+            complete = _read_head(conn, state)
+        except OSError:  # a reset, a failed TLS handshake
+            self.handle_error(conn, state.addr)
+            complete = None
+        if complete is None:  # closed, broken or a head too long
+            self._drop(sel, arriving, conn)
+        elif complete:
             sel.unregister(conn)
-            del waiting[conn]
-            self.shutdown_request(conn)
+            del arriving[conn]
+            with self._lock:
+                self._busy[conn] = time.monotonic() + self.limits.request_timeout
+            self._ready.put((conn, state.addr, bytes(state.head)))
+
+    def _drop(self, sel: selectors.BaseSelector, arriving: dict[socket.socket, _Arriving],
+              conn: socket.socket) -> None:
+        sel.unregister(conn)
+        del arriving[conn]
+        self.shutdown_request(conn)
+
+    def _expire(self, sel: selectors.BaseSelector, arriving: dict[socket.socket, _Arriving]) -> None:
+        now = time.monotonic()
+        for conn in [c for c, a in arriving.items() if min(a.silent_until, a.head_by) <= now]:
+            self._drop(sel, arriving, conn)
         with self._lock:  # a worker drops its connection from _busy (under the lock) before closing it
             for conn, cut in self._busy.items():
                 if cut <= now:
@@ -134,10 +166,10 @@ class BoundedHTTPServer(HTTPServer):
 
     def _work(self) -> None:
         while (item := self._ready.get()) is not None:
-            conn, addr = item
+            conn, addr, head = item
             try:
                 conn.settimeout(self.limits.idle_timeout)
-                self.finish_request(conn, addr)
+                self.finish_request(_HeadFirst(conn, head), addr)  # type: ignore[arg-type]
             except Exception:  # noqa: BLE001 - one client's failure is logged, the worker goes on
                 self.handle_error(conn, addr)
             finally:
@@ -148,6 +180,57 @@ class BoundedHTTPServer(HTTPServer):
     def handle_error(self, request: Any, client_address: Any) -> None:
         # Resets, timeouts and cut connections are routine on a port anyone can reach: one line, no traceback.
         log.debug("connection from %s: %s", client_address[0] if client_address else "?", sys.exc_info()[1])
+
+
+def _read_head(conn: socket.socket, state: _Arriving) -> bool | None:
+    """Reads what has arrived on non-blocking `conn` into `state.head`: True once the head is complete, False while
+    it is not, None when the client closed or the head is too long."""
+    try:
+        if isinstance(conn, ssl.SSLSocket) and not state.handshaken:
+            conn.do_handshake()
+            state.handshaken = True
+        while True:
+            data = conn.recv(MAX_HEAD)
+            if not data:
+                return None
+            state.head += data
+            if b"\n\r\n" in state.head or b"\n\n" in state.head:
+                return True
+            if len(state.head) > MAX_HEAD:
+                return None
+    except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+        return False
+
+
+class _HeadFirst:
+    """An accepted socket as the request handler sees it: reads return the head read already, then the socket's."""
+
+    def __init__(self, sock: socket.socket, head: bytes) -> None:
+        self._sock, self._head = sock, head
+
+    def makefile(self, mode: str = "r", buffering: int | None = None) -> Any:
+        if "r" not in mode:
+            return self._sock.makefile(mode, buffering)  # type: ignore[call-overload]
+        return io.BufferedReader(_HeadThenSocket(self._head, self._sock))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+class _HeadThenSocket(io.RawIOBase):
+    def __init__(self, head: bytes, sock: socket.socket) -> None:
+        self._head, self._sock = memoryview(head), sock
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if self._head:
+            n = min(len(buffer), len(self._head))
+            buffer[:n] = self._head[:n]
+            self._head = self._head[n:]
+            return n
+        return self._sock.recv_into(buffer)
 
 
 class ProbeHandler(BaseHTTPRequestHandler):
