@@ -87,10 +87,13 @@ class BoundedHTTPServer(HTTPServer):
                 sel.register(self.socket, selectors.EVENT_READ)
                 while not self._stop.is_set():
                     for key, _ in sel.select(poll_interval):
-                        if key.fileobj is self.socket:
-                            self._accept(sel, arriving)
-                        else:
-                            self._receive(sel, arriving, key.fileobj)  # type: ignore[arg-type]
+                        try:
+                            if key.fileobj is self.socket:
+                                self._accept(sel, arriving)
+                            else:
+                                self._receive(sel, arriving, key.fileobj)  # type: ignore[arg-type]
+                        except Exception:  # noqa: BLE001 - a fault with one connection must not end the server
+                            log.exception("serving %s", self.server_address)
                     self._expire(sel, arriving)
         finally:
             for conn in arriving:
@@ -128,7 +131,9 @@ class BoundedHTTPServer(HTTPServer):
 
     def _receive(self, sel: selectors.BaseSelector, arriving: dict[socket.socket, _Arriving],
                  conn: socket.socket) -> None:
-        state = arriving[conn]
+        state = arriving.get(conn)
+        if state is None:  # dropped earlier in this round (to make room for a new connection)
+            return
         state.silent_until = time.monotonic() + self.limits.idle_timeout
         try:
             complete = _read_head(conn, state)

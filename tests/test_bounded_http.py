@@ -270,3 +270,21 @@ def test_a_review_nested_3000_deep_gets_a_denial_not_a_dropped_connection(certs:
     assert answer["uid"] == review["request"]["uid"] and answer["allowed"] is False
     assert answer["status"]["message"] == \
         "spec.devices.config[0].opaque.parameters: parameters nested deeper than 32 levels"
+
+
+def test_a_full_server_keeps_serving_when_the_connection_it_drops_was_readable() -> None:
+    """Past max_connections the oldest arriving connection is closed; if it had bytes waiting in the same round,
+    the server must go on (it once looked the closed connection up and died)."""
+    limits = ConnectionLimits(workers=1, max_connections=4, idle_timeout=5, request_timeout=5)
+    srv = serve_health_and_metrics(0, lambda: (True, "ok"), "127.0.0.1", limits=limits)
+    try:
+        for _ in range(50):
+            socks = [_connect(srv) for _ in range(6)]
+            for sock in socks:
+                sock.sendall(b"GET /he")  # readable, head incomplete
+            for sock in socks:
+                sock.close()
+        assert _get(f"http://127.0.0.1:{srv.server_address[1]}/healthz") == 200
+    finally:
+        srv.shutdown()
+        srv.server_close()
