@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, str] = {
     "plugin": "bench.plugin_api",
     "reconcile": "bench.reconcile",
     "publish": "bench.publish",
+    "status": "bench.status",
 }
 
 

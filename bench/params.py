@@ -24,6 +24,7 @@ class Params:
     api_startups: int = 5           # plugin starts timed to GetInfo
     publish_nodes: int = 100        # publish: nodes of 8 × H100 (5 slices each) published on a real API server
     publish_workers: int = 8        # publish: writes in flight, for gpu-dra publish and its raw-ingest floor alike
+    status_nodes: int = 1000        # status: nodes of 8 × H100 whose status is read from a real API server
 
     def with_fleet(self, path: str | None) -> "Params":
         return replace(self, fleet_file=path)
@@ -38,8 +39,8 @@ FULL = Params(repeats=15, fleet_nodes=100, fleet_repeats=5, fleet_memory_nodes=N
 QUICK = Params(repeats=5, fleet_nodes=100, fleet_repeats=2, fleet_memory_nodes=10,
                mig_cycles=300, mig_batches=3, claim_repeats=5, parallel_claims=32, parallel_rounds=1,
                nvml_latency_s=0.010, reconcile_nodes=100, reconcile_rounds=1, api_rounds=20, api_startups=2,
-               publish_nodes=40)
+               publish_nodes=40, status_nodes=200)
 TINY = Params(repeats=1, fleet_nodes=3, fleet_repeats=1, fleet_memory_nodes=None,
               mig_cycles=4, mig_batches=1, claim_repeats=1, parallel_claims=8, parallel_rounds=1,
               nvml_latency_s=0.001, reconcile_nodes=3, reconcile_rounds=1, api_rounds=3, api_parallel=4,
-              api_startups=1, publish_nodes=3, publish_workers=2)
+              api_startups=1, publish_nodes=3, publish_workers=2, status_nodes=10)

@@ -126,12 +126,10 @@ def _quantity(value: Any) -> int:
         return 0
 
 
-def _attr(device: Mapping[str, Any], name: str) -> str:
-    value = (device.get("attributes") or {}).get(name) or {}
-    for kind in ("string", "version", "int", "bool"):
-        if kind in value:
-            return str(value[kind])
-    return ""
+def _string(attrs: Mapping[str, Any], name: str) -> str:
+    """A string attribute of a device's ``attributes`` ("" when it has none)."""
+    value = attrs.get(name)
+    return str(value.get("string", "")) if isinstance(value, dict) else ""
 
 
 @lru_cache(maxsize=8192)
@@ -208,7 +206,7 @@ def allocations(claims: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str,
 
 def _consumption(device: Mapping[str, Any]) -> Counters:
     out: Counters = {}
-    for entry in device.get("consumesCounters") or []:
+    for entry in device.get("consumesCounters") or ():
         out[entry.get("counterSet", "")] = {k: _quantity((v or {}).get("value")) for k, v in
                                              (entry.get("counters") or {}).items()}
     return out
@@ -216,7 +214,7 @@ def _consumption(device: Mapping[str, Any]) -> Counters:
 
 def _fits(need: Counters, left: Counters) -> bool:
     """The scheduler's counter rule: everything a device consumes must still be left in its counter sets."""
-    return all(v <= left.get(cs, {}).get(k, 0) for cs, counters in need.items() for k, v in counters.items())
+    return not need or all(v <= left.get(cs, {}).get(k, 0) for cs, counters in need.items() for k, v in counters.items())
 
 
 def _take(need: Counters, left: Counters) -> None:
@@ -250,19 +248,21 @@ def pool_status(node: str, slices: Sequence[Mapping[str, Any]], holders: Mapping
     members: dict[int, list[tuple[Mapping[str, Any], DeviceState]]] = {}
     for d in devices:
         name = d.get("name", "")
+        attrs = d.get("attributes") or {}
         held = tuple(holders.get((pool, name), ()))
-        taints = tuple(_taint_text(t) for t in d.get("taints") or [])
-        kind = _attr(d, "type")
+        raw_taints = d.get("taints") or ()
+        kind = _string(attrs, "type")
         if held:
             state = HELD
-        elif any(t.get("effect") in BLOCKING_EFFECTS for t in d.get("taints") or []):
+        elif any(t.get("effect") in BLOCKING_EFFECTS for t in raw_taints):
             state = TAINTED
         else:
             state = FREE if _fits(need[name], left) else BLOCKED
-        detail = _attr(d, "profile") if kind == KIND_MIG else _attr(d, "sharing")
+        detail = _string(attrs, "profile" if kind == KIND_MIG else "sharing")
         ds = DeviceState(name=name, kind=kind, state=state, detail="" if detail == "none" else detail,
                          memory=str(((d.get("capacity") or {}).get("memory") or {}).get("value", "")),
-                         holders=held, taints=taints, dynamic_mig=kind == KIND_MIG and not _attr(d, "uuid"))
+                         holders=held, taints=tuple(_taint_text(t) for t in raw_taints),
+                         dynamic_mig=kind == KIND_MIG and "uuid" not in attrs)
         try:
             minor = _parsed(name).minor
         except ValueError:
@@ -270,9 +270,10 @@ def pool_status(node: str, slices: Sequence[Mapping[str, Any]], holders: Mapping
             continue
         gpu = gpus.get(minor)
         if gpu is None:
-            gpu = gpus[minor] = GpuStatus(node=node, minor=minor, uuid="", product=_attr(d, "productName"))
+            gpu = gpus[minor] = GpuStatus(node=node, minor=minor, uuid="", product=_string(attrs, "productName"))
             members[minor] = []
-        gpu.uuid = gpu.uuid or (_attr(d, "uuid") if kind == KIND_GPU else _attr(d, "parentUUID"))
+        if not gpu.uuid:
+            gpu.uuid = _string(attrs, "uuid" if kind == KIND_GPU else "parentUUID")
         gpu.devices.append(ds)
         members[minor].append((d, ds))
     for minor in sorted(gpus):
