@@ -61,18 +61,19 @@ def _rounded(policy: dict[str, Any], want: Fraction) -> Fraction | None:
 def capacity_needs(device: dict[str, Any], driver: str,
                    requested: tuple[tuple[str, Fraction], ...]) -> tuple[dict[str, Fraction], str]:
     """(capacity name -> amount taken, "") for a multi-allocatable device, ({}, "") for a device allocated
-    whole that has the requested capacities, or ({}, why) when the device cannot serve the request."""
+    whole that has the requested capacities, or ({}, why) when the device cannot serve the request; `why`
+    reads after "the device is", e.g. "too small: memory 80Gi, 100Gi requested"."""
     wanted = {}
     for name, amount in requested:
         cap = _device_capacity(device, name, driver)
         if cap is None:
-            return {}, f"has no capacity {name}"
+            return {}, f"without capacity {name}"
         wanted[split_qualified(name, driver)[1] if name not in (device.get("capacity") or {}) else name] = amount
     if not device.get("allowMultipleAllocations"):
         for name, amount in wanted.items():
             total = quantity_value(str(device["capacity"][name].get("value", "0")))
             if total < amount:
-                return {}, f"{name} {_fmt(total)} is less than the {_fmt(amount)} requested"
+                return {}, f"too small: {name} {_fmt(total)}, {_fmt(amount)} requested"
         return {}, ""
     needs: dict[str, Fraction] = {}
     for name, cap in (device.get("capacity") or {}).items():
@@ -81,13 +82,13 @@ def capacity_needs(device: dict[str, Any], driver: str,
         if name in wanted:
             amount = _rounded(policy, wanted[name]) if policy else wanted[name]
             if amount is None:
-                return {}, f"its {name} request policy allows no amount of {_fmt(wanted[name])}"
+                return {}, f"outside the {name} request policy: no valid amount for {_fmt(wanted[name])}"
         elif policy.get("default") is not None:
             amount = quantity_value(str(policy["default"]))
         else:
             amount = total
         if amount > total:
-            return {}, f"{name} {_fmt(total)} is less than the {_fmt(amount)} requested"
+            return {}, f"too small: {name} {_fmt(total)}, {_fmt(amount)} requested"
         needs[name] = amount
     return needs, ""
 

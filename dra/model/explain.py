@@ -136,7 +136,7 @@ class _Context:
 def _classify(ctx: _Context, pool: Pool, dev: PoolDevice, alt: Alternative) -> _Candidate:
     taints = untolerated_taints(dev.taints, alt.tolerations)
     if taints:
-        return _Candidate(dev, TAINTED, f"taint {', '.join(taints)} not tolerated", {})
+        return _Candidate(dev, TAINTED, f"tainted {', '.join(taints)}, not tolerated", {})
     needs, why = capacity_needs(dev.raw, dev.key[0], alt.capacity)
     if why:
         return _Candidate(dev, CAPACITY, why, {})
@@ -150,14 +150,14 @@ def _classify(ctx: _Context, pool: Pool, dev: PoolDevice, alt: Alternative) -> _
         for n, amount in needs.items():
             left = _capacity_total(total, n) - ctx.capacity_taken.get(dev.key, {}).get(n, Fraction(0))
             if amount > left:
-                return _Candidate(dev, CAPACITY, f"{n}: {format_amount(left)} left, {format_amount(amount)} "
+                return _Candidate(dev, CAPACITY, f"short of {n}: {format_amount(left)} left, {format_amount(amount)} "
                                   f"needed (shared by {', '.join(h.describe() for h in holders)})", needs)
     for cs, counters in dev.consumes().items():
         for n, v in counters.items():
             if v > ctx.counter_free(pool, cs, n):
                 held = ctx.counter_holders.get((pool.driver, pool.name, cs), [])
-                who = ", ".join(sorted({f"{d} by {h.describe()}" for d, h in held})) or "nothing allocated"
-                return _Candidate(dev, COUNTERS, f"counter set {cs} ({n}) used up: {who}", needs)
+                who = ", ".join(sorted({f"{d} held by {h.describe()}" for d, h in held})) or "nothing allocated"
+                return _Candidate(dev, COUNTERS, f"unavailable: counter set {cs} is used up by {who}", needs)
     return _Candidate(dev, FREE, "", needs)
 
 
@@ -186,8 +186,8 @@ def _candidates(ctx: _Context, node: str, alt: Alternative, report: AlternativeR
     by_why: dict[str, list[str]] = defaultdict(list)
     for _, c in out:
         if c.state != FREE:
-            by_why[f"{c.state}: {c.why}"].append(c.dev.name)
-    report.why_not = [f"{_names(devs)} {why}" for why, devs in by_why.items()]
+            by_why[c.why].append(c.dev.name)
+    report.why_not = [f"{_names(devs)} {'is' if len(devs) == 1 else 'are'} {why}" for why, devs in by_why.items()]
     return out
 
 
@@ -386,7 +386,7 @@ def _gpu_lines(ctx: _Context, node: str) -> list[str]:
                 users[cs].append(dev)
         for cs in pool.counters:
             held = ctx.counter_holders.get((pool.driver, pool.name, cs), [])
-            text = f"{cs}: " + ("held: " + ", ".join(sorted({f"{d} by {h.describe()}" for d, h in held}))
+            text = f"{cs}: " + (", ".join(sorted({f"{d} held by {h.describe()}" for d, h in held}))
                                 if held else "nothing allocated")
             best: tuple[Fraction, str] | None = None
             for dev in users.get(cs, []):

@@ -200,14 +200,15 @@ FIRST_AVAILABLE = _spec({"name": "gpu", "firstAvailable": [
 CASES = [
     Case("selector-matches-nothing", H100, _spec(_req("gpu", _exactly(GPU, "device.attributes['D'].productName == 'NVIDIA B300'"))),
          False, "matches the selectors"),
-    Case("every-device-taken", L4, ONE, False, "taken", first=[ONE]),
-    Case("whole-gpu-holds-counters-mig-unavailable", H100, MIG_1G, False, "counter set", policy=WHOLE_AND_MIG,
+    Case("every-device-taken", L4, ONE, False, "is held by", first=[ONE]),
+    Case("whole-gpu-holds-counters-mig-unavailable", H100, MIG_1G, False, "is used up by gpu-0 held by", policy=WHOLE_AND_MIG,
          first=[ONE]),
     Case("mig-beside-a-held-gpu", [{"model": "H100-80GB", "count": 2}], MIG_7G, True, policy=WHOLE_AND_MIG,
          first=[ONE]),
-    Case("mig-all-slices-drawn", H100, MIG_1G, False, "counter set", policy=MIG_ONLY, first=[MIG_7G]),
+    Case("mig-all-slices-drawn", H100, MIG_1G, False, "is used up by gpu-0-mig-7g80gb", policy=MIG_ONLY,
+         first=[MIG_7G]),
     Case("mig-fits-beside-mig", H100, MIG_1G, True, policy=MIG_ONLY, first=[MIG_1G, MIG_1G], template=True),
-    Case("taint-not-tolerated", L4, ONE, False, "taint", taints=[{"device": "gpu-0", "taint": NO_SCHEDULE}]),
+    Case("taint-not-tolerated", L4, ONE, False, "is tainted", taints=[{"device": "gpu-0", "taint": NO_SCHEDULE}]),
     Case("taint-tolerated", L4, _spec(_req("gpu", _exactly(GPU, tolerations=[
         {"key": "example.com/maintenance", "operator": "Exists", "effect": "NoSchedule"}]))), True,
          taints=[{"device": "gpu-0", "taint": NO_SCHEDULE}]),
@@ -229,7 +230,7 @@ CASES = [
          request="gpu/big"),
     Case("first-available-none-fits", L4, FIRST_AVAILABLE, False, "no alternative fits", first=[ONE]),
     Case("memory-share-capacity-exhausted", H100, _spec(_req("share", _exactly(SHARED, capacity={"requests": {"memory": "20Gi"}}))),
-         False, "left", policy=SHARES, first=[_spec(_req("share", _exactly(SHARED, capacity={"requests": {"memory": "70Gi"}})))]),
+         False, "is short of memory", policy=SHARES, first=[_spec(_req("share", _exactly(SHARED, capacity={"requests": {"memory": "70Gi"}})))]),
     Case("memory-share-fits", H100, _spec(_req("share", _exactly(SHARED, capacity={"requests": {"memory": "5Gi"}}))),
          True, policy=SHARES, first=[_spec(_req("share", _exactly(SHARED, capacity={"requests": {"memory": "70Gi"}})))]),
     Case("all-mode", [{"model": "L4", "count": 2}], _spec(_req("gpu", _exactly(GPU, allocationMode="All"))), True),
@@ -237,7 +238,8 @@ CASES = [
          False, "all 2 matching devices are needed", first=[ONE]),
     Case("admin-access-on-a-taken-device", L4, _spec(_req("gpu", _exactly(GPU, adminAccess=True))), True,
          first=[ONE], admin=True),
-    Case("slots-held-by-whole-gpu", L4, _spec(_req("slot", _exactly(SLOT))), False, "counter set", policy=TS_SLOTS,
+    Case("slots-held-by-whole-gpu", L4, _spec(_req("slot", _exactly(SLOT))), False, "is used up by gpu-0 held by",
+         policy=TS_SLOTS,
          first=[ONE]),
     Case("slots-count-fits", L4, _spec(_req("slot", _exactly(SLOT, count=4))), True, policy=SLOTS_ONLY),
     Case("slots-count-too-high", L4, _spec(_req("slot", _exactly(SLOT, count=5))), False, "only 4 match",
@@ -359,3 +361,48 @@ def test_explain_agrees_with_the_scheduler(api_client: Any, case_env: Any, case:
         assert outcome.requests == [case.request], outcome.requests
         chosen = next(r for r in exp.nodes if r.node == outcome.node).chosen
         assert any(k.endswith(f": {case.request}") for k in chosen), (exp.sentence, chosen)
+
+
+def test_cli_explains_a_pending_pod_and_an_allocatable_template(cluster: Any, api_client: Any, case_env: Any) -> None:
+    """`gpu-dra explain` as a process: the text verdict first (exit 1) for a pod the scheduler left pending,
+    JSON (exit 0) for a template it then allocates."""
+    kube = KubeApi(api_client)
+    driver, node, ns, _ = case_env(Case("cli", L4, ONE, False))
+    apply_objects(kube, [_claim("first", _driver_in(ONE, driver)), _pod("first", [("c", "claim:first")])], ns)
+    assert scheduler_outcome(kube, ns, "first").allocated
+    apply_objects(kube, [_claim("late", _driver_in(ONE, driver)), _pod("late", [("c", "claim:late")])], ns)
+    assert not scheduler_outcome(kube, ns, "late").allocated
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "cli.main", "explain", *args, "-n", ns, "--kubeconfig",
+                               str(cluster.kubeconfig)], capture_output=True, text=True, timeout=60, cwd=REPO)
+
+    text = cli("pod/late")
+    assert text.returncode == 1, text.stderr
+    first_line = text.stdout.splitlines()[0]
+    assert first_line.startswith("not allocatable on any node:") and "gpu-0 is held by" in first_line, text.stdout
+    assert f"{ns}/first (pod {ns}/first)" in first_line, first_line
+    assert f"node {node}: not allocatable" in text.stdout
+
+    kube.request("DELETE", f"{collection('Pod', ns)}/first",
+                 body={"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0})
+    kube.request("DELETE", f"{collection('Pod', ns)}/late",
+                 body={"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0})
+    kube.request("DELETE", f"{collection('ResourceClaim', ns)}/first")
+    deadline = time.monotonic() + 30
+    while any(c["metadata"]["name"] == "first" for c in kube.list(collection("ResourceClaim", ns))["items"]):
+        assert time.monotonic() < deadline, "claim first was not deleted"
+        time.sleep(0.25)
+    apply_objects(kube, [_template("tpl", _driver_in(ONE, driver))], ns)
+    out = cli("template/tpl", "-o", "json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["allocatable"] is True and doc["verdict"] == "allocatable", doc["sentence"]
+    assert [n["node"] for n in doc["nodes"] if n["verdict"] == "allocatable"] == [node]
+    apply_objects(kube, [_pod("from-tpl", [("c", "template:tpl")])], ns)
+    outcome = scheduler_outcome(kube, ns, "from-tpl")
+    assert outcome.allocated and outcome.node == node
+
+    missing = cli("template/nosuch")
+    assert missing.returncode == 2 and missing.stderr.strip() == \
+        f"gpu-dra explain: no template named nosuch in namespace {ns}", missing.stderr
