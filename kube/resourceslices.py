@@ -34,8 +34,9 @@ At fleet scale (a cluster-wide publisher of a thousand nodes, five thousand slic
   --force` (or delete and create) of an edited copy gives generation 1 again under a new uid, and one write
   may change the spec and the annotation's generation together. So the annotation vouches for a slice only
   while its uid and `metadata.generation` are the ones this controller saw it get from its own write (or,
-  for a slice it has not written yet, the ones it had in the controller's first listing: a restart reads
-  metadata only). Any other uid or generation of that name is compared in full;
+  for a cluster-wide publisher and a slice it has not written yet, the ones it had in the first listing: a
+  restart of the fleet reads metadata only; a node's plugin reads its few slices in full when it starts). Any
+  other uid or generation of that name is compared in full;
 * what exists is read with ONE metadata-only LIST of the driver's slices (names, versions, annotations: a
   thousandth of the bytes) at the start of a pass, and kept current from the watch and from the answers to
   our own writes; slices it cannot vouch for are read in full (GET, or one paged LIST when there are many).
@@ -709,19 +710,25 @@ class ResourceSliceController:
         return best[1], 0.0
 
     def _worker_loop(self) -> None:
+        # Every change a worker must act on (update, resync, a watch event, a sync ending, stop) notifies the
+        # condition, so an idle worker sleeps until the next pool is due or the periodic resync, not on a tick.
         while not self._stop.is_set():
             with self._cond:
+                if self._stop.is_set():   # checked under the lock: stop() notifies under it
+                    return
                 now = time.monotonic()
                 if now >= self._next_resync and self._desired is not None:
                     for name in self._desired:
                         self._enqueue_locked(name, 0.0, urgent=False)
                     self._next_resync = now + self.resync_period
                 if self._desired is None:
-                    self._cond.wait(1.0)
+                    self._cond.wait()
                     continue
                 pool, wait = self._pick_locked(now, urgent_only=False)
                 if pool is None:
-                    self._cond.wait(max(0.01, min(wait, 1.0, self._next_resync - now)))
+                    if all(p in self._busy for p in self._queue):
+                        wait = self._next_resync - now   # nothing queued for this worker: until the resync
+                    self._cond.wait(max(0.01, min(wait, self._next_resync - now)))
                     continue
             self._process(pool)
 
@@ -813,10 +820,11 @@ class ResourceSliceController:
     def _vouched(self, name: str, uid: str, mgen: int, ours: bool) -> bool:
         """Whether the annotation of this slice may stand for its spec (see the module docstring): it is the
         answer to our write, or the uid and generation are those we last vouched for under this name, or
-        (before the first listing is done) the name is new to us. Remembers what it vouches for."""
+        (a cluster-wide publisher, before its first listing is done) the name is new to us. A node's plugin
+        reads its few slices in full once instead. Remembers what it vouches for."""
         with self._cond:
             known = self._vouched_for.get(name)
-            if ours or known == (uid, mgen) or (known is None and not self._seeded):
+            if ours or known == (uid, mgen) or (known is None and not self._seeded and self.owner.node_name is None):
                 self._vouched_for[name] = (uid, mgen)
                 return True
             return False

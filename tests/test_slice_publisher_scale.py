@@ -228,6 +228,31 @@ def test_a_spec_edited_together_with_our_annotations_generation_is_restored() ->
     assert not api.writes
 
 
+def test_a_node_plugin_does_not_take_the_annotations_word_when_it_starts() -> None:
+    """While no plugin ran, its slice was replaced by an edited copy carrying our annotation. A node's plugin
+    reads its few slices in full when it starts, finds the edit and restores it; a second start, after that
+    write of its own, still writes nothing."""
+    pools = {"node-000": node_pool("node-000")}
+    api = CountingApi(list(pools))
+    node = Owner.node("node-000")
+    first = controller(api, owner=node)
+    first.update(pools)
+    first.run_once(timeout=30)
+    victim = _edited(api.slices()[1])
+    InMemorySliceApi.delete(api, SLICES, victim["metadata"]["name"])
+    for key in ("uid", "resourceVersion", "generation"):
+        del victim["metadata"][key]
+    InMemorySliceApi.create(api, SLICES, victim)
+    api.writes.clear()
+    for expected in ({"update": 1}, {}):
+        restarted = controller(api, owner=node)
+        restarted.update(pools)
+        restarted.run_once(timeout=30)
+        assert dict(api.writes) == expected
+        api.writes.clear()
+    assert len(api.slices()[1]["spec"]["devices"]) == 4
+
+
 def old_release_slices(api: InMemorySliceApi, pools: dict[str, DesiredPool]) -> None:
     """The pools as an older release wrote them: same specs, no annotation."""
     for name, pool in pools.items():
