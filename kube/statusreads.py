@@ -1,6 +1,8 @@
-"""What ``gpu-dra status`` reads from the API server: this driver's ResourceSlices, every ResourceClaim and the
-Pods (of one node, or all). Reads only: ``get``/``list`` on resourceslices, resourceclaims and pods is all the
-RBAC it needs (docs/operations.md, "Who holds which GPU"). The three lists run side by side."""
+"""What ``gpu-dra status`` reads from the API server: this driver's ResourceSlices (of one node, or all), every
+ResourceClaim, and the Pods of the namespaces where a claim of this driver is allocated but reserved for no pod
+(the pods that name it are its users then; otherwise ``reservedFor`` names them and no pod is read). Reads
+only: ``get``/``list`` on resourceslices, resourceclaims and pods is all the RBAC it needs (docs/operations.md,
+"Who holds which GPU"). Slices and claims are listed side by side."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -10,7 +12,6 @@ from typing import Any
 from kube.client import RESOURCE_V1, SLICES, ApiError, ApiUnavailable, KubeApi
 
 CLAIMS = f"{RESOURCE_V1}/resourceclaims"
-PODS = "/api/v1/pods"
 
 
 class StatusReadError(RuntimeError):
@@ -25,14 +26,27 @@ class StatusObjects:
 
 
 def read_status_objects(kube: KubeApi, driver: str, node: str | None = None) -> StatusObjects:
-    """The slices of ``driver`` (on ``node`` only, when given), all ResourceClaims, and the Pods (on ``node``)."""
+    """The slices of ``driver`` (on ``node`` only, when given), all ResourceClaims, and the Pods that may use an
+    allocated claim nobody has reserved."""
     slice_selector = f"spec.driver={driver}" + (f",spec.nodeName={node}" if node else "")
-    pod_selector = f"spec.nodeName={node}" if node else None
-    jobs = {"resourceslices": (SLICES, slice_selector), "resourceclaims": (CLAIMS, None), "pods": (PODS, pod_selector)}
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        futures = {what: pool.submit(_list, kube, what, path, selector) for what, (path, selector) in jobs.items()}
-        lists = {what: f.result() for what, f in futures.items()}
-    return StatusObjects(lists["resourceslices"], lists["resourceclaims"], lists["pods"])
+    with ThreadPoolExecutor(2) as pool:
+        slices = pool.submit(_list, kube, "resourceslices", SLICES, slice_selector)
+        claims = pool.submit(_list, kube, "resourceclaims", CLAIMS, None)
+        objects = StatusObjects(slices.result(), claims.result(), [])
+    for ns in sorted(unreserved_namespaces(objects.claims, driver)):
+        objects.pods.extend(_list(kube, "pods", f"/api/v1/namespaces/{ns}/pods", None))
+    return objects
+
+
+def unreserved_namespaces(claims: list[dict[str, Any]], driver: str) -> set[str]:
+    """Namespaces of claims with a device of ``driver`` allocated and no reservation."""
+    out = set()
+    for c in claims:
+        status = c.get("status") or {}
+        results = ((status.get("allocation") or {}).get("devices") or {}).get("results") or []
+        if not status.get("reservedFor") and any(r.get("driver") == driver for r in results):
+            out.add((c.get("metadata") or {}).get("namespace", ""))
+    return out
 
 
 def _list(kube: KubeApi, what: str, path: str, selector: str | None) -> list[dict[str, Any]]:

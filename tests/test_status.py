@@ -196,6 +196,16 @@ def test_claims_of_other_drivers_and_pools_hold_nothing_here() -> None:
     assert gpu(fleet_status(published("node-a"), claims, [], DRIVER), 0).whole_free is True
 
 
+def test_pods_are_read_only_where_an_allocated_claim_has_no_reservation() -> None:
+    from kube.statusreads import unreserved_namespaces
+
+    unreserved = {**claim("u", "gpu-0", ns="waiting"), "status": {**claim("u", "gpu-0")["status"], "reservedFor": []}}
+    foreign = {**claim("f", "gpu-0", ns="other"), "status": {"allocation": {"devices": {"results": [
+        {"request": "r", "driver": "other.example.com", "pool": "node-a", "device": "gpu-0"}]}}}}
+    pending = {"metadata": {"namespace": "pending", "name": "p"}, "status": {}}
+    assert unreserved_namespaces([claim("r", "gpu-1", pods=("p",)), unreserved, foreign, pending], DRIVER) == {"waiting"}
+
+
 # --------------------------------------------------------------------------------------------------- one rule
 
 PROFILES = H100.mig_profiles

@@ -123,14 +123,13 @@ def test_status_shows_holders_free_capacity_and_the_mig_row_to_a_read_only_user(
              "-n", ns], capture_output=True, text=True, timeout=30)
         assert as_reader.stdout.strip() == "no"
 
-        # Without the pods grant: one line naming what is missing, exit 1.
-        partial = service_account_kubeconfig(cluster, kube, ns, "partial", ["resourceslices", "resourceclaims"],
-                                             tmp_path)
+        # Without the claims grant: one line naming what is missing, exit 1.
+        partial = service_account_kubeconfig(cluster, kube, ns, "partial", ["resourceslices", "pods"], tmp_path)
         refused = status(partial, driver_name, node)
         assert refused.returncode == 1 and refused.stdout == ""
         assert refused.stderr.strip().splitlines() == [
-            "gpu-dra status: the API server refused to list pods (403 Forbidden): gpu-dra status needs get and list "
-            "on resourceslices, resourceclaims and pods"]
+            "gpu-dra status: the API server refused to list resourceclaims (403 Forbidden): gpu-dra status needs get "
+            "and list on resourceslices, resourceclaims and pods"]
 
 
 def test_status_of_a_node_without_devices_says_so(cluster: Any, fleet: PublishedFleet, driver_name: str) -> None:
