@@ -83,7 +83,7 @@ def read_claim_spec(spec: dict[str, Any]) -> ClaimSpec:
         name = str(req.get("name", ""))
         if req.get("firstAvailable"):
             alts = tuple(_alternative(f"{name}/{sub.get('name', '')}", sub, False) for sub in req["firstAvailable"])
-        elif req.get("exactly"):
+        elif req.get("exactly") is not None:
             alts = (_alternative(name, req["exactly"], True),)
         else:
             raise ClaimSpecError(f"request {name}: neither exactly nor firstAvailable")
