@@ -8,8 +8,9 @@ gpu-0 (on the MIG nodes a 3g.40gb and a 1g.10gb partition of gpu-6 instead) for 
 claims' allocations and reservations are written through their status, as the scheduler would.
 
 Then, interleaved run by run: the floor, one unpaginated GET of the driver's slices decoded from JSON (the least
-any reader of them does), and the status (``cli.status_cmd.collect`` + the table: the three LISTs of slices,
-claims and pods, the computation of ``dra.model.occupancy``, the text). Figures: the status median (target in
+any reader of them does), and the status (``cli.status_cmd.collect`` + the table: the LISTs of slices and claims
+side by side, pods only where a claim is allocated but unreserved, the computation of ``dra.model.occupancy``,
+the text). Figures: the status median (target in
 bench/targets.yaml), its ratio to the floor's median, and for context the floor, the computation alone and the
 fleet's size.
 """
@@ -170,7 +171,7 @@ def run(params: Params) -> list[Figure]:
 
     label = f"{nodes} nodes × 8 H100 ({len(bodies)} slices, {len(jobs)} claims)"
     return [
-        Figure("status.seconds", f"{label}: gpu-dra status (3 LISTs, computation, table)", median(status_s), "s",
+        Figure("status.seconds", f"{label}: gpu-dra status (LISTs, computation, table)", median(status_s), "s",
                spread(status_s, 1.0, "s"), "median"),
         Figure("status.ratio", f"{label}: gpu-dra status / raw LIST of its slices", median(status_s) / median(floor_s),
                "×", f"status {median(status_s):.2f} s, floor {median(floor_s):.2f} s, {runs} runs each, interleaved"),
