@@ -363,3 +363,17 @@ def test_json_form_carries_the_verdict() -> None:
     doc = run(_claim("c", _req(count=3))).to_dict()
     assert doc["allocatable"] is False and doc["verdict"] == NOT_ALLOCATABLE
     assert doc["nodes"][0]["requests"][0]["matching"] == 2
+
+
+def test_shared_devices_show_the_capacity_left_and_missing_nodes_are_noted() -> None:
+    slices = [{"metadata": {"name": "s"}, "spec": {"driver": D, "nodeName": "node-a",
+                                                   "pool": {"name": "node-a", "generation": 1, "resourceSliceCount": 1},
+                                                   "devices": [SHARE]}}]
+    holder = _allocated(_claim("big", _req("share", f"shared.{D}")), "node-a", "gpu-7-shared",
+                        consumedCapacity={"memory": "70Gi"})
+    exp = run(_claim("c", _req("share", f"shared.{D}")), slices, [holder])
+    assert exp.nodes[0].requests[0].capacity_left == ["gpu-7-shared: memory 10Gi of 80Gi left"]
+    assert "    capacity: gpu-7-shared: memory 10Gi of 80Gi left" in format_text(exp)
+    exp = run(_claim("c", _req()), _slices() + _slices("node-b"), nodes=["node-b"])
+    assert [n.node for n in exp.nodes] == ["node-b"]
+    assert exp.notes == ["no Node object for node-a: the scheduler cannot place pods there"]

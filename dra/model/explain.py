@@ -28,6 +28,8 @@ from dra.model.poolview import (CounterKey, DeviceKey, Pool, PoolDevice, Usage, 
 # Bound on the devices the search tries per node; past it the node is reported as undecided, not guessed.
 SEARCH_LIMIT = 200_000
 FREE, TAKEN, COUNTERS, TAINTED, CAPACITY = "free", "taken", "counters", "tainted", "capacity"
+_STATE_WORDS = {FREE: "free", TAKEN: "taken", COUNTERS: "blocked by shared counters", TAINTED: "tainted",
+                CAPACITY: "without the capacity"}
 ALLOCATABLE, NOT_ALLOCATABLE, CANNOT_EVALUATE, ALLOCATED = "allocatable", "not allocatable", "cannot evaluate", "allocated"
 
 
@@ -48,6 +50,7 @@ class AlternativeReport:
     states: dict[str, int] = field(default_factory=dict)
     free: list[str] = field(default_factory=list)
     why_not: list[str] = field(default_factory=list)     # one line per kind of unusable device
+    capacity_left: list[str] = field(default_factory=list)  # consumable capacity of shared devices
     error: str = ""
 
 
@@ -161,6 +164,12 @@ def _classify(ctx: _Context, pool: Pool, dev: PoolDevice, alt: Alternative) -> _
     return _Candidate(dev, FREE, "", needs)
 
 
+def _capacity_left(ctx: _Context, dev: PoolDevice) -> list[tuple[str, Fraction, Fraction]]:
+    caps = dev.raw.get("capacity") or {}
+    taken = ctx.capacity_taken.get(dev.key, {})
+    return [(n, _capacity_total(caps, n) - taken.get(n, Fraction(0)), _capacity_total(caps, n)) for n in caps]
+
+
 def _capacity_total(caps: dict[str, Any], name: str) -> Fraction:
     return quantity_value(str((caps.get(name) or {}).get("value", "0")))
 
@@ -181,6 +190,10 @@ def _candidates(ctx: _Context, node: str, alt: Alternative, report: AlternativeR
                 raise CelRuntimeError(f"device {dev.name}: {exc}") from exc
             out.append((pool, _classify(ctx, pool, dev, alt)))
     report.matching = len(out)
+    for _, c in out:
+        if c.dev.multi:
+            report.capacity_left += [f"{c.dev.name}: {n} {format_amount(left)} of {format_amount(total)} left"
+                                     for n, left, total in _capacity_left(ctx, c.dev)]
     report.states = dict(Counter(c.state for _, c in out))
     report.free = [c.dev.name for _, c in out if c.state == FREE]
     by_why: dict[str, list[str]] = defaultdict(list)
@@ -482,7 +495,14 @@ def explain(targets: list[Target], classes: list[dict[str, Any]], slices: list[d
                             compile_selector(e)
     except CelUnsupported as exc:
         return Explanation(CANNOT_EVALUATE, f"cannot evaluate: {exc}", names, notes=notes)
-    node_names = sorted({p.node for p in pools if p.node} | set(nodes or []))
+    node_names = sorted({p.node for p in pools if p.node})
+    if nodes is not None:
+        gone = [n for n in node_names if n not in nodes]
+        if gone:
+            notes.append(f"no Node object for {', '.join(gone)}: the scheduler cannot place pods there")
+        node_names = [n for n in node_names if n in nodes]
+        if any(p.all_nodes for p in pools):
+            node_names = sorted(nodes)
     if len(fixed) == 1:
         node_names = [n for n in node_names if n in fixed]
         notes.append(f"already allocated claims of the pod tie it to node {next(iter(fixed))}")
@@ -515,7 +535,7 @@ def format_text(exp: Explanation) -> str:
     lines += [f"note: {n}" for n in exp.notes]
     for node in exp.nodes:
         head = f"node {node.node}: {node.verdict}"
-        if node.reason:
+        if node.reason and node.reason not in exp.sentence:
             head += f": {node.reason}"
         lines.append(head)
         for k, v in node.chosen.items():
@@ -524,12 +544,13 @@ def format_text(exp: Explanation) -> str:
             if rep.error:
                 lines.append(f"  request {rep.request}: {rep.error}")
                 continue
-            states = ", ".join(f"{n} {s}" for s, n in sorted(rep.states.items()))
+            states = ", ".join(f"{n} {_STATE_WORDS[s]}" for s, n in sorted(rep.states.items()))
             lines.append(f"  request {rep.request} ({rep.wants}): {rep.class_matching} of the class, "
                          f"{rep.matching} match the selectors" + (f" ({states})" if states else ""))
             if rep.free:
                 lines.append(f"    free: {_names(rep.free)}")
             lines += [f"    {w}" for w in rep.why_not]
+            lines += [f"    capacity: {c}" for c in rep.capacity_left]
         if node.gpus and any(r.matching or r.error for r in node.requests):
             lines.append("  GPUs (shared counter sets):")
             lines += [f"    {g}" for g in node.gpus]
