@@ -278,27 +278,48 @@ def _objects(name: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all("\n".join(lines)) if d]
 
 
-def _rules(name: str) -> dict[str, tuple[set[str], list[str] | None]]:
-    [role] = [o for o in _objects(name) if o["kind"] == "ClusterRole"]
-    return {r["resources"][0]: (set(r["verbs"]), r.get("resourceNames")) for r in role["rules"]}
+def _role(suffix: str) -> dict[str, Any]:
+    """The chart's ClusterRole named ``<release>-<suffix>``, as helm renders it."""
+    from helmchart import render
+
+    [role] = [o for o in render() if o["kind"] == "ClusterRole" and o["metadata"]["name"].endswith(f"-{suffix}")]
+    return role
+
+
+def _rules(suffix: str) -> dict[str, tuple[set[str], list[str] | None]]:
+    """Verbs and resource names per resource; a resource in several rules (some by name) gets the union of their
+    verbs and the names of the rule that has them."""
+    role = _role(suffix)
+    out: dict[str, tuple[set[str], list[str] | None]] = {}
+    for r in role["rules"]:
+        verbs, names = out.get(r["resources"][0], (set(), None))
+        out[r["resources"][0]] = (verbs | set(r["verbs"]), names or r.get("resourceNames"))
+    return out
 
 
 def test_kubelet_plugin_rbac() -> None:
-    rules = _rules("rbac-kubelet-plugin.yaml")
-    assert rules["resourceslices"][0] == {"create", "get", "list", "watch", "update", "patch", "delete"}
-    assert rules["resourceclaims"][0] == {"get", "list", "watch"}
+    rules = _rules("kubelet-plugin")
+    # Least privilege: slices are replaced (PUT), never patched; a claim is read by name, never listed.
+    assert rules["resourceslices"][0] == {"create", "get", "list", "watch", "update", "delete"}
+    assert rules["resourceclaims"][0] == {"get"}
     # Least privilege: status.devices is written by server-side apply only, so patch is all it needs.
     assert rules["resourceclaims/status"][0] == {"patch"}
     verbs, names = rules["resourceclaims/driver"]
-    assert verbs == {"associated-node:patch"} and names == ["TEMPLATED"]
-    assert 'include "gpu-dra-driver.driverName"' in _templates()["rbac-kubelet-plugin.yaml"]
-    assert rules["nodes"][0] == {"get", "list", "watch"}
+    assert verbs == {"associated-node:patch"} and names == [DEFAULT_DRIVER_NAME]
+    assert rules["nodes"][0] == {"get"}
+    assert rules["events"][0] == {"create", "patch"}
 
 
 def test_controller_rbac_manages_device_classes() -> None:
-    rules = _rules("rbac-controller.yaml")
-    assert {"create", "update", "delete", "list", "watch"} <= rules["deviceclasses"][0]
-    assert "delete" in rules["resourceslices"][0]
+    role = _role("controller")
+    classes = [r for r in role["rules"] if r["resources"] == ["deviceclasses"]]
+    by_name = [r for r in classes if r.get("resourceNames")]
+    # Reads and rewrites only the chart's own classes, by name; create, list and delete cannot name them.
+    assert [set(r["verbs"]) for r in by_name] == [{"get", "update"}] and by_name[0]["resourceNames"]
+    assert {v for r in classes if not r.get("resourceNames") for v in r["verbs"]} == {"create", "list", "delete"}
+    rules = _rules("controller")
+    assert rules["resourceslices"][0] == {"list", "delete"}
+    assert "resourceclaims" not in rules
 
 
 def test_admission_policy_limits_the_plugin_to_its_node() -> None:
