@@ -260,7 +260,9 @@ class ClaimEventRecorder:
                 targets: Sequence[tuple[ObjectRef, ObjectRef | None]] = [(write.claim, None),
                                                                          *((p, write.claim) for p in pods)]
                 for regarding, related in targets:
-                    body = event_body(regarding, reason=write.reason, note=write.note, controller=self.controller,
+                    # A pod may have several claims: its Event says which one failed.
+                    note = write.note if related is None else f"claim {write.claim.name}: {write.note}"
+                    body = event_body(regarding, reason=write.reason, note=note, controller=self.controller,
                                       instance=self.instance, now=write.at, related=related)
                     writer.create(body)
                     write.series.events.append((body["metadata"]["namespace"], body["metadata"]["name"]))
@@ -268,6 +270,7 @@ class ClaimEventRecorder:
                 write.series.first_done.set()
             return
         write.series.first_done.wait(5.0)
-        patch = {"series": {"count": write.count, "lastObservedTime": micro_time(write.at)}, "note": one_line(write.note)}
-        for namespace, name in list(write.series.events):
-            writer.patch(namespace, name, patch)
+        series = {"count": write.count, "lastObservedTime": micro_time(write.at)}
+        for i, (namespace, name) in enumerate(list(write.series.events)):
+            note = write.note if i == 0 else f"claim {write.claim.name}: {write.note}"
+            writer.patch(namespace, name, {"series": series, "note": one_line(note)})

@@ -63,7 +63,11 @@ def test_a_failure_makes_one_warning_on_the_claim_and_each_reserving_pod() -> No
     for e in w.created:
         assert e["apiVersion"] == "events.k8s.io/v1" and e["type"] == "Warning" and e["reason"] == "PrepareFailed"
         assert e["reportingController"] == DRIVER and e["reportingInstance"] == "node-a"
-        assert e["note"].startswith("claim team/train: sharing.timeSlicing.interval")
+    # a pod's Event names the claim that failed (a pod may have several)
+    assert [e["note"][:50] for e in w.created] == ["claim team/train: sharing.timeSlicing.interval: 'F",
+                                                   "claim train: claim team/train: sharing.timeSlicing",
+                                                   "claim train: claim team/train: sharing.timeSlicing"]
+    for e in w.created:
         assert e["metadata"]["namespace"] == "team" and e["eventTime"] == "2026-01-01T00:00:00.250000Z"
         assert e["action"] and "series" not in e
     assert "related" not in w.created[0] and w.created[1]["related"]["name"] == "train"
@@ -88,7 +92,7 @@ def test_retries_only_count_and_the_series_is_patched_at_most_once_per_interval(
     assert {name for _, name, _ in w.patched} == {e["metadata"]["name"] for e in w.created}
     # the 61st failure, a minute after the first write, patches each Event's series once
     assert {p["series"]["count"] for _, _, p in w.patched} == {61}
-    assert {p["note"] for _, _, p in w.patched} == {"bad config, again"}
+    assert [p["note"] for _, _, p in w.patched] == ["bad config, again"] + ["claim train: bad config, again"] * 2
 
 
 def test_reasons_and_claims_are_separate_and_a_prepared_claim_starts_afresh() -> None:

@@ -41,8 +41,9 @@ def test_a_failed_prepare_is_an_event_on_the_claim_and_its_pod_once(cluster, kub
     claim_event, pod_event = by_kind["ResourceClaim"], by_kind["Pod"]
     assert (claim_event["regarding"]["name"], claim_event["regarding"]["uid"]) == (bad_claim, bad_uid)
     assert (pod_event["regarding"]["name"], pod_event["regarding"]["uid"]) == ("two-claims", pod["metadata"]["uid"])
+    assert claim_event["note"] == message and pod_event["note"] == f"claim {bad_claim}: {message}"
     for e in events:
-        assert e["type"] == "Warning" and e["note"] == message
+        assert e["type"] == "Warning"
         assert "sharing.timeSlicing.interval" in e["note"] and "Forever" in e["note"]
         assert e["reportingController"] == node.driver and e["reportingInstance"] == node.name
 
