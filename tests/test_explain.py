@@ -377,3 +377,33 @@ def test_shared_devices_show_the_capacity_left_and_missing_nodes_are_noted() -> 
     exp = run(_claim("c", _req()), _slices() + _slices("node-b"), nodes=["node-b"])
     assert [n.node for n in exp.nodes] == ["node-b"]
     assert exp.notes == ["no Node object for node-a: the scheduler cannot place pods there"]
+
+
+def test_the_readme_example_is_what_the_command_prints(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """README's explain output, rebuilt from a simulated node's slices (two H100s, whole GPU and dynamic MIG)."""
+    import yaml
+    from pathlib import Path
+
+    from cli.main import main
+
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("nodes:\n- name: node-a\n  gpus: [{model: H100-80GB, count: 2}]\n"
+                     "  policy: {default: {wholeGpu: true, mig: dynamic}}\n")
+    assert main(["slices", "--fleet", str(fleet), "--node", "node-a"]) == 0
+    slices = list(yaml.safe_load_all(capsys.readouterr().out))
+    driver = "gpu.dra-driver.io"
+
+    def held(ns: str, name: str, device: str, pod: str) -> dict[str, Any]:
+        return {"metadata": {"namespace": ns, "name": name}, "spec": {}, "status": {
+            "allocation": {"devices": {"results": [{"request": "gpu", "driver": driver, "pool": "node-a",
+                                                    "device": device}]}},
+            "reservedFor": [{"resource": "pods", "name": pod, "uid": "u"}]}}
+
+    claim = {"metadata": {"namespace": "ml", "name": "notebook-mig"}, "spec": {"devices": {"requests": [
+        {"name": "mig", "exactly": {"deviceClassName": f"mig.{driver}", "selectors": [
+            {"cel": {"expression": f"device.attributes['{driver}'].profile == '7g.80gb'"}}]}}]}}}
+    exp = explain([Target("ml/notebook-mig", claim)], device_classes(), slices,
+                  [held("train", "job-7", "gpu-0", "job-7-0"), held("train", "job-8", "gpu-1-mig-4g40gb-5-0", "job-8-0"),
+                   claim], nodes=["node-a"])
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "$ gpu-dra explain -n ml claim/notebook-mig\n" + format_text(exp) + "```" in readme
