@@ -266,7 +266,8 @@ class ClaimStatusReporter:
                     return write
                 waits = [max(w.not_before - now, min(quiet_in, w.queued + self.max_delay_s - now))
                          for uid, w in self._pending.items() if uid not in self._inflight]
-                self._cv.wait(max(0.001, min(waits)) if waits else 1.0)
+                # Queuing, a call ending and close() notify: with nothing pending, sleep until then.
+                self._cv.wait(max(0.001, min(waits)) if waits else None)
 
     def _run(self) -> None:
         while (write := self._next()) is not None:

@@ -342,10 +342,12 @@ class HealthMonitor:
         self._last_probe = self._clock()
         return lost
 
-    def _expire(self) -> None:
+    def _expire(self) -> bool:
+        """Drop XID/ECC taints quiet for ``quiet_period_s``. Returns whether any went."""
         if self.quiet_period_s is None:
-            return
+            return False
         now = self._clock()
+        expired = False
         for name, taints in self._taints.items():
             for key in (self.xid_key, self.ecc_key):
                 taint = taints.get(key)
@@ -353,6 +355,8 @@ class HealthMonitor:
                     log.info("device %s: no new %s event for %.0f s, removing the taint", name, key,
                              self.quiet_period_s)
                     del taints[key]
+                    expired = True
+        return expired
 
     def poll_once(self, timeout_ms: int | None = None) -> bool:
         """Wait for one event (or the timeout), then probe and expire. Returns whether the taints changed."""
@@ -373,11 +377,16 @@ class HealthMonitor:
         # Asked outside our lock: the source may take the NVML library's lock, which is taken after ours.
         recovered = list(self.recoveries()) if self.recoveries is not None else []
         with self._lock:
+            # A round in which nothing happened (no event, recovery, lost or returning GPU, expiry) changes
+            # nothing: the taint map is not rebuilt, compared and saved for it, so an idle monitor costs ~no CPU.
+            changed = data is not None or gpu_lost
             if data is not None:
                 self._handle_event(data)
             for uuid in recovered:
                 if uuid in self._gpus():
                     self._recover_locked(uuid)
+                    changed = True
+            lost_before = set(self._lost)
             if gpu_lost:
                 if not self._probe():
                     # NVML did not say which GPU: without a culprit, every GPU is suspect.
@@ -386,8 +395,8 @@ class HealthMonitor:
                         self._mark_lost(uuid)
             elif self._clock() - self._last_probe >= self.probe_interval_s:
                 self._probe()
-            self._expire()
-        return self._notify()
+            changed = self._expire() or changed or self._lost != lost_before
+        return self._notify() if changed else False
 
     def run(self, stop: threading.Event) -> None:
         """Poll until ``stop`` is set; the wait timeout bounds how long stopping takes."""
