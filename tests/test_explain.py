@@ -3,6 +3,7 @@ semver) and the explainer over hand-made ResourceSlices, DeviceClasses and claim
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -205,7 +206,7 @@ def _allocated(claim: dict[str, Any], node: str, *devices: str, pod: str = "", *
 
 
 def run(claim: dict[str, Any], slices: list[dict[str, Any]] | None = None,
-        others: list[dict[str, Any]] = (), **kw: Any) -> Any:  # type: ignore[assignment]
+        others: Sequence[dict[str, Any]] = (), **kw: Any) -> Any:
     return explain([Target(f"ml/{claim['metadata']['name']}", claim)], CLASSES,
                    _slices() if slices is None else slices, [*others, claim], **kw)
 
@@ -333,6 +334,7 @@ def test_claims_of_one_pod_are_allocated_together() -> None:
     done = _allocated(a, "node-b", "gpu-0")
     exp = explain([Target("ml/a", done), Target("ml/b", b)], CLASSES, _slices() + _slices("node-b"), [done, b])
     assert [n.node for n in exp.nodes] == ["node-b"] and exp.allocatable_nodes() == ["node-b"]
+    assert exp.nodes[0].chosen == {"ml/b: gpu": ["gpu-1"]}             # gpu-0 is the pod's other claim's
 
 
 def test_an_allocated_claim_says_where() -> None:

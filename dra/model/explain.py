@@ -12,6 +12,7 @@ Everything here is plain dicts in and records out (dra.model: no API access).
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -443,7 +444,7 @@ def _explain_node(ctx: _Context, node: str, targets: list[tuple[str, ClaimSpec]]
             why = _request_reason(slot, reps)
             errors = [r.error for r in reps if r.error]
             if why:
-                reasons.append(errors[0] if errors and len(errors) == len(reps) else why)
+                reasons.append(f"{name}: request {req.name}: {errors[0]}" if len(errors) == len(reps) else why)
     report.gpus = _gpu_lines(ctx, node)
     if reasons:
         report.reason = reasons[0]
@@ -466,18 +467,21 @@ def _explain_node(ctx: _Context, node: str, targets: list[tuple[str, ClaimSpec]]
 
 # ------------------------------------------------------------------------------------------ the whole
 
-def explain(targets: list[Target], classes: list[dict[str, Any]], slices: list[dict[str, Any]],
-            claims: list[dict[str, Any]], taint_rules: list[dict[str, Any]] = (),  # type: ignore[assignment]
-            nodes: list[str] | None = None) -> Explanation:
+def explain(targets: Sequence[Target], classes: Sequence[dict[str, Any]], slices: Sequence[dict[str, Any]],
+            claims: Sequence[dict[str, Any]], taint_rules: Sequence[dict[str, Any]] = (),
+            nodes: Sequence[str] | None = None) -> Explanation:
     """Explains the targets (the claims of one pod are allocated together, on one node) against the cluster
     state: the DeviceClasses, ResourceSlices, every ResourceClaim (their allocations) and DeviceTaintRules."""
     names = [t.name for t in targets]
     done = [t for t in targets if allocation_results(t.claim)]
     pending = [t for t in targets if not allocation_results(t.claim)]
-    pools = build_pools(slices, list(taint_rules))
+    pools = build_pools(slices, taint_rules)
+    # The pending targets are what is being placed; an allocated claim of the same pod holds its devices.
     ctx = _Context({c["metadata"]["name"]: c for c in classes}, pools,
-                   usage_of(claims, {claim_id(t.claim) for t in targets}))
+                   usage_of(claims, {claim_id(t.claim) for t in pending}))
     notes = [p.incomplete for p in pools if p.incomplete]
+    notes += [f"pool {p.name} of {p.driver} is bound to nodes by a nodeSelector: not evaluated here"
+              for p in pools if not p.node and not p.all_nodes]
     fixed = {allocated_node(t.claim) for t in done} - {None}
     if not pending:
         where = "; ".join(f"{t.name} on {allocated_node(t.claim) or 'any node'}: " +

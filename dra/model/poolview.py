@@ -6,6 +6,7 @@ Everything is plain wire-format dicts in and small records out; no API access.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -94,7 +95,7 @@ def allocated_node(claim: dict[str, Any]) -> str | None:
     return None
 
 
-def usage_of(claims: list[dict[str, Any]], skip: set[str] = frozenset()) -> Usage:  # type: ignore[assignment]
+def usage_of(claims: Sequence[dict[str, Any]], skip: Collection[str] = ()) -> Usage:
     """Who holds which device, from the claims' status.allocation and reservedFor (claims in `skip` left out)."""
     usage = Usage()
     for claim in claims:
@@ -118,7 +119,7 @@ def _rule_matches(rule: dict[str, Any], key: DeviceKey) -> bool:
     return all(not sel.get(f) or sel[f] == v for f, v in zip(("driver", "pool", "device"), key))
 
 
-def build_pools(slices: list[dict[str, Any]], taint_rules: list[dict[str, Any]] = ()) -> list[Pool]:  # type: ignore[assignment]
+def build_pools(slices: Sequence[dict[str, Any]], taint_rules: Sequence[dict[str, Any]] = ()) -> list[Pool]:
     """Pools of the slices at their highest generation; a pool missing slices of that generation is marked
     incomplete (the scheduler refuses to allocate from it)."""
     grouped: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
