@@ -392,6 +392,25 @@ def report(ctx: DemoContext, result: DemoResult) -> None:
                       f"({p.claim.example}; {how})")
         out(f"# {p.spec_path.name}   CDI devices: {', '.join(p.cdi_device_ids)}")
         out(_readable_spec(p.spec_text))
+    _status(ctx)
+
+
+def _status(ctx: DemoContext) -> None:
+    """`gpu-dra status` of the real node (else the fleet's first node): who holds which GPU, MIG rows drawn."""
+    from cli.status_cmd import collect, render_node
+    from kube.statusreads import StatusReadError
+
+    nodes = sorted({(s.get("spec") or {}).get("nodeName", "") for s in ctx.slices} - {""})
+    node = ctx.real.name if ctx.real is not None else (nodes[0] if nodes else None)
+    if node is None:
+        return
+    _section(ctx.out, f"gpu-dra status {node}")
+    try:
+        nodes_status = collect(ctx.api, ctx.driver, node)
+    except StatusReadError as exc:
+        raise DemoError(f"gpu-dra status {node}: {exc}") from exc
+    for n in nodes_status:
+        render_node(n, ctx.out)
 
 
 def _readable_spec(text: str) -> str:
