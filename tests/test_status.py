@@ -279,3 +279,22 @@ def test_kubectl_gpu_is_a_console_script() -> None:
 
     scripts = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["kubectl-gpu"] == "cli.kubectl_gpu:main"
+
+
+def test_the_readme_example_is_what_the_command_prints() -> None:
+    """README.md's `gpu-dra status node-a` example: node-a of the demo fleet with its five claims."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("$ gpu-dra status node-a\n", 1)[1].split("```", 1)[0].splitlines()
+    doc = yaml.safe_load((Path(__file__).resolve().parents[1] / "examples" / "fleets" / "demo.yaml").read_text())
+    claims = [claim("whole-gpu", "gpu-0", ns="gpu-demo", pods=("whole-gpu",)),
+              claim("mig-3g", "gpu-1-mig-3g40gb-9-4", ns="gpu-demo", pods=("mig-3g",)),
+              claim("mig-1g", "gpu-1-mig-1g10gb-19-3", ns="gpu-demo", pods=("mig-1g",)),
+              claim("mps-slot", "gpu-6-slot-0", ns="gpu-demo", pods=("mps-slot",)),
+              claim("memory-share", "gpu-7-shared", ns="gpu-demo", pods=("memory-share",), memory="10Gi")]
+    printed = render(fleet_status(published("node-a", doc), claims, [], DRIVER)).splitlines()
+    shown = [line for line in block if line.strip() != "..."]
+    rest = iter(printed)
+    missing = [line for line in shown if not any(line == p for p in rest)]    # in order, lines left out allowed
+    assert len(shown) > 20 and missing == []
