@@ -4,6 +4,7 @@ read-only identity (a service account token that may only get and list slices, c
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -116,6 +117,17 @@ def test_status_shows_holders_free_capacity_and_the_mig_row_to_a_read_only_user(
         assert f"A gpu-0-mig-1g10gb-19-3 (1g.10gb): {ns}/small-mig → small-mig" in table.stdout
         assert f"gpu-1  gpu                held    {ns}/whole → whole" in table.stdout
         assert status(reader, driver_name, node, plugin=True).stdout == table.stdout   # `kubectl gpu NODE`
+
+        # As kubectl runs its plugins: `kubectl-gpu` found on PATH, the kubeconfig from $KUBECONFIG.
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        (bin_dir / "kubectl-gpu").write_text(f'#!/bin/sh\nexec {sys.executable} -m cli.kubectl_gpu "$@"\n')
+        (bin_dir / "kubectl-gpu").chmod(0o755)
+        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}", "KUBECONFIG": str(reader)}
+        via_kubectl = subprocess.run([str(cluster.bin_dir / "kubectl"), "gpu", node, "--driver-name", driver_name],
+                                     cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        assert via_kubectl.returncode == 0, via_kubectl.stderr
+        assert via_kubectl.stdout == table.stdout
 
         # The same identity may write nothing.
         as_reader = subprocess.run(
