@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("cli.doctor_cmd", "check that this node can run GPU containers with this driver (read-only)"),
     "status": ("cli.status_cmd", "who holds which GPU device, what is free, MIG memory slices drawn (read-only)"),
     "explain": ("cli.explain_cmd", "say why a claim, template or pod's claims are (not) allocatable, node by node"),
+    "convert": ("cli.convert_cmd", "convert NVIDIA device plugin, mig-parted configs and workloads to this driver"),
     "simulate": ("cli.simulate_cmd", "inject faults (XIDs, lost GPUs, recoveries) into a simulated node's GPUs"),
     "demo": ("cli.demo_cmd", "start a local control plane with a simulated fleet and allocate the examples"),
 }
