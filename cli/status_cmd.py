@@ -40,9 +40,15 @@ def collect(api_client: Any, driver: str, node: str | None = None) -> list[Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from api.k8snames import is_dns_subdomain
     from kube.connect import ConnectError, api_client_from
     from kube.statusreads import StatusReadError
 
+    # Both go into field selectors: anything but a Kubernetes name is refused before a request is made.
+    for what, value in (("NODE", args.node), ("--driver-name", args.driver_name)):
+        if value is not None and not is_dns_subdomain(value):
+            print(f"{PROG}: {what} {value[:260]!r}: not a Kubernetes name (lower-case DNS subdomain)", file=sys.stderr)
+            return 2
     try:
         api = api_client_from(args.kubeconfig)
     except ConnectError as err:

@@ -298,3 +298,16 @@ def test_the_readme_example_is_what_the_command_prints() -> None:
     rest = iter(printed)
     missing = [line for line in shown if not any(line == p for p in rest)]    # in order, lines left out allowed
     assert len(shown) > 20 and missing == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["status", "node-a,spec.driver=other.example.com"], "NODE 'node-a,spec.driver=other.example.com': not a Kubernetes name"),
+    (["status", "--driver-name", "Bad_Driver"], "--driver-name 'Bad_Driver': not a Kubernetes name"),
+    (["status", "--kubeconfig", "/nonexistent/kubeconfig"], "--kubeconfig /nonexistent/kubeconfig: no such file"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from cli.main import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gpu-dra status: ") and message in err and err.count("\n") == 1
