@@ -98,6 +98,14 @@ def _sharing(cfg: DevicePluginConfig, sharing: Any, f: Findings) -> None:
     if not isinstance(sharing, dict):
         raise ConvertError(f"{src}: sharing must be a mapping")
     blocks = {k: v for k, v in sharing.items() if k in ("timeSlicing", "mps")}
+    for key, block in blocks.items():   # the device plugin refuses the whole file for one of these
+        if not isinstance(block, dict) or not isinstance(block.get("resources") or [], list):
+            raise ConvertError(f"{src}: sharing.{key} must be a mapping with a list of resources")
+        for i, res in enumerate(block.get("resources") or []):
+            replicas = res.get("replicas") if isinstance(res, dict) else None
+            if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 2:
+                raise ConvertError(f"{src}: sharing.{key}.resources[{i}].replicas must be an integer of at least 2 "
+                                   f"(as the device plugin requires), got {replicas!r}")
     active = next((k for k in ("mps", "timeSlicing") if _has_replicas(blocks.get(k))), None)
     for key, block in blocks.items():
         path = f"sharing.{key}"
@@ -129,10 +137,7 @@ def _resource(cfg: DevicePluginConfig, res: Any, path: str, strategy: str, renam
     src = cfg.source
     if not isinstance(res, dict):
         raise ConvertError(f"{src}: {path} must be a mapping")
-    name, replicas = res.get("name"), res.get("replicas")
-    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 2:
-        raise ConvertError(f"{src}: {path}.replicas must be an integer of at least 2 (as the device plugin "
-                           f"requires), got {replicas!r}")
+    name, replicas = res.get("name"), res["replicas"]
     if name != GPU_RESOURCE:
         f.refused(src, path, f"{name}: only whole GPUs ({GPU_RESOURCE}) have slots here; share a MIG device by "
                              "letting several pods use one ResourceClaim")
