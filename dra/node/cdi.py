@@ -359,6 +359,7 @@ def common_edits(files: DriverFiles, mps_tools: bool = False) -> dict[str, Any]:
                if mps_tools or os.path.basename(b.container_path) not in MPS_PROGRAMS]
     mounts += [_mount(f.host_path, f.container_path, READ_ONLY_BIND) for f in files.firmware]
     mounts += [_mount(d.host_path, d.container_path, READ_ONLY_BIND) for d in files.data_dirs]
+    mounts += [_mount(d.host_path, d.container_path, READ_WRITE_BIND) for d in files.writable_dirs]
     edits: dict[str, Any] = {"deviceNodes": [n.to_cdi() for n in files.control_nodes], "mounts": mounts}
     if hooks:
         edits["hooks"] = hooks

@@ -130,6 +130,7 @@ class DriverFiles:
     hook: RootedPath | None                   # nvidia-cdi-hook / nvidia-ctk, if present
     control_nodes: tuple[DeviceNodeInfo, ...] = field(default_factory=tuple)  # nvidiactl, nvidia-uvm*
     data_dirs: tuple[RootedPath, ...] = ()    # read-only node data (a simulated node's GPU listing)
+    writable_dirs: tuple[RootedPath, ...] = ()  # read-write node data (a simulated node's GPU processes)
 
     @property
     def hook_args_prefix(self) -> list[str]:

@@ -7,7 +7,9 @@ are complete and valid: a runtime would create the nodes itself. It is never use
 
 A driver root with the CUDA stand-in installed (hack/cuda-standin, laid out by ``dra.sim.driverlayout``) is
 discovered like a real installation. With a ``GpuListing`` every container also gets the node's GPU listing
-(``dra.sim.standin``), rewritten whenever the files are asked for, i.e. before each CDI spec is built.
+(``dra.sim.standin``), rewritten whenever the files are asked for, i.e. before each CDI spec is built, and the
+node's GPU process directory read-write, where the stand-in registers the processes that use a GPU
+(``dra.sim.processes``).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import dataclasses
 from pathlib import Path
 
 from dra.node.driverroot import CdiHookError, DeviceNodeInfo, DriverFiles, DriverRoot, DriverRootError, RootedPath
+from dra.sim.processes import PROCESS_CONTAINER_DIR
 from dra.sim.standin import LISTING_CONTAINER_DIR, GpuListing
 
 NVIDIA_MAJOR = 195          # /dev/nvidia<minor> and /dev/nvidiactl (minor 255)
@@ -26,9 +29,10 @@ class SimulatedDriverRoot(DriverRoot):
     """A DriverRoot that falls back to synthetic device descriptions for simulated GPUs."""
 
     def __init__(self, root: Path | str = "/", *, driver_version: str, listing: GpuListing | None = None,
-                 **kwargs: object) -> None:
+                 process_dir: Path | None = None, **kwargs: object) -> None:
         super().__init__(root, driver_version=driver_version, **kwargs)  # type: ignore[arg-type]
         self.listing = listing
+        self.process_dir = process_dir
 
     def files(self, refresh: bool = False) -> DriverFiles:
         try:
@@ -46,7 +50,9 @@ class SimulatedDriverRoot(DriverRoot):
             return files
         # Every call: the GPUs (dynamic MIG devices above all) are those of now, not of the first spec.
         self.listing.refresh(self, self._nvidiactl())
-        return dataclasses.replace(files, data_dirs=(RootedPath(LISTING_CONTAINER_DIR, str(self.listing.directory)),))
+        writable = (RootedPath(PROCESS_CONTAINER_DIR, str(self.process_dir)),) if self.process_dir else ()
+        return dataclasses.replace(files, data_dirs=(RootedPath(LISTING_CONTAINER_DIR, str(self.listing.directory)),),
+                                   writable_dirs=writable)
 
     def _nvidiactl(self) -> DeviceNodeInfo:
         return (self.device_node("/dev/nvidiactl", required=False)

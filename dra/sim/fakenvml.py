@@ -1147,6 +1147,59 @@ class FakeNvml:
             raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return obj.id
 
+    # -- processes ---------------------------------------------------------------------------------------------
+    # Answered from the processes the CUDA stand-in registered (dra/sim/processes.py), set as ``processes`` by
+    # the simulated node's objects; without one no process uses a GPU. MPS clients are reported by the MPS
+    # query, the others by the compute query, as the real driver separates them. A GPU in MIG mode reports the
+    # processes of its MIG devices too, each with its GPU and compute instance.
+
+    processes: Any = None    # a ProcessRegistry (dra.sim.processes), or None
+
+    def _processes(self, handle: Any, mps_client: bool) -> list[Any]:
+        obj = self._device(handle, allow_mig=True)
+        if self.processes is None:
+            return []
+        where: dict[str, tuple[int, int]] = {}
+        if isinstance(obj, _Ci):
+            where[obj.uuid] = (obj.gi.id, obj.id)
+        else:
+            where[obj.spec.uuid] = (0xFFFFFFFF, 0xFFFFFFFF)
+            where.update({ci.uuid: (ci.gi.id, ci.id) for ci in self._mig_devices(obj)})
+        out = []
+        for proc in self.processes.processes():
+            if proc.uuid in where and proc.mps_client == mps_client:
+                info = pynvml.c_nvmlProcessInfo_t()
+                info.pid, info.usedGpuMemory = proc.pid, proc.used_bytes
+                info.gpuInstanceId, info.computeInstanceId = where[proc.uuid]
+                out.append(info)
+        return out
+
+    @_api
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
+        return self._processes(handle, mps_client=False)
+
+    nvmlDeviceGetComputeRunningProcesses_v3 = nvmlDeviceGetComputeRunningProcesses
+
+    @_api
+    def nvmlDeviceGetMPSComputeRunningProcesses(self, handle: Any) -> list[Any]:
+        return self._processes(handle, mps_client=True)
+
+    nvmlDeviceGetMPSComputeRunningProcesses_v3 = nvmlDeviceGetMPSComputeRunningProcesses
+
+    @_api
+    def nvmlDeviceGetProcessUtilization(self, handle: Any, timeStamp: int) -> list[Any]:
+        """One sample now per registered process: the stand-in runs no kernels, so every utilisation is 0."""
+        procs = self._processes(handle, mps_client=False) + self._processes(handle, mps_client=True)
+        if not procs:
+            raise _err(pynvml.NVML_ERROR_NOT_FOUND)   # what the driver answers when it has no samples
+        now = int(time.time() * 1e6)
+        samples = []
+        for proc in procs:
+            sample = pynvml.c_nvmlProcessUtilizationSample_t()
+            sample.pid, sample.timeStamp = proc.pid, now
+            samples.append(sample)
+        return samples
+
     # -- events ------------------------------------------------------------------------------------------------
 
     def _event_set(self, handle: Any) -> _EventSet:

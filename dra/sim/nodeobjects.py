@@ -3,6 +3,7 @@ the node's GPUs in a fake NVML, a driver root that describes missing device node
 sharing tools."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -14,6 +15,7 @@ from dra.sim.driverroot import SimulatedDriverRoot
 from dra.sim.fleet import FleetError, NodeSpec, load_fleet, nvml_for_node
 from dra.sim.mpscontrol import STATE_ENV as MPS_STATE_ENV, write_simulated_mps_control
 from dra.sim.sharing import SimulatedSharingControl
+from dra.sim.processes import PROCESS_STATE_DIR, ProcessRegistry
 from dra.sim.standin import LISTING_STATE_DIR, GpuListing
 from dra.sim.state import SimulatedStateError
 
@@ -30,6 +32,7 @@ class SimulatedNodeObjects(NodeObjects):
         self.node = node
         self.state_file = state_file
         self.listing: GpuListing | None = None     # set when NVML is opened
+        self.process_dir: Path | None = None       # likewise: where the stand-in registers GPU processes
 
     @classmethod
     def from_fleet(cls, fleet_file: str, node_name: str, paths: NodePaths | None = None, *,
@@ -45,7 +48,7 @@ class SimulatedNodeObjects(NodeObjects):
         p = self.paths
         return SimulatedDriverRoot(p.driver_root, driver_version=driver_version or self.node.driver_version,
                                    host_root=p.host_driver_root, dev_root=p.dev_root, proc_root=p.proc_root,
-                                   hook_path=p.cdi_hook_path, listing=self.listing)
+                                   hook_path=p.cdi_hook_path, listing=self.listing, process_dir=self.process_dir)
 
     def preload_nvml(self) -> str | None:
         return None   # the simulated library is Python
@@ -59,7 +62,21 @@ class SimulatedNodeObjects(NodeObjects):
         if self.state_file is not None:
             # Beside the state file: in the plugin's state directory, which the host sees at the same path.
             self.listing = GpuListing(nvml, self.state_file.parent / LISTING_STATE_DIR)
+            self.process_dir = self._process_dir(self.state_file.parent / PROCESS_STATE_DIR)
+            nvml.processes = ProcessRegistry(self.process_dir)
         return nvml
+
+    @staticmethod
+    def _process_dir(path: Path) -> Path:
+        """The directory every GPU container writes its registrations into: sticky and world-writable like /tmp,
+        so containers of any user register and none removes another's file (simulated nodes only)."""
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            os.chmod(path, 0o1777)
+        except OSError as err:
+            raise NodeSetupError(f"cannot make the simulated GPU process directory {path}: {err.strerror or err}") \
+                from None
+        return path
 
     def sharing_control(self, driver_root: DriverRoot, *, nvml: Any = None, state_dir: Path | None = None,
                         mps_options: Mapping[str, Any] | None = None) -> SharingControl:

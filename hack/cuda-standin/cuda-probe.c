@@ -8,8 +8,11 @@
  *   nvml: device <index> <uuid> <MiB> MiB <name>
  *   nvml: mig <gpu index> <mig index> <uuid> <MiB> MiB <name>
  *   mps: <CUDA_MPS_* variable>=<value>
- * then sleeps, so a pod stays running, unless given --once. */
+ *   alloc: <MiB> MiB on device 0 [(<why not>)]        with --alloc-mib N
+ * then sleeps, so a pod stays running, unless given --once. --alloc-mib N creates a context on CUDA device 0
+ * and allocates N MiB in it, held while the program runs (what a workload's memory use looks like to NVML). */
 #include <dlfcn.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -144,16 +147,58 @@ static void probe_nvml(void) {
   nvmlShutdown();
 }
 
+static void alloc_and_hold(unsigned long long mib) {
+  int (*cuInit)(unsigned);
+  int (*cuDeviceGet)(int *, int);
+  int (*cuCtxCreate_v2)(void **, unsigned, int);
+  int (*cuMemAlloc_v2)(unsigned long long *, size_t);
+  void *lib = dlopen("libcuda.so.1", RTLD_NOW);
+  void *ctx;
+  unsigned long long ptr;
+  int dev, r;
+  if (!lib) {
+    printf("alloc: 0 MiB on device 0 (dlopen libcuda.so.1: %s)\n", dlerror());
+    return;
+  }
+  if (!(cuInit = (__typeof__(cuInit))dlsym(lib, "cuInit")) ||
+      !(cuDeviceGet = (__typeof__(cuDeviceGet))dlsym(lib, "cuDeviceGet")) ||
+      !(cuCtxCreate_v2 = (__typeof__(cuCtxCreate_v2))dlsym(lib, "cuCtxCreate_v2")) ||
+      !(cuMemAlloc_v2 = (__typeof__(cuMemAlloc_v2))dlsym(lib, "cuMemAlloc_v2"))) {
+    printf("alloc: 0 MiB on device 0 (dlsym: %s)\n", dlerror());
+    return;
+  }
+  if ((r = cuInit(0)) != 0 || (r = cuDeviceGet(&dev, 0)) != 0 || (r = cuCtxCreate_v2(&ctx, 0, dev)) != 0 ||
+      (r = cuMemAlloc_v2(&ptr, (size_t)(mib << 20))) != 0) {
+    printf("alloc: 0 MiB on device 0 (error %d)\n", r);
+    return;
+  }
+  printf("alloc: %llu MiB on device 0\n", mib);
+}
+
 int main(int argc, char **argv) {
-  int once = argc > 1 && strcmp(argv[1], "--once") == 0;
-  if (argc > 1 && !once) {
-    fprintf(stderr, "usage: cuda-probe [--once]\n");
-    return 2;
+  int once = 0;
+  unsigned long long alloc_mib = 0;
+  for (int i = 1; i < argc; i++) {
+    char *end = NULL;
+    if (strcmp(argv[i], "--once") == 0) {
+      once = 1;
+    } else if (strcmp(argv[i], "--alloc-mib") == 0 && i + 1 < argc) {
+      errno = 0;
+      alloc_mib = strtoull(argv[++i], &end, 10);
+      if (errno || !end || *end || alloc_mib == 0 || alloc_mib > (1ULL << 30)) {
+        fprintf(stderr, "cuda-probe: --alloc-mib wants a number of MiB from 1 to 2^30, not %s\n", argv[i]);
+        return 2;
+      }
+    } else {
+      fprintf(stderr, "usage: cuda-probe [--once] [--alloc-mib N]\n");
+      return 2;
+    }
   }
   probe_cuda();
   probe_nvml();
   for (char **e = environ; *e; e++)
     if (strncmp(*e, "CUDA_MPS_", 9) == 0) printf("mps: %s\n", *e);
+  if (alloc_mib) alloc_and_hold(alloc_mib);
   fflush(stdout);
   if (once) return 0;
   for (;;) pause();

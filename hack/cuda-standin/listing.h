@@ -9,6 +9,9 @@
 #define LISTING_PATH "/run/nvidia-sim/gpus"
 /* Tests on a host point the stand-in at another listing. Only the calling process is affected. */
 #define LISTING_ENV "GPU_DRA_SIM_GPUS"
+/* Where libcuda registers processes that created a context (writable; see libcuda.c). */
+#define PROCS_PATH "/run/nvidia-sim-procs"
+#define PROCS_ENV "GPU_DRA_SIM_PROCS"
 
 #define MAX_GPUS 64
 #define MAX_MIGS 512
