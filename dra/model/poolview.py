@@ -6,12 +6,13 @@ Everything is plain wire-format dicts in and small records out; no API access.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
 from api.quantity import quantity_value
+from dra.model.occupancy import current_pools
 
 DeviceKey = tuple[str, str, str]     # (driver, pool, device)
 CounterKey = tuple[str, str, str]    # (driver, pool, counter set) -> counters by name
@@ -120,32 +121,33 @@ def _rule_matches(rule: dict[str, Any], key: DeviceKey) -> bool:
 
 
 def build_pools(slices: Sequence[dict[str, Any]], taint_rules: Sequence[dict[str, Any]] = ()) -> list[Pool]:
-    """Pools of the slices at their highest generation; a pool missing slices of that generation is marked
-    incomplete (the scheduler refuses to allocate from it)."""
-    grouped: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
-    for s in slices:
-        spec = s.get("spec") or {}
-        grouped[(spec.get("driver", ""), (spec.get("pool") or {}).get("name", ""))].append(s)
+    """Pools of the slices at their highest generation, slices in name order (dra.model.occupancy's rule); a pool
+    missing slices of that generation is marked incomplete (the scheduler refuses to allocate from it)."""
     pools = []
-    for (driver, name), members in sorted(grouped.items()):
-        gen = max(int((m["spec"].get("pool") or {}).get("generation", 0)) for m in members)
-        current = [m for m in members if int((m["spec"].get("pool") or {}).get("generation", 0)) == gen]
-        spec0 = current[0]["spec"]
-        pool = Pool(driver, name, spec0.get("nodeName"), bool(spec0.get("allNodes")))
-        want = int((spec0.get("pool") or {}).get("resourceSliceCount", 1))
-        if len(current) < want:
-            pool.incomplete = f"pool {name} is incomplete ({len(current)} of {want} slices at generation {gen})"
-        for m in current:
-            for cs in m["spec"].get("sharedCounters") or []:
-                pool.counters[cs["name"]] = {n: quantity_value(str(c.get("value", "0")))
-                                             for n, c in (cs.get("counters") or {}).items()}
-            for d in m["spec"].get("devices") or []:
-                key = (driver, name, d["name"])
-                taints = list(d.get("taints") or [])
-                taints += [r["spec"]["taint"] for r in taint_rules if _rule_matches(r, key)]
-                pool.devices.append(PoolDevice(key, d, taints))
-        pools.append(pool)
+    for driver in sorted({(s.get("spec") or {}).get("driver", "") for s in slices}):
+        for name, current in sorted(current_pools(slices, driver).items()):
+            pools.append(_pool(driver, name, current, taint_rules))
     return pools
+
+
+def _pool(driver: str, name: str, current: Sequence[Mapping[str, Any]],
+          taint_rules: Sequence[dict[str, Any]]) -> Pool:
+    spec0 = current[0]["spec"]
+    gen = int((spec0.get("pool") or {}).get("generation", 0))
+    pool = Pool(driver, name, spec0.get("nodeName"), bool(spec0.get("allNodes")))
+    want = int((spec0.get("pool") or {}).get("resourceSliceCount", 1))
+    if len(current) < want:
+        pool.incomplete = f"pool {name} is incomplete ({len(current)} of {want} slices at generation {gen})"
+    for m in current:
+        for cs in m["spec"].get("sharedCounters") or []:
+            pool.counters[cs["name"]] = {n: quantity_value(str(c.get("value", "0")))
+                                         for n, c in (cs.get("counters") or {}).items()}
+        for d in m["spec"].get("devices") or []:
+            key = (driver, name, d["name"])
+            taints = list(d.get("taints") or [])
+            taints += [r["spec"]["taint"] for r in taint_rules if _rule_matches(r, key)]
+            pool.devices.append(PoolDevice(key, dict(d), taints))
+    return pool
 
 
 def counters_in_use(pools: list[Pool], usage: Usage) -> dict[CounterKey, dict[str, Fraction]]:
