@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from api.k8snames import is_dns_label, is_dns_subdomain
 from dra.model.explain import Explanation, Target, explain
 from kube.client import DEVICE_CLASSES, NODES, RESOURCE_V1, SLICES, ApiError, KubeApi
 
@@ -76,6 +77,11 @@ def find_targets(kube: KubeApi, target: str, namespace: str) -> ExplainTargets:
         raise ExplainTargetError(f"{target}: the kind before '/' must be one of {', '.join(KINDS)}")
     if not name:
         raise ExplainTargetError(f"{target!r}: no name given")
+    # Both go into request paths: only Kubernetes names, so a path cannot be steered elsewhere.
+    if not is_dns_subdomain(name):
+        raise ExplainTargetError(f"{name!r} is not a Kubernetes object name (lower-case DNS subdomain)")
+    if not is_dns_label(namespace):
+        raise ExplainTargetError(f"namespace {namespace!r} is not a Kubernetes namespace name (lower-case DNS label)")
     out = ExplainTargets()
     if kind in ("", "claim"):
         claim = _get(kube, f"{_claims_path(namespace)}/{name}")

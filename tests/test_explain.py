@@ -409,3 +409,31 @@ def test_the_readme_example_is_what_the_command_prints(tmp_path: Any, capsys: py
                    claim], nodes=["node-a"])
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert "$ gpu-dra explain -n ml claim/notebook-mig\n" + format_text(exp) + "```" in readme
+
+
+@pytest.mark.parametrize("target, namespace, words", [
+    ("node/x", "ml", "the kind before '/' must be one of claim, template, pod"),
+    ("claim/", "ml", "no name given"),
+    ("claim/../../api/v1/secrets", "ml", "the kind before '/' must be one of"),
+    ("claim/Big_Name", "ml", "'Big_Name' is not a Kubernetes object name"),
+    ("claim/x", "../kube-system", "namespace '../kube-system' is not a Kubernetes namespace name"),
+])
+def test_explain_refuses_targets_that_are_not_names_before_any_request(target: str, namespace: str,
+                                                                       words: str) -> None:
+    from kube.explainreads import ExplainTargetError, find_targets
+
+    class NoApi:
+        def get(self, path: str, **query: Any) -> Any:
+            raise AssertionError(f"no request expected, got GET {path}")
+
+    with pytest.raises(ExplainTargetError) as err:
+        find_targets(NoApi(), target, namespace)  # type: ignore[arg-type]
+    assert words in str(err.value)
+
+
+def test_cli_names_bad_arguments_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from cli.main import main
+
+    assert main(["explain", "claim/x", "-n", "Not_A_Namespace", "--kubeconfig", "/nonexistent/kubeconfig"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "gpu-dra explain: --kubeconfig /nonexistent/kubeconfig: no such file"
