@@ -30,6 +30,7 @@ class PluginOptions:
     cdi_hook_path: str | None = None       # host path of nvidia-cdi-hook, seen at the same path here
     dev_root: str = "/"
     proc_root: str = "/proc"
+    pod_resources_socket: str = ""         # the kubelet's PodResources socket ("": no per-claim GPU metrics)
     state_dir: str | None = None           # default: the plugin directory
     pod_uid: str | None = None             # rolling-update mode
     node_policy: str | None = None         # YAML file

@@ -386,6 +386,7 @@ class KubeletPlugin:
         except (CheckpointTooNew, CheckpointUnusable) as err:
             raise PluginConfigError(str(err)) from None
 
+        self._start_claim_metrics()
         self._rebuild()   # the model and the health board; nothing is published before the kubelet knows us
         self.monitor.start()
         self._spawn(self._run_monitor, "health-monitor")
@@ -411,6 +412,24 @@ class KubeletPlugin:
                  dra_socket=str(self.paths.dra), driver=o.driver_name, pool=self.pool)
         if self.publish:
             self._spawn(self._publish_once_registered, "slice-publishing")
+
+    def _start_claim_metrics(self) -> None:
+        """Per-claim GPU metrics (kubeletplugin.claimmetrics) on the /metrics registry, when a PodResources socket
+        is given and the API server can be asked for this node's pods."""
+        o = self.options
+        if not o.pod_resources_socket or self._api_client is None or self.driver is None:
+            return
+        from kube.nodepods import NodePods
+        from kube.podresources import PodResourcesClient
+        from kubeletplugin.claimmetrics import ClaimMetricsCollector, claim_devices
+
+        client = PodResourcesClient(o.pod_resources_socket)
+        checkpoint = self.driver.checkpoint
+        ClaimMetricsCollector(
+            nvml=self.nvml, registry=self.metrics.registry, proc_root=o.proc_root,
+            claim_devices=lambda: claim_devices(checkpoint.claims().values(), self.devices_by_name(), self.pool),
+            pod_resources=lambda: client.list(o.driver_name), pods=NodePods(self._api_client, o.node_name).container)
+        log.info("per-claim GPU metrics on", pod_resources_socket=o.pod_resources_socket)
 
     def _on_registration_status(self, registered: bool, error: str) -> None:
         self.metrics.registered.set(1 if registered else 0)

@@ -1,0 +1,138 @@
+"""Per-claim GPU metrics on the real node: two pods, each with its own claim on an MPS slot of the same GPU,
+allocate different amounts through the CUDA stand-in (cuda-probe --alloc-mib); the plugin's /metrics shows two
+series, one per pod, with those amounts and the labels of each pod's container, claim and device.
+
+The path is the production one: the kubelet's PodResources socket (which container holds which claim device),
+the node's pods from the API server (container IDs), each process's cgroup, and NVML's process lists, here the
+simulated NVML answering from what the stand-in's cuMemAlloc registered in the containers.
+"""
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from api.names import DEFAULT_DRIVER_NAME
+from cli.localnode import cuda_probe_image
+from cli.nodeplugin import LocalNodePlugin
+from cli.podprobe import for_local_node
+from realnode_helpers import RealNode
+from standin.workloads import create, wait_until
+
+pytestmark = pytest.mark.e2e
+
+NAMESPACE = "claim-metrics"
+MiB = 1 << 20
+ALLOC = {"metrics-a": 300, "metrics-b": 700}      # MiB each pod allocates and holds
+
+
+@pytest.fixture(scope="module")
+def real() -> Iterator[RealNode]:
+    node = RealNode().start()
+    try:
+        node.add_classes()
+        yield node
+    finally:
+        node.stop()
+
+
+@pytest.fixture(scope="module")
+def ours(real: RealNode) -> LocalNodePlugin:
+    assert real.node is not None
+    socket = real.node.root_dir / "pod-resources" / "kubelet.sock"
+    plugin = real.start_plugin(real.plugin(DEFAULT_DRIVER_NAME, "--pod-resources-socket", str(socket)))
+    assert socket.is_socket(), f"the kubelet serves no PodResources socket at {socket}"
+    return plugin
+
+
+def mps_template(name: str, parent_uuid: str) -> dict[str, Any]:
+    a = f"device.attributes['{DEFAULT_DRIVER_NAME}']"
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": name},
+            "spec": {"spec": {"devices": {
+                "requests": [{"name": "gpu", "exactly": {
+                    "deviceClassName": f"slot.{DEFAULT_DRIVER_NAME}",
+                    "selectors": [{"cel": {"expression": f"{a}.sharing == 'mps' && {a}.parentUUID == '{parent_uuid}'"}}]}}],
+                "config": [{"requests": ["gpu"], "opaque": {"driver": DEFAULT_DRIVER_NAME, "parameters": {
+                    "apiVersion": f"{DEFAULT_DRIVER_NAME}/v1alpha1", "kind": "GpuConfig",
+                    "sharing": {"strategy": "MPS"}}}}]}}}}
+
+
+def allocating_pod(name: str, template: str, mib: int, node_name: str) -> dict[str, Any]:
+    """A pod whose container runs cuda-probe --alloc-mib: it allocates `mib` on its GPU and holds it."""
+    pod = for_local_node({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+                          "spec": {"restartPolicy": "Never",
+                                   "containers": [{"name": "cuda", "image": "unused",
+                                                   "resources": {"claims": [{"name": "gpu"}]}}],
+                                   "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": template}]}},
+                         cuda_probe_image(), node_name)
+    pod["spec"]["containers"][0]["command"] = ["cuda-probe", "--alloc-mib", str(mib)]
+    return pod
+
+
+def claim_series(plugin: LocalNodePlugin) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """The plugin's per-claim series: metric name → labels → value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{plugin.metrics_port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith(("gpu_dra_claim_", "gpu_dra_gpu_unattributed")):
+                out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def test_two_pods_on_mps_slots_of_one_gpu_show_up_as_two_series(real: RealNode, ours: LocalNodePlugin) -> None:
+    assert real.node is not None and real.kube is not None
+    slots = [a for a in real.devices(ours).values() if a["type"] == "slot" and a.get("sharing") == "mps"]
+    assert slots, "the node publishes no MPS slot"
+    parent = slots[0]["parentUUID"]
+    real.namespace(NAMESPACE)
+    for pod, mib in ALLOC.items():
+        create(real.kube, NAMESPACE, mps_template(pod, parent))
+        create(real.kube, NAMESPACE, allocating_pod(pod, pod, mib, real.node.name))
+    expected: dict[tuple[tuple[str, str], ...], float] = {}
+    for pod, mib in ALLOC.items():
+        wait_until(lambda: f"alloc: {mib} MiB on device 0" in _log(real, pod), 90,
+                   f"pod {NAMESPACE}/{pod} to allocate {mib} MiB")
+        claim = real.claim_of(NAMESPACE, real.pod(NAMESPACE, pod), "gpu")
+        result, = claim["status"]["allocation"]["devices"]["results"]
+        labels = {"namespace": NAMESPACE, "pod": pod, "container": "cuda", "claim": claim["metadata"]["name"],
+                  "request": "gpu", "device": result["device"], "gpu_uuid": parent, "mig_profile": "",
+                  "sharing": "mps"}
+        expected[tuple(sorted(labels.items()))] = mib * MiB
+    assert len({dict(k)["device"] for k in expected}) == 2, "the two pods got one slot"
+
+    def both() -> dict[str, Any] | None:
+        series = claim_series(ours)
+        return series if series.get("gpu_dra_claim_gpu_memory_used_bytes") == expected else None
+
+    try:
+        series = wait_until(both, 30, "two per-claim memory series with the pods' allocations")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\nexpected {expected}\ngot {claim_series(ours)}\n--- plugin ---\n"
+                             f"{ours.log_tail(20)}") from None
+    assert series["gpu_dra_claim_gpu_processes"] == {k: 1 for k in expected}
+    assert set(series["gpu_dra_claim_gpu_sm_utilization_percent"]) == set(expected)
+    # Each pod's process was found through its own container: none is left over on the GPU.
+    assert series.get("gpu_dra_gpu_unattributed_processes", {}).get((("gpu_uuid", parent),), 0) == 0
+    assert series["gpu_dra_claim_metrics_errors_total"] == {
+        (("source", s),): 0 for s in ("apiserver", "nvml", "podresources")}
+
+    # One pod goes: its series go with its claim; the other's stay as they were.
+    real.delete_pod(NAMESPACE, "metrics-a")
+    remaining = {k: v for k, v in expected.items() if dict(k)["pod"] == "metrics-b"}
+    wait_until(lambda: claim_series(ours).get("gpu_dra_claim_gpu_memory_used_bytes") == remaining, 30,
+               "only metrics-b's series after metrics-a is deleted")
+    real.delete_pod(NAMESPACE, "metrics-b")
+
+
+def _log(real: RealNode, pod: str) -> str:
+    assert real.node is not None
+    try:
+        return real.node.container_log(NAMESPACE, pod, "cuda")
+    except Exception:  # noqa: BLE001 - no log file yet
+        return ""
+
