@@ -360,6 +360,10 @@ def test_explain_agrees_with_the_scheduler(api_client: Any, case_env: Any, case:
     assert_agree(exp, outcome, case.name)
     if not outcome.allocated:
         assert case.reason in exp.sentence, f"{case.name}: {exp.sentence!r} does not say {case.reason!r}"
+        # The pending pod itself (its claims through status.resourceClaimStatuses) gets the same verdict.
+        of_pod = explain_target(kube, "pod/under-test", ns)
+        assert_agree(of_pod, outcome, f"{case.name} (pod)")
+        assert case.reason in of_pod.sentence, of_pod.sentence
     if case.request:
         assert outcome.requests == [case.request], outcome.requests
         chosen = next(r for r in exp.nodes if r.node == outcome.node).chosen
