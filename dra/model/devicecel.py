@@ -26,7 +26,7 @@ from api.quantity import quantity_value
 # Quantities and versions share one message type: the runtime tells member overloads apart by the kind of
 # their arguments only (every message is one kind), so `compareTo` etc. each have one overload that checks.
 OPAQUE_TYPE = "k8s.dra.Opaque"
-# The standard name prefix: attributes such as resource.kubernetes.io/pcieRoot are filed under this domain.
+# "<domain>/<id>": resource.kubernetes.io/pcieRoot is device.attributes['resource.kubernetes.io'].pcieRoot.
 _QUALIFIED = re.compile(r"^([^/]+)/([^/]+)$")
 _STRING_LITERAL = re.compile(r"'((?:[^'\\]|\\.)*)'|\"((?:[^\"\\]|\\.)*)\"")
 _SEMVER = re.compile(r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
