@@ -23,8 +23,8 @@ PROG = "gpu-dra convert"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-f", "--filename", action="append", required=True, metavar="FILE",
-                        help="device plugin config, mig-parted config, Nodes or workloads (YAML; - for stdin); "
-                             "repeatable")
+                        help="device plugin config, mig-parted config, Nodes or workloads (YAML; a directory: its "
+                             "YAML files; - for stdin); repeatable")
     parser.add_argument("--dynamic-mig", action="store_true",
                         help="MIG GPUs get mig: dynamic (partitions made per claim) instead of static")
     parser.add_argument("--default-config", metavar="NAME",
@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _read(name: str) -> list[tuple[str, object]]:
+    if name != "-" and Path(name).is_dir():   # like kubectl -f DIR: its YAML files, in name order
+        files = sorted(p for p in Path(name).iterdir() if p.suffix in (".yaml", ".yml", ".json") and p.is_file())
+        return [d for p in files for d in _read(str(p))]
     text = sys.stdin.read() if name == "-" else Path(name).read_text()
     where = "stdin" if name == "-" else name
     try:

@@ -85,7 +85,7 @@ def test_report_names_every_input_field(converted: Path) -> None:
         assert field in report, field
 
 
-def _runnable(obj: dict[str, Any]) -> dict[str, Any]:
+def runnable(obj: dict[str, Any]) -> dict[str, Any]:
     """The workload with its pod template made runnable on the local node (the cuda-probe image)."""
     tpl = obj["spec"]["template"]
     pod = for_local_node({"metadata": {"name": obj["metadata"]["name"]}, "spec": tpl["spec"]}, cuda_probe_image())
@@ -109,7 +109,7 @@ def test_converted_workloads_get_what_the_device_plugin_gave_them(real: RealNode
     objects = [o for o in yaml.safe_load_all((converted / "workloads.yaml").read_text()) if o]
     for obj in sorted(objects, key=lambda o: o["kind"] != "ResourceClaimTemplate"):
         if obj["kind"] != "ResourceClaimTemplate":
-            obj = _runnable(obj)
+            obj = runnable(obj)
         real.kube.create(_COLLECTIONS[obj["kind"]].format(ns=ns), {**obj, "metadata": {**obj["metadata"],
                                                                                       "namespace": ns}})
     deadline = time.monotonic() + 90
