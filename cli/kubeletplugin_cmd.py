@@ -33,9 +33,10 @@ _STRING_FLAGS: dict[str, tuple[str, str | None, str]] = {
                         "either does not start"),
     "--dev-root": ("DEV_ROOT", "/", "where this process sees /dev"),
     "--proc-root": ("PROC_ROOT", "/proc", "where this process sees /proc"),
-    "--pod-resources-socket": ("POD_RESOURCES_SOCKET", "/var/lib/kubelet/pod-resources/kubelet.sock",
-                               "the kubelet's PodResources socket, for the per-claim GPU metrics (which container "
-                               "holds which claim device); \"\" turns those metrics off"),
+    "--pod-resources-socket": ("POD_RESOURCES_SOCKET", None,
+                               "the kubelet's PodResources socket (<kubelet root dir>/pod-resources/kubelet.sock): "
+                               "turns on the per-claim GPU metrics, which need it to know which container holds "
+                               "which claim device (default: off)"),
     "--state-dir": ("STATE_DIR", None, "checkpoint and MPS directories (default: the plugin directory)"),
     "--pod-uid": ("POD_UID", None, "rolling-update mode: name the sockets after this pod UID"),
     "--node-policy": ("NODE_POLICY", None, "node policy YAML file: what to publish per GPU"),
@@ -108,7 +109,7 @@ def options_from_args(args: argparse.Namespace) -> "PluginOptions":  # noqa: F82
         node_name=args.node_name or "", driver_name=driver, kubeconfig=args.kubeconfig,
         registry_dir=args.registry_dir, plugin_dir=args.plugin_dir, cdi_root=args.cdi_root,
         driver_root=args.driver_root, host_driver_root=args.host_driver_root, cdi_hook_path=args.cdi_hook_path,
-        dev_root=args.dev_root, pod_resources_socket=args.pod_resources_socket,
+        dev_root=args.dev_root, pod_resources_socket=args.pod_resources_socket or "",
         proc_root=args.proc_root, state_dir=args.state_dir, pod_uid=args.pod_uid, node_policy=args.node_policy,
         fleet=args.fleet, sim_state=args.sim_state, compat_nvidia=args.compat_nvidia, metrics_port=args.metrics_port,
         health_interval=args.health_interval, boot_id_path=args.boot_id_path,

@@ -134,7 +134,8 @@ def test_mps_daemons_go_to_a_host_cgroup_by_default(default: list[dict[str, Any]
     from cli.kubeletplugin_cmd import options_from_args
 
     assert options_from_args(args).mps_cgroup == "gpu-dra-mps"
-    off = one(render("--set", "mps.daemonCgroup="), "DaemonSet")
+    # (The per-claim GPU metrics need the host's PIDs too: off as well.)
+    off = one(render("--set", "mps.daemonCgroup=", "--set", "claimMetrics.enabled=false"), "DaemonSet")
     assert "hostPID" not in off["spec"]["template"]["spec"]
     assert not {"MPS_CGROUP", "MPS_CGROUP_ROOT"} & set(env_of(container(off)))
     assert "host-cgroup" not in {v["name"] for v in off["spec"]["template"]["spec"]["volumes"]}
@@ -168,7 +169,7 @@ def test_rbac_binds_each_role_to_its_service_account(default: list[dict[str, Any
         (("resourceslices",), ("create", "get", "list", "watch", "update", "delete")),
         (("resourceclaims",), ("get",)), (("resourceclaims/status",), ("patch",)),
         (("resourceclaims/driver",), ("associated-node:patch",)), (("nodes",), ("get",)),
-        (("events",), ("create", "patch"))}
+        (("events",), ("create", "patch")), (("pods",), ("list",))}   # pods: per-claim GPU metrics (kube.nodepods)
     controller_role = roles["gpu-dra-gpu-dra-driver-controller"]
     by_name = [r for r in controller_role["rules"] if r.get("resourceNames")]
     assert [(r["resources"], r["verbs"]) for r in by_name] == [(["deviceclasses"], ["get", "update"])]
