@@ -3,6 +3,7 @@ process lists joined into one series per container and claim device (kubeletplug
 from __future__ import annotations
 
 from concurrent import futures
+import re
 from pathlib import Path
 from typing import Any
 
@@ -339,3 +340,15 @@ def test_sharing_label_of_whole_devices_follows_the_claims_config(scene: dict[st
     scene["rows"] = [ContainerDevice("team-a", "train", "main", "team-a", "gpu-a", DRIVER, "node-a", "gpu-1")]
     got = _series(scene["registry"])
     assert got[("gpu_dra_claim_gpu_memory_used_bytes", _labels("team-a", "train", "gpu-a", "gpu-1"))] == 300 * MiB
+
+
+def test_operations_doc_lists_every_metric_the_plugin_serves() -> None:
+    from kubeletplugin.metrics import PluginMetrics
+
+    metrics = PluginMetrics()
+    ClaimMetricsCollector(nvml=None, registry=metrics.registry, claim_devices=lambda: [], pod_resources=lambda: [],
+                          pods=lambda cid: None)
+    served = set(re.findall(r"^# HELP (\S+) ", generate_latest(metrics.registry).decode(), re.M))
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    missing = {m for m in served if f"`{m}`" not in doc and not m.endswith("_created")}   # _created: one sentence
+    assert served and not missing, f"metrics missing from docs/operations.md: {missing}"
