@@ -40,6 +40,8 @@ MiB = 1 << 20
     f"0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{UID_A.replace('-', '_')}.slice/"
     f"cri-containerd-{CID_A}.scope\n",                                                            # systemd
     f"0::/kubepods.slice/kubepods-pod{UID_A.replace('-', '_')}.slice/crio-{CID_A}.scope\n",      # guaranteed QoS
+    f"0::/../../kubepods-besteffort-pod{UID_A.replace('-', '_')}.slice/cri-containerd-{CID_A}.scope\n",  # seen from
+    # a container's own cgroup namespace (the plugin's): the path is relative to its root
 ])
 def test_cgroup_names_pod_and_container(text: str) -> None:
     assert parse_cgroup(text) == ContainerCgroup(UID_A, CID_A)
@@ -221,7 +223,8 @@ def _device(name: str, kind: str = "slot", sharing: str = "mps", **kw: Any) -> D
 
 
 DEVICES = {d.name: d for d in (_device("gpu-1-slot-0"), _device("gpu-1-slot-1"),
-                               _device("gpu-1-mig-1g-10gb-19-0", kind="mig", sharing="none", mig_profile_name="1g.10gb"),
+                               _device("gpu-1-mig-1g-10gb-19-0", kind="mig", sharing="none",
+                                       mig_profile_name="1g.10gb"),
                                _device("gpu-1", kind="gpu", sharing="none"))}
 
 
@@ -260,7 +263,8 @@ def scene(tmp_path: Path) -> dict[str, Any]:
     _proc(proc, 201, f"0::/kubepods/besteffort/pod{uid_c}/{cid_c}\n")
     _proc(proc, 300, "0::/system.slice/nvidia-cuda-mps-server.scope\n")
     _proc(proc, 400, f"0::/kubepods/besteffort/pod{uid_x}/{cid_x}\n")
-    pods = {CID_A: PodContainer("team-a", "train", UID_A, "main"), CID_B: PodContainer("team-b", "infer", UID_B, "main"),
+    pods = {CID_A: PodContainer("team-a", "train", UID_A, "main"),
+            CID_B: PodContainer("team-b", "infer", UID_B, "main"),
             cid_c: PodContainer("team-c", "mig", uid_c, "main"), cid_x: PodContainer("team-x", "other", uid_x, "main")}
     records = [_record("u1", "team-a", "gpu-a", "gpu-1-slot-0", GPU),
                _record("u2", "team-b", "gpu-b", "gpu-1-slot-1", GPU),

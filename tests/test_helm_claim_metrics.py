@@ -50,7 +50,8 @@ def test_plugin_reads_the_kubelets_pod_resources_directory_by_default() -> None:
 
 
 def test_the_socket_follows_kubelet_dir() -> None:
-    container, = [c for c in _plugin(render("--set", "kubeletDir=/data/kubelet"))["containers"] if c["name"] == "plugin"]
+    spec = _plugin(render("--set", "kubeletDir=/data/kubelet"))
+    container, = [c for c in spec["containers"] if c["name"] == "plugin"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["POD_RESOURCES_SOCKET"] == "/data/kubelet/pod-resources/kubelet.sock"
 

@@ -76,7 +76,8 @@ def stop(proc: subprocess.Popen[str]) -> None:
 
 def processes(nvml: object, uuid: str, mps: bool = False) -> list[tuple[int, int]]:
     handle = nvml.nvmlDeviceGetHandleByUUID(uuid)  # type: ignore[attr-defined]
-    query = nvml.nvmlDeviceGetMPSComputeRunningProcesses if mps else nvml.nvmlDeviceGetComputeRunningProcesses  # type: ignore[attr-defined]
+    name = "nvmlDeviceGetMPSComputeRunningProcesses" if mps else "nvmlDeviceGetComputeRunningProcesses"
+    query = getattr(nvml, name)
     return [(p.pid, p.usedGpuMemory) for p in query(handle)]
 
 

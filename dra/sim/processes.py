@@ -4,7 +4,7 @@ The stand-in's ``cuCtxCreate``/``cuMemAlloc`` (hack/cuda-standin/libcuda.c) writ
 node's process directory (``<state dir>/sim-procs``, mounted read-write at ``/run/nvidia-sim-procs`` into every
 GPU container of a simulated node), one line::
 
-    v1 <pid namespace inode> <pid in that namespace> <start time, clock ticks after boot> <MPS client 0|1> <bytes> <uuid>
+    v1 <pid namespace inode> <pid in it> <start time, clock ticks after boot> <MPS client 0|1> <bytes> <uuid>
 
 A container's PIDs are not the host's, so a registration names its process by what the host can check in
 ``/proc/<host pid>``: the inode of ``ns/pid``, the last ``NSpid`` entry of ``status`` and field 22 of ``stat``.

@@ -54,7 +54,8 @@ def mps_template(name: str, parent_uuid: str) -> dict[str, Any]:
             "spec": {"spec": {"devices": {
                 "requests": [{"name": "gpu", "exactly": {
                     "deviceClassName": f"slot.{DEFAULT_DRIVER_NAME}",
-                    "selectors": [{"cel": {"expression": f"{a}.sharing == 'mps' && {a}.parentUUID == '{parent_uuid}'"}}]}}],
+                    "selectors": [{"cel": {
+                        "expression": f"{a}.sharing == 'mps' && {a}.parentUUID == '{parent_uuid}'"}}]}}],
                 "config": [{"requests": ["gpu"], "opaque": {"driver": DEFAULT_DRIVER_NAME, "parameters": {
                     "apiVersion": f"{DEFAULT_DRIVER_NAME}/v1alpha1", "kind": "GpuConfig",
                     "sharing": {"strategy": "MPS"}}}}]}}}}
