@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from typing import Any
 
 import grpc
@@ -161,6 +162,7 @@ class KubeletPlugin:
             options.driver_name, options.registry_dir, options.plugin_directory, options.pod_uid)
         self.health_board = endpoints.health if endpoints else HealthBoard(resend_interval=options.health_interval)
         self._stop = threading.Event()
+        self._wake_publisher = threading.Event()   # the kubelet registered us, or we stop
         self._threads: list[threading.Thread] = []
         self._model_lock = threading.Lock()
         self._taints: TaintMap = {}
@@ -433,6 +435,8 @@ class KubeletPlugin:
 
     def _on_registration_status(self, registered: bool, error: str) -> None:
         self.metrics.registered.set(1 if registered else 0)
+        if registered:
+            self._wake_publisher.set()
         if registered and self.slices is not None:
             # A registration after the first comes from a restarted kubelet, which deletes its node's slices
             # when it starts: publish again now rather than after the publisher's repair delay (30 s).
@@ -445,11 +449,14 @@ class KubeletPlugin:
         from kube.resourceslices import Owner, ResourceSliceController
 
         assert self.registration is not None
-        waited, warn_at = 0.0, REGISTRATION_WARN_S
-        while not self.registration.state.wait_registered(timeout=0.2):
-            if self._stop.is_set():
-                return
-            waited += 0.2
+        started, warn_at = time.monotonic(), REGISTRATION_WARN_S
+        # Woken by the registration (_on_registration_status) or stop, not by polling.
+        while True:
+            self._wake_publisher.clear()
+            if self.registration.state.registered or self._stop.is_set():
+                break
+            self._wake_publisher.wait(max(0.0, started + warn_at - time.monotonic()))
+            waited = time.monotonic() - started
             if waited >= warn_at:
                 log.warning("no ResourceSlices published yet: the kubelet has not registered the plugin",
                             waited_seconds=round(waited), registration_socket=str(self.paths.registration))
@@ -530,6 +537,7 @@ class KubeletPlugin:
         if self.dra_server is not None:
             self.dra_server.stop()
         self._stop.set()
+        self._wake_publisher.set()
         for t in self._threads:
             t.join(timeout=10)
         self._threads.clear()
@@ -559,6 +567,7 @@ class KubeletPlugin:
             log.info("signal received", signal=signal.Signals(signum).name)
             done.set()
             self._stop.set()   # also ends a start that is still waiting for the API server
+            self._wake_publisher.set()
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, on_signal)

@@ -303,3 +303,26 @@ def test_taints_say_since_when(nvml):
     nvml.inject_xid(GPU1, 79)           # a repeat keeps the first time: the slice must not change
     m.poll_once()
     assert m.taints()["gpu-1"][0]["timeAdded"] == "2026-01-01T00:00:00Z"
+
+
+def test_an_idle_round_builds_no_taint_map_and_later_changes_still_notify(nvml, monkeypatch):
+    """An idle monitor costs no CPU to speak of: a round with no event, recovery, lost GPU or expiry neither
+    rebuilds, compares nor saves the taint map. Rounds that do change something still notify."""
+    clock = Clock()
+    changes: list = []
+    m = monitor(nvml, changes, probe_interval_s=10.0, quiet_period_s=60.0, clock=clock)
+    built = []
+    real_taints = m.taints
+    monkeypatch.setattr(m, "taints", lambda: built.append(1) or real_taints())
+    for _ in range(3):
+        assert m.poll_once(1) is False
+    assert built == []
+    nvml.inject_xid(GPU1, 79)                 # an event
+    assert m.poll_once(1) is True and built
+    clock.now += 61                           # past the quiet period: the taint expires
+    assert m.poll_once(1) is True
+    assert changes[-1]["gpu-1"] == []
+    nvml.lose_gpu(GPU0)                       # found by the event wait or the next probe
+    clock.now += 11
+    m.poll_once(1)
+    assert keys(changes[-1]["gpu-0-mig-1g10gb-19-0"]) == [(f"{DRIVER}/gpu-lost", None, "NoSchedule")]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
 import time
 import uuid as uuidlib
 from pathlib import Path
@@ -45,14 +46,15 @@ def write_fleet(base: Path) -> Path:
     return path
 
 
-def make_plugin(base: Path, claims: DictClaimSource, pod_uid: str | None = None) -> KubeletPlugin:
+def make_plugin(base: Path, claims: DictClaimSource, pod_uid: str | None = None, *, publish: bool = False,
+                api_client: object = None) -> KubeletPlugin:
     opts = PluginOptions(
         node_name=NODE, registry_dir=str(base / "reg"), plugin_dir=str(base / "plug"), cdi_root=str(base / "cdi"),
         driver_root=str(base / "noroot"), proc_root=str(base / "noproc"), dev_root=str(base / "nodev"),
         fleet=str(write_fleet(base)), boot_id_path=str(base / "boot_id"), health_interval=0.5,
         health_wait_ms=100, pod_uid=pod_uid)
     (base / "boot_id").write_text("b1\n")
-    return KubeletPlugin(opts, claim_source=claims, publish=False, features=ApiFeatures.all())
+    return KubeletPlugin(opts, claim_source=claims, publish=publish, features=ApiFeatures.all(), api_client=api_client)
 
 
 def claim(name: str, device: str, uid: str | None = None) -> dict:
@@ -310,3 +312,56 @@ def test_invalid_pool_is_not_published_and_logged_once(base, monkeypatch):
         assert any(event.startswith("ResourceSlices valid again") for _, event, _ in lines.lines)
     finally:
         plugin.stop()
+
+
+class _RecordingSlices:
+    """Stands in for the slice publisher: records that it was started."""
+    started = threading.Event()
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def start(self) -> "_RecordingSlices":
+        self.started.set()
+        return self
+
+    def update(self, pools: object) -> None:
+        pass
+
+    def resync(self) -> None:
+        pass
+
+    def failing(self) -> dict:
+        return {}
+
+    def stop(self) -> None:
+        pass
+
+
+def test_slices_are_published_when_the_kubelet_registers_the_plugin_and_stop_ends_the_wait(base, monkeypatch):
+    """The publisher waits for the registration without polling: the kubelet's NotifyRegistrationStatus wakes it
+    at once, and stop() ends a wait for a registration that never comes."""
+    import kube.resourceslices
+
+    monkeypatch.setattr(kube.resourceslices, "ResourceSliceController", _RecordingSlices)
+    _RecordingSlices.started = threading.Event()
+    plugin = make_plugin(base, DictClaimSource(), publish=True, api_client=object())
+    plugin.start()
+    try:
+        assert not _RecordingSlices.started.wait(0.5)   # not registered: nothing published
+        with grpc.insecure_channel(f"unix://{plugin.paths.registration}") as ch:
+            reg_grpc.RegistrationStub(ch).NotifyRegistrationStatus(
+                reg_pb.RegistrationStatus(plugin_registered=True), timeout=5)
+        assert _RecordingSlices.started.wait(5)
+    finally:
+        plugin.stop()
+
+    _RecordingSlices.started = threading.Event()
+    other = base / "unregistered"
+    other.mkdir()
+    plugin = make_plugin(other, DictClaimSource(), publish=True, api_client=object())
+    plugin.start()
+    began = time.monotonic()
+    plugin.stop()
+    assert time.monotonic() - began < 5          # the registration wait ended with stop, not a timeout
+    assert not _RecordingSlices.started.is_set()
