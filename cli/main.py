@@ -25,13 +25,17 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every sub-command; with ``only``, that sub-command's arguments alone are loaded (the others
+    keep their help line), so starting one command does not import every other's modules."""
     parser = argparse.ArgumentParser(prog="gpu-dra", description="Kubernetes DRA driver for NVIDIA GPUs")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module_name)
+        if only is not None and name != only:
+            continue
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
@@ -44,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    # The sub-command is the first word (the top level has no options of its own besides --help).
+    args = build_parser(words[0] if words and words[0] in SUBCOMMANDS else None).parse_args(argv)
     if getattr(args, "_missing", False):
         print(f"gpu-dra: sub-command {args.command!r} is not available in this build", file=sys.stderr)
         return 2
