@@ -249,6 +249,14 @@ def test_extended_resource_mode_keeps_whole_gpu_requests_without_selectors() -> 
     assert any(f.status == "kept" and "extendedResourceName" in f.detail for f in res.findings.items)
 
 
+def test_compatibility_mode_uses_nvidias_class_names() -> None:
+    res = convert([("w", pod("a", {"nvidia.com/mig-1g.10gb": 1})), ("w", pod("b", {"nvidia.com/gpu.shared": 1}))],
+                  Options(driver="gpu.nvidia.com", extended_resource=True))
+    a, b = [o for o in res.objects if o["kind"] == "ResourceClaimTemplate"]
+    assert a["spec"]["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] == "mig.nvidia.com"
+    assert b["spec"]["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] == "slot.gpu.nvidia.com"
+
+
 def test_ambiguous_gpu_meaning_is_reported_and_pinning_resolves_it() -> None:
     cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "dp"},
           "data": {"ts": yaml.safe_dump(TIME_SLICING), "plain": "version: v1\n" "flags: {migStrategy: none}\n"}}

@@ -13,7 +13,9 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+from api.deviceclasses import device_classes
 from api.k8snames import is_dns_label
+from api.names import NVIDIA_DRIVER_NAME
 from dra.model.convert import gfdselectors as gfd
 from dra.model.convert.deviceplugin import GPU_RESOURCE, SHARED_SUFFIX, Meaning
 from dra.model.convert.findings import Findings
@@ -38,6 +40,18 @@ class WorkloadOptions:
     driver: str
     groups: list[NodeGroup] = field(default_factory=list)
     extended_resource: bool = False
+
+
+def class_names(driver: str) -> dict[str, str]:
+    """Device type -> the DeviceClass of this driver that selects it (NVIDIA's names in compatibility mode)."""
+    classes = device_classes(driver, compat_nvidia=driver == NVIDIA_DRIVER_NAME)
+    names = {}
+    for cls in classes:
+        expression = cls["spec"]["selectors"][0]["cel"]["expression"]
+        for kind in ("gpu", "mig", "slot", "shared"):
+            if expression.endswith(f".type == '{kind}'"):
+                names.setdefault(kind, cls["metadata"]["name"])
+    return names
 
 
 def is_gpu_resource(name: str) -> bool:
@@ -277,13 +291,10 @@ class _PodConverter:
         driver = self.opts.driver
         a = f"device.attributes['{driver}']"
         selectors: list[str] = []
-        if meaning.kind == "gpu":
-            cls = driver
-        elif meaning.kind == "slot":
-            cls = f"slot.{driver}"
+        cls = class_names(driver)[meaning.kind]
+        if meaning.kind == "slot":
             selectors.append(f"{a}.sharing == {gfd.quote(str(meaning.strategy))}")
-        else:
-            cls = f"mig.{driver}"
+        elif meaning.kind == "mig":
             if meaning.profile:
                 selectors.append(f"{a}.profile == {gfd.quote(meaning.profile)}")
             else:
