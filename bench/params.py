@@ -22,6 +22,9 @@ class Params:
     api_rounds: int = 60            # plugin over gRPC: prepare+unprepare rounds (each beside its floor)
     api_parallel: int = 32          # plugin over gRPC: callers at once on independent claims
     api_startups: int = 5           # plugin starts timed to GetInfo
+    idle_s: float = 30.0            # plugin: idle window (CPU per second), then one prepare after it
+    spaced_rounds: int = 10         # plugin: prepare + unprepare rounds, each call after spaced_gap_s of idle
+    spaced_gap_s: float = 2.0       # plugin: the idle gap before each spaced call and each floor call
     publish_nodes: int = 100        # publish: nodes of 8 × H100 (5 slices each) published on a real API server
     publish_workers: int = 8        # publish: writes in flight, for gpu-dra publish and its raw-ingest floor alike
     status_nodes: int = 1000        # status: nodes of 8 × H100 whose status is read from a real API server
@@ -39,8 +42,10 @@ FULL = Params(repeats=15, fleet_nodes=100, fleet_repeats=5, fleet_memory_nodes=N
 QUICK = Params(repeats=5, fleet_nodes=100, fleet_repeats=2, fleet_memory_nodes=10,
                mig_cycles=300, mig_batches=3, claim_repeats=5, parallel_claims=32, parallel_rounds=1,
                nvml_latency_s=0.010, reconcile_nodes=100, reconcile_rounds=1, api_rounds=20, api_startups=2,
+               idle_s=10.0, spaced_rounds=5, spaced_gap_s=1.0,
                publish_nodes=40, status_nodes=200)
 TINY = Params(repeats=1, fleet_nodes=3, fleet_repeats=1, fleet_memory_nodes=None,
               mig_cycles=4, mig_batches=1, claim_repeats=1, parallel_claims=8, parallel_rounds=1,
               nvml_latency_s=0.001, reconcile_nodes=3, reconcile_rounds=1, api_rounds=3, api_parallel=4,
-              api_startups=1, publish_nodes=3, publish_workers=2, status_nodes=10)
+              api_startups=1, idle_s=0.5, spaced_rounds=2, spaced_gap_s=0.05, publish_nodes=3, publish_workers=2,
+              status_nodes=10)

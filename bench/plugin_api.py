@@ -14,6 +14,14 @@ Floors, what no prepare or unprepare can avoid, done by a bare client with the s
 Floor and plugin calls are interleaved round by round, so machine noise hits both alike; figures are medians
 and ratios. Also: 32 callers on independent claims against the serial prepare rate of the plugin itself, and
 the time from the plugin's start to its registration socket answering GetInfo.
+
+The plugin runs as the chart deploys it: rolling-update mode (--pod-uid: each call under the state directory's
+file lock), registered (the bench tells it so, as the kubelet would, so it publishes its slices) and serving
+/metrics. Its simulated GPUs live in memory (--sim-state none): the state file and the CUDA stand-in's GPU
+listing that a simulated node otherwise keeps are simulator plumbing no real node has (the listing is rebuilt
+from NVML at every CDI write, ~2 ms on 32 GPUs; the simulated event wait looks at the state file every 0.15 s).
+The kubelet's own pattern, single calls seconds apart and an idle plugin, is
+``bench.kubeletpattern``.
 """
 from __future__ import annotations
 
@@ -35,11 +43,13 @@ from api.generated.dra.v1 import api_pb2 as dra_pb
 from api.generated.dra.v1 import api_pb2_grpc as dra_grpc
 from api.generated.pluginregistration.v1 import api_pb2 as reg_pb
 from api.generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from bench import kubeletpattern
 from bench.core import Figure
 from bench.params import Params
-from cli.localcluster import LocalCluster
+from cli.localcluster import LocalCluster, free_port
 from dra.node.atomicfile import remove_file, write_atomic
 from kube.client import RESOURCE_V1, KubeApi
+from kubeletplugin.sockets import socket_paths
 
 NAME = "plugin"
 DESCRIPTION = "gpu-dra kubelet-plugin over its DRA socket on a real API server: prepare/unprepare against floors"
@@ -48,6 +58,7 @@ DRIVER = "gpu.dra-driver.io"
 NODE = "bench-node"
 GPUS = 32
 NAMESPACE = "bench"
+POD_UID = "0b3c9a52-bench-plugin"    # rolling-update mode, as the chart runs the plugin (POD_UID)
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -63,12 +74,15 @@ class _Plugin:
         (work / "fleet.yaml").write_text(yaml.safe_dump(fleet))
         self.registry, self.plugins = work / "registry", work / "plugins"
         self.cdi, self.state = work / "cdi", work / "state"
+        self.metrics_port = free_port()
+        self.sockets = socket_paths(DRIVER, self.registry, self.plugins, POD_UID)
         for d in (self.registry, self.plugins, self.cdi, self.state):
             d.mkdir(parents=True, exist_ok=True)
         self.argv = [sys.executable, "-m", "cli.main", "kubelet-plugin", "--node-name", NODE, "--driver-name", DRIVER,
                      "--kubeconfig", str(kubeconfig), "--registry-dir", str(self.registry), "--plugin-dir",
                      str(self.plugins), "--cdi-root", str(self.cdi), "--state-dir", str(self.state), "--fleet",
-                     str(work / "fleet.yaml"), "--log-level", "warning", "--log-format", "json"]
+                     str(work / "fleet.yaml"), "--log-level", "warning", "--log-format", "json",
+                     "--metrics-port", str(self.metrics_port), "--pod-uid", POD_UID, "--sim-state", "none"]
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> float:
@@ -76,7 +90,7 @@ class _Plugin:
         started = time.monotonic()
         self.proc = subprocess.Popen(self.argv, cwd=REPO, stdout=open(self.work / "plugin.log", "ab"),
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        reg = self.registry / f"{DRIVER}-reg.sock"
+        reg = self.sockets.registration
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"plugin exited with {self.proc.returncode}: "
@@ -93,10 +107,14 @@ class _Plugin:
             time.sleep(0.002)
 
     def registration(self) -> Any:
-        return reg_grpc.RegistrationStub(grpc.insecure_channel(f"unix:{self.registry / f'{DRIVER}-reg.sock'}"))
+        return reg_grpc.RegistrationStub(grpc.insecure_channel(f"unix:{self.sockets.registration}"))
+
+    def register(self) -> None:
+        """Tell the plugin it is registered, as the kubelet does: it starts publishing its slices."""
+        self.registration().NotifyRegistrationStatus(reg_pb.RegistrationStatus(plugin_registered=True), timeout=10)
 
     def dra(self) -> Any:
-        sock = self.plugins / "dra.sock"
+        sock = self.sockets.dra
         deadline = time.monotonic() + 120
         while not sock.exists():
             if time.monotonic() > deadline:
@@ -196,14 +214,24 @@ def run(params: Params) -> list[Figure]:
         claims = allocated_claims(kube, max(GPUS, params.api_parallel))
         plugin = _Plugin(work, cluster.kubeconfig)
         startup = [plugin.start()]
+        plugin.register()
         stub = plugin.dra()
         _call(stub, "prepare", [claims[0]])            # warm: connections, first spec written
         _call(stub, "unprepare", [claims[0]])
         cdi_bytes = max((p.stat().st_size for p in plugin.cdi.glob("*.json")), default=1500) or 1500
         floor = _Floor(kube, work, cdi_bytes=max(cdi_bytes, 1500), record_bytes=600)
+        registration = plugin.registration()
+
+        # The kubelet's pattern first, on a plugin that has been idle since the warm-up above.
+        assert plugin.proc is not None
+        pattern = kubeletpattern.Pattern(
+            pid=plugin.proc.pid, metrics_url=f"http://127.0.0.1:{plugin.metrics_port}/metrics",
+            call=lambda operation, claim: _call(stub, operation, [claim]), noop=lambda: _get_info(registration),
+            floor=floor)
+        idle_cpu, idle_rss, after_idle = pattern.idle(params.idle_s, claims[1])
+        spaced = pattern.spaced(params.spaced_rounds, params.spaced_gap_s, claims[2:GPUS])
 
         prep, unprep, f_prep, f_unprep, rpc = [], [], [], [], []
-        registration = plugin.registration()
         cpu_before = plugin.cpu_seconds()
         for r in range(rounds):                          # interleaved: plugin call, then floor, same round
             claim = claims[r % GPUS]
@@ -264,4 +292,4 @@ def run(params: Params) -> list[Figure]:
                med(serial_cpu_shares), "CPUs", "one Python process runs on one CPU at a time (the GIL)"),
         Figure("plugin.startup.getinfo_s", "start to GetInfo answered (median of "
                f"{len(startup)}: {', '.join(f'{s:.2f}' for s in startup)} s)", med(startup), "s"),
-    ]
+    ] + kubeletpattern.figures(params.idle_s, idle_cpu, idle_rss, after_idle, spaced, params.spaced_gap_s)
