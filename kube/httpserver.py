@@ -73,6 +73,7 @@ class BoundedHTTPServer(HTTPServer):
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._stopped.set()
+        self._wake: socket.socket | None = None   # shutdown() writes to it: ends an idle loop's wait
         super().__init__(address, handler)
 
     def serve_forever(self, poll_interval: float = 0.2) -> None:
@@ -82,11 +83,19 @@ class BoundedHTTPServer(HTTPServer):
         for worker in workers:
             worker.start()
         arriving: dict[socket.socket, _Arriving] = {}  # oldest first
+        wake, self._wake = socket.socketpair()
         try:
             with selectors.DefaultSelector() as sel:
                 sel.register(self.socket, selectors.EVENT_READ)
+                sel.register(wake, selectors.EVENT_READ)
                 while not self._stop.is_set():
-                    for key, _ in sel.select(poll_interval):
+                    with self._lock:
+                        idle = not arriving and not self._busy
+                    # With no connection to time out, wait for a new one or shutdown() without a timeout: an idle
+                    # server uses no CPU.
+                    for key, _ in sel.select(None if idle else poll_interval):
+                        if key.fileobj is wake:
+                            continue
                         try:
                             if key.fileobj is self.socket:
                                 self._accept(sel, arriving)
@@ -96,6 +105,8 @@ class BoundedHTTPServer(HTTPServer):
                             log.exception("serving %s", self.server_address)
                     self._expire(sel, arriving)
         finally:
+            wake.close()
+            self._wake.close()
             for conn in arriving:
                 self.shutdown_request(conn)
             for _ in workers:
@@ -106,6 +117,11 @@ class BoundedHTTPServer(HTTPServer):
     def shutdown(self) -> None:
         """Stops serve_forever and waits for it; connections being handled are finished by their workers."""
         self._stop.set()
+        if self._wake is not None:
+            try:
+                self._wake.send(b"x")
+            except OSError:   # serve_forever has ended already
+                pass
         self._stopped.wait()
 
     def connections(self) -> int:
