@@ -86,35 +86,40 @@ def claim_series(plugin: LocalNodePlugin) -> dict[str, dict[tuple[tuple[str, str
 
 
 def test_two_pods_on_mps_slots_of_one_gpu_show_up_as_two_series(real: RealNode, ours: LocalNodePlugin) -> None:
+    two_pods_on_mps_slots_are_two_series(real, ours, NAMESPACE)
+
+
+def two_pods_on_mps_slots_are_two_series(real: RealNode, plugin: LocalNodePlugin, namespace: str) -> None:
+    """The scenario, for any plugin of the node (this module's process, or the chart's pod)."""
     assert real.node is not None and real.kube is not None
-    slots = [a for a in real.devices(ours).values() if a["type"] == "slot" and a.get("sharing") == "mps"]
+    slots = [a for a in real.devices(plugin).values() if a["type"] == "slot" and a.get("sharing") == "mps"]
     assert slots, "the node publishes no MPS slot"
     parent = slots[0]["parentUUID"]
-    real.namespace(NAMESPACE)
+    real.namespace(namespace)
     for pod, mib in ALLOC.items():
-        create(real.kube, NAMESPACE, mps_template(pod, parent))
-        create(real.kube, NAMESPACE, allocating_pod(pod, pod, mib, real.node.name))
+        create(real.kube, namespace, mps_template(pod, parent))
+        create(real.kube, namespace, allocating_pod(pod, pod, mib, real.node.name))
     expected: dict[tuple[tuple[str, str], ...], float] = {}
     for pod, mib in ALLOC.items():
-        wait_until(lambda: f"alloc: {mib} MiB on device 0" in _log(real, pod), 90,
-                   f"pod {NAMESPACE}/{pod} to allocate {mib} MiB")
-        claim = real.claim_of(NAMESPACE, real.pod(NAMESPACE, pod), "gpu")
+        wait_until(lambda: f"alloc: {mib} MiB on device 0" in _log(real, namespace, pod), 90,
+                   f"pod {namespace}/{pod} to allocate {mib} MiB")
+        claim = real.claim_of(namespace, real.pod(namespace, pod), "gpu")
         result, = claim["status"]["allocation"]["devices"]["results"]
-        labels = {"namespace": NAMESPACE, "pod": pod, "container": "cuda", "claim": claim["metadata"]["name"],
+        labels = {"namespace": namespace, "pod": pod, "container": "cuda", "claim": claim["metadata"]["name"],
                   "request": "gpu", "device": result["device"], "gpu_uuid": parent, "mig_profile": "",
                   "sharing": "mps"}
         expected[tuple(sorted(labels.items()))] = mib * MiB
     assert len({dict(k)["device"] for k in expected}) == 2, "the two pods got one slot"
 
     def both() -> dict[str, Any] | None:
-        series = claim_series(ours)
+        series = claim_series(plugin)
         return series if series.get("gpu_dra_claim_gpu_memory_used_bytes") == expected else None
 
     try:
         series = wait_until(both, 30, "two per-claim memory series with the pods' allocations")
     except AssertionError as exc:
-        raise AssertionError(f"{exc}\nexpected {expected}\ngot {claim_series(ours)}\n--- plugin ---\n"
-                             f"{ours.log_tail(20)}") from None
+        raise AssertionError(f"{exc}\nexpected {expected}\ngot {claim_series(plugin)}\n--- plugin ---\n"
+                             f"{plugin.log_tail(20)}") from None
     assert series["gpu_dra_claim_gpu_processes"] == {k: 1 for k in expected}
     assert set(series["gpu_dra_claim_gpu_sm_utilization_percent"]) == set(expected)
     # Each pod's process was found through its own container: none is left over on the GPU.
@@ -123,17 +128,17 @@ def test_two_pods_on_mps_slots_of_one_gpu_show_up_as_two_series(real: RealNode, 
         (("source", s),): 0 for s in ("apiserver", "nvml", "podresources")}
 
     # One pod goes: its series go with its claim; the other's stay as they were.
-    real.delete_pod(NAMESPACE, "metrics-a")
+    real.delete_pod(namespace, "metrics-a")
     remaining = {k: v for k, v in expected.items() if dict(k)["pod"] == "metrics-b"}
-    wait_until(lambda: claim_series(ours).get("gpu_dra_claim_gpu_memory_used_bytes") == remaining, 30,
+    wait_until(lambda: claim_series(plugin).get("gpu_dra_claim_gpu_memory_used_bytes") == remaining, 30,
                "only metrics-b's series after metrics-a is deleted")
-    real.delete_pod(NAMESPACE, "metrics-b")
+    real.delete_pod(namespace, "metrics-b")
 
 
-def _log(real: RealNode, pod: str) -> str:
+def _log(real: RealNode, namespace: str, pod: str) -> str:
     assert real.node is not None
     try:
-        return real.node.container_log(NAMESPACE, pod, "cuda")
+        return real.node.container_log(namespace, pod, "cuda")
     except Exception:  # noqa: BLE001 - no log file yet
         return ""
 

@@ -1,0 +1,22 @@
+"""Per-claim GPU metrics from the chart's plugin pod on the real node: the chart's mount of the kubelet's
+pod-resources directory, its hostPID and its RBAC (list pods, with the plugin's own service account) are what
+the plugin works with, in a container of its own cgroup namespace. Same scenario as test_claim_metrics: two pods
+on MPS slots of one GPU allocating different amounts are two series with those amounts."""
+from __future__ import annotations
+
+import pytest
+
+from realnode_helpers import RealNode
+from test_claim_metrics import two_pods_on_mps_slots_are_two_series
+from test_helm_realnode import Installation, installed  # noqa: F401 - the chart installed on the real node
+
+pytestmark = pytest.mark.e2e
+
+
+def test_the_chart_plugin_shows_two_pods_on_mps_slots_as_two_series(installed: Installation) -> None:  # noqa: F811
+    plugin = installed.plugin
+    installed.component_pod("kubelet-plugin", timeout=180)
+    installed.component_pod("webhook", timeout=120, ready=True)   # it admits the claim templates
+    real: RealNode = installed.real
+    real.wait_for_slices(plugin, timeout=120)
+    two_pods_on_mps_slots_are_two_series(real, plugin, "claim-metrics-chart")
