@@ -35,6 +35,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from dra.model.devices import KIND_MIG, KIND_SHARED, Device
 from dra.node.checkpoint import ClaimRecord
 from dra.node.containers import container_of
+from kube.client import ApiError, ApiUnavailable
 from kube.podresources import ContainerDevice, PodResourcesError
 
 log = structlog.get_logger("claim-metrics")
@@ -238,7 +239,7 @@ class ClaimMetricsCollector(Collector):
             return None
         try:
             found = self._pods(cg.container_id)
-        except Exception as err:  # noqa: BLE001 - ApiError/ApiUnavailable: the scrape goes on
+        except (ApiError, ApiUnavailable) as err:   # the scrape goes on without this process's container
             self.errors["apiserver"] += 1
             log.warning("per-claim GPU metrics: cannot list this node's pods", error=str(err))
             return None

@@ -18,6 +18,7 @@ from api.generated.podresources.v1 import api_pb2_grpc as pb_grpc
 from dra.model.devices import Device
 from dra.node.checkpoint import ClaimRecord, MpsUse, PreparedDevice, UndoInfo
 from dra.node.containers import ContainerCgroup, parse_cgroup
+from kube.client import ApiUnavailable
 from kube.nodepods import NodePods, PodContainer, containers_by_id
 from kube.podresources import ContainerDevice, PodResourcesClient, PodResourcesError, container_devices
 from kubeletplugin.claimmetrics import ClaimMetricsCollector, claim_devices
@@ -336,6 +337,19 @@ def test_sources_that_fail_are_counted(scene: dict[str, Any]) -> None:
     got = _series(scene["registry"])
     assert got[("gpu_dra_claim_metrics_errors_total", (("source", "podresources"),))] == 1
     assert not [k for k in got if k[0] == "gpu_dra_claim_gpu_processes"]
+
+
+def test_an_api_server_that_does_not_answer_leaves_processes_unattributed(scene: dict[str, Any]) -> None:
+    class Down(dict):
+        def get(self, cid: str, default: Any = None) -> Any:
+            raise ApiUnavailable("GET /api/v1/pods: connection refused")
+
+    scene["pods"] = Down()
+    got = _series(scene["registry"])
+    assert got[("gpu_dra_claim_metrics_errors_total", (("source", "apiserver"),))] == 5   # one per container process
+    # Every process on the GPU and its MIG device, the host's MPS server included.
+    assert got[("gpu_dra_gpu_unattributed_processes", (("gpu_uuid", GPU),))] == 6
+    assert got[("gpu_dra_claim_gpu_processes", _labels("team-a", "train", "gpu-a", "gpu-1-slot-0"))] == 0
 
 
 def test_sharing_label_of_whole_devices_follows_the_claims_config(scene: dict[str, Any]) -> None:
