@@ -200,13 +200,15 @@ class ClaimMetricsCollector(Collector):
     def _processes(self, uuid: str) -> dict[int, tuple[int, int, int]]:
         """pid → (memory bytes, SM %, memory %) on one NVML device; {} when NVML cannot say (counted)."""
         nvml = self.nvml
+        infos: list[Any] = []
         try:
             handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
-            infos = list(nvml.nvmlDeviceGetComputeRunningProcesses(handle))
+            infos += nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            # MPS clients: a driver without the query (or without MPS here) simply has none to report.
             try:
-                infos += list(nvml.nvmlDeviceGetMPSComputeRunningProcesses(handle))
+                infos += nvml.nvmlDeviceGetMPSComputeRunningProcesses(handle)
             except nvml.NVMLError as err:
-                if err.value != nvml.NVML_ERROR_NOT_SUPPORTED:
+                if err.value not in (nvml.NVML_ERROR_NOT_SUPPORTED, nvml.NVML_ERROR_FUNCTION_NOT_FOUND):
                     raise
         except nvml.NVMLError as err:
             self.errors["nvml"] += 1

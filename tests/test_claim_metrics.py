@@ -174,8 +174,9 @@ class _Nvml:
 
     NVMLError = pynvml.NVMLError
     NVML_ERROR_NOT_SUPPORTED = pynvml.NVML_ERROR_NOT_SUPPORTED
+    NVML_ERROR_FUNCTION_NOT_FOUND = pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
 
-    def __init__(self, compute: dict[str, list[tuple[int, int | None]]], mps: dict[str, list[tuple[int, int]]],
+    def __init__(self, compute: dict[str, list[tuple[int, int | None]]], mps: dict[str, list[tuple[int, int]]] | None,
                  samples: dict[str, list[tuple[int, int, int, int]]]) -> None:
         self.compute, self.mps, self.samples = compute, mps, samples
         self.broken: set[str] = set()
@@ -199,6 +200,8 @@ class _Nvml:
         return self._infos(self.compute.get(handle, []))
 
     def nvmlDeviceGetMPSComputeRunningProcesses(self, handle: str) -> list[Any]:  # noqa: N802
+        if self.mps is None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)   # a driver without the query
         return self._infos(self.mps.get(handle, []))
 
     def nvmlDeviceGetProcessUtilization(self, handle: str, since: int) -> list[Any]:  # noqa: N802
@@ -350,6 +353,15 @@ def test_an_api_server_that_does_not_answer_leaves_processes_unattributed(scene:
     # Every process on the GPU and its MIG device, the host's MPS server included.
     assert got[("gpu_dra_gpu_unattributed_processes", (("gpu_uuid", GPU),))] == 6
     assert got[("gpu_dra_claim_gpu_processes", _labels("team-a", "train", "gpu-a", "gpu-1-slot-0"))] == 0
+
+
+def test_a_driver_without_the_mps_query_still_reports_compute_processes(scene: dict[str, Any]) -> None:
+    scene["nvml"].mps = None
+    got = _series(scene["registry"])
+    assert got[("gpu_dra_claim_metrics_errors_total", (("source", "nvml"),))] == 0
+    assert got[("gpu_dra_gpu_unattributed_processes", (("gpu_uuid", GPU),))] == 2    # 300 and 400, as before
+    assert got[("gpu_dra_claim_gpu_processes", _labels("team-c", "mig", "gpu-c", "gpu-1-mig-1g-10gb-19-0",
+                                                       sharing="none", mig_profile="1g.10gb"))] == 1
 
 
 def test_sharing_label_of_whole_devices_follows_the_claims_config(scene: dict[str, Any]) -> None:
