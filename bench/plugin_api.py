@@ -46,7 +46,7 @@ from api.generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from bench import kubeletpattern
 from bench.core import Figure
 from bench.params import Params
-from cli.localcluster import LocalCluster, free_port
+from testbed.localcluster import LocalCluster, free_port
 from dra.node.atomicfile import remove_file, write_atomic
 from kube.client import RESOURCE_V1, KubeApi
 from kubeletplugin.sockets import socket_paths

@@ -37,7 +37,7 @@ import yaml
 
 from bench.core import Figure
 from bench.params import Params
-from cli.localcluster import LocalCluster
+from testbed.localcluster import LocalCluster
 from cli.publish_cmd import iter_fleet_pools, register_missing_nodes
 from dra.model.slices import ApiFeatures
 from dra.sim.fleet import Fleet, load_fleet

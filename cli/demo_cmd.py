@@ -2,12 +2,12 @@
 allocated by the real scheduler, and the pods on one node actually running.
 
 Steps: start LocalCluster (etcd, kube-apiserver, kube-scheduler, kube-controller-manager) → start a real node
-for the fleet's first node (`cli.demo_node`: kubelet, containerd, runc; when it cannot start, one line says why
+for the fleet's first node (`testbed.demo_node`: kubelet, containerd, runc; when it cannot start, one line says why
 and the demo only schedules) → register the fleet's other nodes (no kubelet) → publish their ResourceSlices
 with the in-process slice controller, then once more with a second controller instance as a restart would (it
 must write nothing) → run `gpu-dra kubelet-plugin` for the real node (it registers with the kubelet, then
 publishes that node's slices) → create the DeviceClasses → apply every examples/*/claim.yaml in one namespace,
-pods made runnable on the real node (`cli.podprobe`: busybox printing what the container sees) → wait until
+pods made runnable on the real node (`testbed.podprobe`: busybox printing what the container sees) → wait until
 every claim is allocated and every pod bound, then until the real node's pods run → print the slices, the
 allocations with each pod's phase and what its container saw, the write counts and the CDI spec of one claim
 (the kubelet had it prepared; without a real node the demo prepares it over the plugin's DRA socket).
@@ -64,12 +64,12 @@ class DemoResult:
     first_writes: dict[str, int] = field(default_factory=dict)
     restart_writes: dict[str, int] = field(default_factory=dict)
     device_classes: list[str] = field(default_factory=list)
-    claims: list[Any] = field(default_factory=list)        # cli.demo_examples.PodClaim
+    claims: list[Any] = field(default_factory=list)        # testbed.demo_examples.PodClaim
     pending: list[str] = field(default_factory=list)       # one line per unallocated claim, with the reason
-    prepared: Any = None                                   # cli.demo_cdi.PreparedClaim or demo_node.NodeCdiSpec
+    prepared: Any = None                                   # testbed.demo_cdi.PreparedClaim or demo_node.NodeCdiSpec
     describe_node: str | None = None
     prepare_error: str | None = None
-    pods: dict[str, Any] = field(default_factory=dict)     # pod -> cli.demo_node.PodRun
+    pods: dict[str, Any] = field(default_factory=dict)     # pod -> testbed.demo_node.PodRun
     not_running: list[str] = field(default_factory=list)   # one line per real-node pod that did not run
 
 
@@ -92,7 +92,7 @@ class DemoContext:
     namespace: str
     out: Callable[[str], None]
     slices: list[dict[str, Any]] = field(default_factory=list)
-    real: Any = None                                       # cli.demo_node.RealNode, or None: scheduling only
+    real: Any = None                                       # testbed.demo_node.RealNode, or None: scheduling only
 
 
 def _step(out: Callable[[str], None], text: str) -> None:
@@ -106,8 +106,8 @@ def _section(out: Callable[[str], None], title: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
-    from cli.demo_examples import ExampleError, load_examples
-    from cli.localcluster import ClusterError, LocalCluster
+    from testbed.demo_examples import ExampleError, load_examples
+    from testbed.localcluster import ClusterError, LocalCluster
     from cli.publish_cmd import desired_fleet_pools
     from dra.sim.fleet import FleetError, load_fleet
     from dra.model.slices import ApiFeatures
@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
 
 def start_real_node(cluster: Any, name: str, out: Callable[[str], None]) -> Any:
     """The real node for fleet node `name`, or None after one line saying why there is none."""
-    from cli.demo_node import RealNode, RealNodeUnavailable
+    from testbed.demo_node import RealNode, RealNodeUnavailable
     from cli.publish_cmd import SIMULATED_LABEL
 
     _step(out, f"starting a real node for {name}: kubelet, containerd and runc (built on first use: minutes)")
@@ -209,10 +209,10 @@ def run_demo(ctx: DemoContext, fleet: Any, examples: list[Any], *, timeout: floa
              describe_node: str | None = None, prepared_claim_hook: PreparedClaimHook | None = None) -> DemoResult:
     """Everything after the control plane is up. Raises DemoError when a step fails."""
     from api.deviceclasses import device_classes
-    from cli.demo_examples import apply_objects, create_namespace, describe_pending, wait_for_allocation
-    from cli.demo_node import wait_for_pods
-    from cli.localnode import cuda_probe_image
-    from cli.podprobe import for_local_node
+    from testbed.demo_examples import apply_objects, create_namespace, describe_pending, wait_for_allocation
+    from testbed.demo_node import wait_for_pods
+    from testbed.localnode import cuda_probe_image
+    from testbed.podprobe import for_local_node
     from cli.publish_cmd import SIMULATED_LABEL, desired_fleet_pools
     from controller.cluster import ClusterController
     from kube.client import SLICES, ApiError, ApiUnavailable, KubeApi
@@ -299,7 +299,7 @@ def run_demo(ctx: DemoContext, fleet: Any, examples: list[Any], *, timeout: floa
 def _start_real_node_plugin(ctx: DemoContext, kube: Any) -> None:
     """`gpu-dra kubelet-plugin` for the real node; returns once the kubelet registered it and its slices are
     published (a complete pool)."""
-    from cli.demo_node import PLUGIN_TIMEOUT, NodePluginError
+    from testbed.demo_node import PLUGIN_TIMEOUT, NodePluginError
     from kube.client import SLICES
 
     real = ctx.real
@@ -324,8 +324,8 @@ def _start_real_node_plugin(ctx: DemoContext, kube: Any) -> None:
 
 
 def _pod_run(kube: Any, namespace: str, name: str) -> Any:
-    from cli.demo_examples import collection
-    from cli.demo_node import PodRun
+    from testbed.demo_examples import collection
+    from testbed.demo_node import PodRun
 
     pod = kube.get(f"{collection('Pod', namespace)}/{name}")
     return PodRun(pod.get("status", {}).get("phase", "Unknown"), pod["spec"].get("nodeName"))
@@ -347,7 +347,7 @@ def _not_running(kube: Any, namespace: str, node: str, runs: dict[str, Any]) -> 
 def _describe_slices(ctx: DemoContext, node: str) -> None:
     """`kubectl get resourceslices`, then `kubectl describe` of the node's first slice with devices, cut
     to its first few devices."""
-    from cli.demo_report import trim_describe
+    from testbed.demo_report import trim_describe
 
     out = ctx.out
     _section(out, "kubectl get resourceslices")
@@ -363,7 +363,7 @@ def _describe_slices(ctx: DemoContext, node: str) -> None:
 
 
 def report(ctx: DemoContext, result: DemoResult) -> None:
-    from cli.demo_report import allocation_rows, container_lines, format_table, format_writes
+    from testbed.demo_report import allocation_rows, container_lines, format_table, format_writes
 
     out = ctx.out
     if result.describe_node:
@@ -426,9 +426,9 @@ def _readable_spec(text: str) -> str:
 def spec_from_real_node(ctx: DemoContext, claims: list[Any]) -> Any:
     """The CDI spec that the real node's plugin wrote when the kubelet prepared one of the node's claims (a MIG
     partition if there is one: it is created at prepare), or None."""
-    from cli.demo_cdi import pick_claim
-    from cli.demo_node import prepared_cdi_spec
-    from cli.demo_report import device_index
+    from testbed.demo_cdi import pick_claim
+    from testbed.demo_node import prepared_cdi_spec
+    from testbed.demo_report import device_index
 
     claim = pick_claim([c for c in claims if c.node == ctx.real.name], device_index(ctx.slices), ctx.driver)
     return prepared_cdi_spec(ctx.real, claim) if claim is not None else None
@@ -440,8 +440,8 @@ def prepare_one_claim(ctx: DemoContext, claims: list[Any]) -> Any:
 
     The node's slices stay those of the fleet-wide publisher: with no kubelet to confirm its registration,
     the plugin publishes nothing."""
-    from cli.demo_cdi import NodePlugin, NodePluginError, node_plugin_available, pick_claim
-    from cli.demo_report import device_index
+    from testbed.demo_cdi import NodePlugin, NodePluginError, node_plugin_available, pick_claim
+    from testbed.demo_report import device_index
 
     if not node_plugin_available():
         return None

@@ -144,7 +144,7 @@ def missing_nodes(api: Any, names: list[str]) -> list[str]:
 
 def register_missing_nodes(api: Any, names: list[str]) -> list[str]:
     """Creates simulated Node objects for the names that have none; returns the names created."""
-    from cli.localcluster import simulated_node
+    from testbed.localcluster import simulated_node
     from kube.client import NODES, ApiError, KubeApi
 
     kube = KubeApi(api)

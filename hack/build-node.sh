@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds what a real local node runs (cli/localnode.py) into a cache outside the repository, keyed by
+# Builds what a real local node runs (testbed/localnode.py) into a cache outside the repository, keyed by
 # version, and reuses it:
 #   kubelet                                   from the control plane's prepared go.mod (k8s/<K8S_VERSION>/bin)
 #   containerd, ctr, containerd-shim-runc-v2  from github.com/containerd/containerd/v2 (containerd/<version>/bin)
@@ -68,7 +68,7 @@ if have_all; then
   log "reusing $NODE"
   echo "$NODE/bin"; exit 0
 fi
-# Callers that only look for a finished cache (cli/localnode.py's find_node_binaries(build=False)).
+# Callers that only look for a finished cache (testbed/localnode.py's find_node_binaries(build=False)).
 [ -z "${GPU_DRA_NODE_NO_BUILD:-}" ] || die "no complete node build in $NODE; run hack/build-node.sh"
 
 command -v go >/dev/null 2>&1 || die "Go is not installed (need Go >= 1.26 on PATH); install it from your distribution or go.dev"

@@ -17,7 +17,7 @@ _driver_numbers = itertools.count(1)
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Any]:
-    from cli.localcluster import ClusterError, LocalCluster
+    from testbed.localcluster import ClusterError, LocalCluster
 
     c = LocalCluster()
     try:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.podprobe import ContainerView, SeenDevice, parse_probe, probe_script
+from testbed.podprobe import ContainerView, SeenDevice, parse_probe, probe_script
 from dra.node import migdevices
 from dra.node.cdi import common_edits
 from dra.node.driverroot import DeviceNodeInfo, DriverRoot, DriverRootError
@@ -296,7 +296,7 @@ def test_layout_errors_name_the_problem(standin: Path, tmp_path: Path) -> None:
 # ---- the pod probe script with cuda-probe -------------------------------------------------------
 
 def test_pod_probe_reports_what_cuda_probe_saw(standin: Path, tmp_path: Path) -> None:
-    """cli.podprobe's script runs cuda-probe between its markers; parse_probe reads its devices back."""
+    """testbed.podprobe's script runs cuda-probe between its markers; parse_probe reads its devices back."""
     (tmp_path / "sleep").write_text("#!/bin/sh\n")
     (tmp_path / "sleep").chmod(0o755)
     env = {"PATH": f"{standin / 'bin'}:{tmp_path}:/usr/bin:/bin", "LD_LIBRARY_PATH": str(standin / "lib"),

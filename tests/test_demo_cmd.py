@@ -13,12 +13,12 @@ import yaml
 
 from api.names import CONFIG_API_VERSION, DEFAULT_DRIVER_NAME
 from cli import demo_cmd
-from cli.demo_cdi import pick_claim
-from cli.demo_examples import (ExampleError, PodClaim, allocation_state, describe_pending, load_example, load_examples,
+from testbed.demo_cdi import pick_claim
+from testbed.demo_examples import (ExampleError, PodClaim, allocation_state, describe_pending, load_example, load_examples,
                                retarget_driver, scheduler_reason)
-from cli.demo_node import PodRun
-from cli.demo_report import allocation_rows, container_lines, device_index, format_table, format_writes, trim_describe
-from cli.podprobe import BEGIN, END, ContainerView, for_local_node, parse_probe, probe_marker, probe_script
+from testbed.demo_node import PodRun
+from testbed.demo_report import allocation_rows, container_lines, device_index, format_table, format_writes, trim_describe
+from testbed.podprobe import BEGIN, END, ContainerView, for_local_node, parse_probe, probe_marker, probe_script
 from cli.main import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
@@ -372,7 +372,7 @@ def _args(tmp_path: Path, **over: Any) -> argparse.Namespace:
 
 @pytest.fixture
 def no_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cli import localcluster
+    from testbed import localcluster
 
     def refuse(self: Any) -> None:
         raise AssertionError("bad input must be reported before the control plane starts")

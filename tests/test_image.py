@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from cli.localcluster import free_port
+from testbed.localcluster import free_port
 from tlscerts import make_serving_cert
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.localcluster import (BIN_ENV, CACHE_ENV, COMPONENTS, VERSIONS_FILE, ClusterError, find_binaries, k8s_bin_dir,
+from testbed.localcluster import (BIN_ENV, CACHE_ENV, COMPONENTS, VERSIONS_FILE, ClusterError, find_binaries, k8s_bin_dir,
                               pinned_version)
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-import cli.localnode as localnode
-from cli.localnode import KUBELET_PORT_ATTEMPTS, LocalNode, NodeError, port_taken
+import testbed.localnode as localnode
+from testbed.localnode import KUBELET_PORT_ATTEMPTS, LocalNode, NodeError, port_taken
 
 FAKE_KUBELET = f"""#!{sys.executable}
 import http.server, socket, sys, threading, time, yaml

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Builds the cuda-probe test image as an OCI archive: Debian 12's glibc (libc6, its libgcc-s1, and libc-bin
 for ldconfig, which the CDI hook's update-ldcache runs in the container), Debian's static busybox with a
-link per applet (the pod probe script of cli/podprobe.py is a shell script) and the dynamically linked
+link per applet (the pod probe script of testbed/podprobe.py is a shell script) and the dynamically linked
 cuda-probe in /usr/local/bin. No driver library is in the image: a container gets them from its CDI spec.
 
     build-probe-image.py --probe BIN --busybox BIN --name REF --out ARCHIVE [--cache DIR]

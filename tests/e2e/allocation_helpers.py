@@ -12,8 +12,8 @@ from typing import Any
 import yaml
 
 from api.deviceclasses import device_classes
-from cli.demo_examples import collection, create_namespace, delete_namespace
-from cli.demo_report import device_index
+from testbed.demo_examples import collection, create_namespace, delete_namespace
+from testbed.demo_report import device_index
 from cli.publish_cmd import SIMULATED_LABEL, desired_fleet_pools
 from controller.cluster import ClusterController
 from kube.client import KubeApi

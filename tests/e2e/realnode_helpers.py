@@ -1,7 +1,7 @@
 """The real-node tier: one local control plane, one real node (kubelet, containerd, runc) and
 ``gpu-dra kubelet-plugin`` for it with simulated GPUs, shared by the tests of a module.
 
-Pods come from the examples (or are written like them) and run through `cli.podprobe.for_local_node`: the
+Pods come from the examples (or are written like them) and run through `testbed.podprobe.for_local_node`: the
 cuda-probe image prints the NVIDIA device nodes, environment and mounts its container got and the devices
 libcuda.so.1 and libnvidia-ml.so.1 show it, then sleeps. Each plugin's driver root holds the CUDA stand-in
 laid out as a real driver install (host Debian layout unless a test picks another). The tests assert on that
@@ -23,10 +23,10 @@ import yaml
 import cdivalidate
 from api.deviceclasses import device_classes
 from api.names import DEFAULT_DRIVER_NAME
-from cli.localcluster import ClusterError, LocalCluster
-from cli.localnode import LocalNode, NodeError, cleanup_leftovers, cuda_probe_image, install_driver_root
-from cli.nodeplugin import LocalNodePlugin, NodePluginError
-from cli.podprobe import ContainerView, for_local_node, parse_probe
+from testbed.localcluster import ClusterError, LocalCluster
+from testbed.localnode import LocalNode, NodeError, cleanup_leftovers, cuda_probe_image, install_driver_root
+from testbed.nodeplugin import LocalNodePlugin, NodePluginError
+from testbed.podprobe import ContainerView, for_local_node, parse_probe
 from kube.client import DEVICE_CLASSES, ApiError, KubeApi
 from standin.workloads import collection, complete_pool, create, get, node_slices, slice_devices, wait_until
 

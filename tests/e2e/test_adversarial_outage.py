@@ -12,7 +12,7 @@ import time
 import structlog
 
 from bench.plugin_api import DRIVER, GPUS, NAMESPACE, NODE, allocated_claims
-from cli.localcluster import LocalCluster
+from testbed.localcluster import LocalCluster
 from dra.node.cdi import CdiSpecWriter
 from dra.node.checkpoint import CheckpointStore
 from dra.node.sharing import MpsDaemons, TimeSlicing

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.nodeplugin import find_cdi_hook
+from testbed.nodeplugin import find_cdi_hook
 from dra.node.cdi import ClaimDevice, build_claim_spec
 from dra.node.driverroot import DriverRoot
 

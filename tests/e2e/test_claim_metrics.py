@@ -16,9 +16,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.names import DEFAULT_DRIVER_NAME
-from cli.localnode import cuda_probe_image
-from cli.nodeplugin import LocalNodePlugin
-from cli.podprobe import for_local_node
+from testbed.localnode import cuda_probe_image
+from testbed.nodeplugin import LocalNodePlugin
+from testbed.podprobe import for_local_node
 from realnode_helpers import RealNode
 from standin.workloads import create, wait_until
 

@@ -14,7 +14,7 @@ import pytest
 
 import gpu_fixtures as g
 from api.deviceclasses import device_classes
-from cli.localcluster import free_port
+from testbed.localcluster import free_port
 from controller.cluster import DRIVER_LABEL, ClusterController
 from kube.client import DEVICE_CLASSES, SLICES, ApiError, KubeApi
 from kube.resourceslices import DesiredPool, Owner, ResourceSliceController

@@ -19,9 +19,9 @@ import pytest
 import yaml
 
 from api.names import DEFAULT_DRIVER_NAME
-from cli.localnode import cuda_probe_image
+from testbed.localnode import cuda_probe_image
 from cli.main import main
-from cli.podprobe import for_local_node
+from testbed.podprobe import for_local_node
 from realnode_helpers import EXAMPLES, RealNode
 from test_realnode_examples import check_pod
 

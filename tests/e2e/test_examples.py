@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from allocation_helpers import EXAMPLES, FLEETS, PublishedFleet, attr, renamed_fleet, temporary_namespace
-from cli.demo_cdi import node_plugin_available
+from testbed.demo_cdi import node_plugin_available
 from cli.demo_cmd import DemoContext, prepare_one_claim, report, run_demo
-from cli.demo_examples import (PodClaim, apply_objects, delete_namespace, load_example, load_examples,
+from testbed.demo_examples import (PodClaim, apply_objects, delete_namespace, load_example, load_examples,
                                wait_for_allocation)
 from kube.client import KubeApi
 from api.quantity import quantity_value
@@ -214,7 +214,7 @@ def test_demo_steps_allocate_prepare_and_report_unallocatable_claims(cluster: An
 def test_gpu_dra_demo_command_end_to_end(tmp_path: Path) -> None:
     """What `make demo` runs, with its own control plane and a real node for node-a: exit 0, every section of
     the output, the pods on node-a Running with what their containers saw, the machine left as found."""
-    from cli.localnode import records_dir
+    from testbed.localnode import records_dir
 
     proc = subprocess.run([sys.executable, "-m", "cli.main", "demo"], capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).resolve().parents[2])

@@ -33,9 +33,9 @@ from kubernetes import client as kclient
 from kubernetes import config as kconfig
 
 from api.names import DEFAULT_DRIVER_NAME
-from cli.localcluster import free_port
-from cli.localnode import cgroup_dirs, install_driver_root
-from cli.nodeplugin import LocalNodePlugin, NodePluginError
+from testbed.localcluster import free_port
+from testbed.localnode import cgroup_dirs, install_driver_root
+from testbed.nodeplugin import LocalNodePlugin, NodePluginError
 from helmchart import CHART, helm
 from kube.client import DEVICE_CLASSES, SLICES, ApiError, KubeApi
 from kubeletplugin.sockets import socket_paths

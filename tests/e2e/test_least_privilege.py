@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from api.deviceclasses import device_classes
-from cli.demo_examples import create_namespace
-from cli.localcluster import ClusterError, LocalCluster, find_binaries, pinned_version
+from testbed.demo_examples import create_namespace
+from testbed.localcluster import ClusterError, LocalCluster, find_binaries, pinned_version
 from controller.cluster import DRIVER_LABEL, MANAGED_BY, MANAGED_BY_LABEL, ClusterController
 from helmchart import render
 from kube.client import DEVICE_CLASSES, NODES, RESOURCE_V1, SLICES, ApiError, KubeApi

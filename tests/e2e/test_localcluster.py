@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from kubernetes import client as kclient
 
-from cli.localcluster import BIN_ENV, COMPONENTS, ClusterError, LocalCluster, find_binaries, pinned_version
+from testbed.localcluster import BIN_ENV, COMPONENTS, ClusterError, LocalCluster, find_binaries, pinned_version
 
 pytestmark = pytest.mark.e2e
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from cli.localcluster import ClusterError, LocalCluster
-from cli.localnode import (HOST_PATHS, NODE_BINARIES, SYSCTLS, LocalNode, NodeError, cgroup_dirs, cgroup_pids,
+from testbed.localcluster import ClusterError, LocalCluster
+from testbed.localnode import (HOST_PATHS, NODE_BINARIES, SYSCTLS, LocalNode, NodeError, cgroup_dirs, cgroup_pids,
                            cleanup_leftovers, find_node_binaries, mounts_under, processes_mentioning, read_sysctl,
                            records_dir)
 
@@ -204,8 +204,8 @@ def test_stop_leaves_the_machine_as_found(node_cluster: LocalCluster, tmp_path: 
 _ABANDON = r"""
 import json, sys, time
 from pathlib import Path
-from cli.localcluster import LocalCluster
-from cli.localnode import LocalNode
+from testbed.localcluster import LocalCluster
+from testbed.localnode import LocalNode
 
 spec = json.loads(sys.argv[1])
 # The parent's running control plane, reached through its work dir, token and port.

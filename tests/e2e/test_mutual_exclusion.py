@@ -13,7 +13,7 @@ import pytest
 
 from allocation_helpers import (PublishedFleet, allocated_devices, claim_with_pod, temporary_namespace,
                                 wait_allocated, wait_unschedulable)
-from cli.demo_examples import apply_objects
+from testbed.demo_examples import apply_objects
 from kube.client import KubeApi
 
 pytestmark = pytest.mark.e2e

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from cli.localcluster import ClusterError, LocalCluster, find_binaries, pinned_version
+from testbed.localcluster import ClusterError, LocalCluster, find_binaries, pinned_version
 from cli.publish_cmd import iter_fleet_pools, register_missing_nodes
 from dra.model.slices import ApiFeatures
 from dra.sim.fleet import load_fleet

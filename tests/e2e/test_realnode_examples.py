@@ -1,5 +1,5 @@
 """Every example runs as a pod on a real node (kubelet v1.37, containerd 2, runc) and its container sees what its
-claim should give: the asserts are on what the container itself printed (`cli.podprobe`): its /dev/nvidia*
+claim should give: the asserts are on what the container itself printed (`testbed.podprobe`): its /dev/nvidia*
 character devices with their major:minor, its NVIDIA_* and CUDA_* environment, its NVIDIA-related mounts, and
 the GPUs or MIG devices libcuda.so.1 and libnvidia-ml.so.1 (the CUDA stand-in in the plugin's driver root,
 loaded by soname through the CDI spec's mounts and hooks) show it: exactly its claims', none of another's.
@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 
 from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
-from cli.demo_examples import load_examples
-from cli.nodeplugin import LocalNodePlugin
-from cli.podprobe import ContainerView, probe_marker
+from testbed.demo_examples import load_examples
+from testbed.nodeplugin import LocalNodePlugin
+from testbed.podprobe import ContainerView, probe_marker
 from dra.sim.driverlayout import LAYOUTS, triplet
 from dra.sim.driverroot import SIMULATED_CAPS_MAJOR, SimulatedDriverRoot
 from dra.sim.standin import LISTING_CONTAINER_DIR

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from api.names import DEFAULT_DRIVER_NAME
-from cli.nodeplugin import LocalNodePlugin
+from testbed.nodeplugin import LocalNodePlugin
 from realnode_helpers import RealNode, simulate
 from standin.workloads import for_driver, load_example, wait_until
 

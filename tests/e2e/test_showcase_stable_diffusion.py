@@ -2,7 +2,7 @@
 (server-side dry run), and its Deployment's two replicas run on the real node with the CUDA stand-in in place of
 the model, each on its own MPS slot of one GPU, with the claim's thread percentage and pinned-memory limit.
 
-Made runnable here (cli.podprobe.for_local_node): the cuda-probe image and probe script instead of the app's
+Made runnable here (testbed.podprobe.for_local_node): the cuda-probe image and probe script instead of the app's
 image, the app's SD_STANDIN=cuda-probe switch set, and without the readiness probe (no web server in the probe
 image), the container port (the probe pods use the host's network, where two replicas cannot both have it) and
 the CPU and memory requests (sized for the model, more than this machine may have).
@@ -19,10 +19,10 @@ import pytest
 import yaml
 
 from api.names import DEFAULT_DRIVER_NAME
-from cli.nodeplugin import LocalNodePlugin
+from testbed.nodeplugin import LocalNodePlugin
 from realnode_helpers import EXAMPLES, RealNode
 from test_convert_migration import runnable
-from cli.podprobe import probe_marker
+from testbed.podprobe import probe_marker
 from test_realnode_examples import MPS_PIPE, check_cuda_view, expected_view, parents_of
 
 pytestmark = pytest.mark.e2e

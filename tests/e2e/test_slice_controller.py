@@ -13,7 +13,7 @@ import pytest
 from kubernetes import client as kclient
 from prometheus_client import REGISTRY
 
-from cli.localcluster import free_port
+from testbed.localcluster import free_port
 from kube.backoff import Backoff
 from kube.client import SLICES, KubeApi
 from kube.resourceslices import SPEC_ANNOTATION, DesiredPool, Owner, ResourceSliceController, slice_name

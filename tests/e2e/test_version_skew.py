@@ -21,8 +21,8 @@ import yaml
 from allocation_helpers import claim_with_pod, get_pod, wait_allocated
 from api.deviceclasses import device_classes
 from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
-from cli.demo_examples import create_namespace
-from cli.localcluster import ClusterError, LocalCluster, find_binaries, pinned_version
+from testbed.demo_examples import create_namespace
+from testbed.localcluster import ClusterError, LocalCluster, find_binaries, pinned_version
 from cli.publish_cmd import desired_fleet_pools
 from controller.cluster import ClusterController
 from kube.client import DEVICE_CLASSES, RESOURCE_V1, KubeApi

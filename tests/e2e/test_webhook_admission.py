@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from api.names import CONFIG_API_VERSION, NVIDIA_CONFIG_API_VERSION, NVIDIA_DRIVER_NAME
-from cli.localcluster import free_port
+from testbed.localcluster import free_port
 from helmchart import ROOT, render
 from tlscerts import ServingCert, make_serving_cert
 

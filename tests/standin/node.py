@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from cli.nodeplugin import mps_daemons_under, scrape_metrics
+from testbed.nodeplugin import mps_daemons_under, scrape_metrics
 from kube.client import KubeApi
 from standin.kubelet import KubeletStandin
 from standin.workloads import complete_pool, node_slices, wait_until

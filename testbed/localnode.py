@@ -49,7 +49,7 @@ from typing import Any
 import yaml
 
 from api.k8snames import is_dns_subdomain
-from cli.localcluster import ClusterError, LocalCluster, free_port, pinned_version
+from testbed.localcluster import ClusterError, LocalCluster, free_port, pinned_version
 
 log = logging.getLogger(__name__)
 

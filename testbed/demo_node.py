@@ -1,6 +1,6 @@
-"""The demo's real node: one node of the fleet runs a real kubelet, containerd and runc (`cli.localnode`) and
-`gpu-dra kubelet-plugin` for its simulated GPUs (`cli.nodeplugin`), so the example pods that the scheduler
-puts there actually run; each prints what its container sees (`cli.podprobe`), the devices libcuda and NVML
+"""The demo's real node: one node of the fleet runs a real kubelet, containerd and runc (`testbed.localnode`) and
+`gpu-dra kubelet-plugin` for its simulated GPUs (`testbed.nodeplugin`), so the example pods that the scheduler
+puts there actually run; each prints what its container sees (`testbed.podprobe`), the devices libcuda and NVML
 show it included: the plugin's driver root holds the CUDA stand-in laid out as a host driver install.
 
 When the node cannot start (not root, no cgroups, the node binaries cannot be built) the demo goes on without
@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cli.demo_examples import PodClaim, collection
-from cli.localcluster import ClusterError
-from cli.localnode import LocalNode, NodeError, install_driver_root
-from cli.nodeplugin import LocalNodePlugin, NodePluginError
-from cli.podprobe import ContainerView, parse_probe
+from testbed.demo_examples import PodClaim, collection
+from testbed.localcluster import ClusterError
+from testbed.localnode import LocalNode, NodeError, install_driver_root
+from testbed.nodeplugin import LocalNodePlugin, NodePluginError
+from testbed.podprobe import ContainerView, parse_probe
 
 PLUGIN_TIMEOUT = 60.0
 

@@ -1,4 +1,4 @@
-"""`gpu-dra kubelet-plugin` for a real local node (`cli.localnode.LocalNode`), with the node's GPUs simulated.
+"""`gpu-dra kubelet-plugin` for a real local node (`testbed.localnode.LocalNode`), with the node's GPUs simulated.
 
 The plugin talks to the node's real kubelet: its registration socket goes into the kubelet's plugin registry
 directory, its DRA socket under the kubelet's plugins directory, its CDI specs into the directory containerd
@@ -24,8 +24,8 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from cli.localcluster import free_port
-from cli.localnode import LocalNode, processes_mentioning
+from testbed.localcluster import free_port
+from testbed.localnode import LocalNode, processes_mentioning
 
 _REPO = Path(__file__).resolve().parents[1]
 _CDI_TOOLS_SCRIPT = _REPO / "hack" / "build-cdi-tools.sh"

@@ -1,6 +1,6 @@
 """The node side of the demo: `gpu-dra kubelet-plugin` for a simulated node, asked over its DRA socket to
 prepare one allocated claim, as the kubelet would; the CDI spec it writes is what a container runtime reads.
-The demo uses it when there is no real node (`cli.demo_node`), whose kubelet would do this itself.
+The demo uses it when there is no real node (`testbed.demo_node`), whose kubelet would do this itself.
 
 Each plugin runs as a subprocess with its own temporary directories (registry, plugin socket, CDI root,
 state, an empty driver root). It publishes no ResourceSlices: a plugin publishes only once a kubelet has
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cli.demo_examples import PodClaim
+from testbed.demo_examples import PodClaim
 
 PREPARE_TIMEOUT = 45.0     # the kubelet's per-call timeout
 _LOG_TAIL_LINES = 30

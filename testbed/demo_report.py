@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cli.demo_examples import PodClaim
+from testbed.demo_examples import PodClaim
 
 NONE = "-"
 
@@ -92,8 +92,8 @@ def format_table(rows: Sequence[AllocationRow], columns: Sequence[tuple[str, str
 
 def container_lines(pods: Mapping[str, Any], real_node: str | None) -> list[str]:
     """One line per pod (per container where a pod has several): what its container printed about itself
-    (`cli.podprobe.ContainerView.summary`), or why there is nothing to show. `pods` maps pod names to
-    `cli.demo_node.PodRun`s; `real_node` is the node with a kubelet (None: there is none)."""
+    (`testbed.podprobe.ContainerView.summary`), or why there is nothing to show. `pods` maps pod names to
+    `testbed.demo_node.PodRun`s; `real_node` is the node with a kubelet (None: there is none)."""
     lines = []
     for name, run in pods.items():
         if run.views:

@@ -6,7 +6,7 @@ Used by the end-to-end tests and by the demo. Nodes are plain Node objects regis
 everything a kubelet-less cluster can do. The node-lifecycle controller is disabled so that nodes without
 heartbeats are not tainted.
 
-Three opt-in options bring it closer to a real cluster, for pods that run on a real node (`cli.localnode`):
+Three opt-in options bring it closer to a real cluster, for pods that run on a real node (`testbed.localnode`):
 `service_accounts` turns the ServiceAccount admission plugin on, so pods get projected service-account tokens
 through TokenRequest (the controller-manager's service-account and token controllers run either way);
 `node_authorization` adds the Node authorizer and the NodeRestriction admission plugin, with client
