@@ -124,7 +124,8 @@ def figures(idle_s: float, idle_cpu: float, rss: float, after_idle: Calls, space
     med = statistics.median
     out = [
         Figure("plugin.idle.cpu_ms_per_s", f"plugin CPU while idle, registered and publishing ({idle_s:.0f} s)",
-               idle_cpu * 1000, "ms/s", "utime+stime of /proc/<pid>/stat"),
+               idle_cpu * 1000, "ms/s",
+               f"utime+stime of /proc/<pid>/stat, in 10 ms ticks: steps of {10 / idle_s:.2f} ms/s"),
         Figure("plugin.idle.rss_mib", "plugin resident memory after the idle window", rss, "MiB", "VmRSS"),
         Figure("plugin.idle.prepare_ratio", f"first prepare after {idle_s:.0f} s idle / its floor "
                f"({after_idle.plugin[0] * 1000:.2f} / {after_idle.floor[0] * 1000:.2f} ms, handler "
