@@ -61,6 +61,9 @@ from kubeletplugin.sockets import SocketPaths, socket_paths
 log = structlog.get_logger("kubelet-plugin")
 
 REGISTRATION_WARN_S = 30.0     # first warning that the kubelet has not registered the plugin (then doubling)
+# With no MPS daemon in use the supervisor waits for a kubelet call; it also looks this often, for daemons a rolling
+# update's other plugin process started (read from the shared checkpoint).
+MPS_IDLE_RECHECK_S = 60.0
 
 
 class PluginConfigError(ValueError):
@@ -163,6 +166,7 @@ class KubeletPlugin:
         self.health_board = endpoints.health if endpoints else HealthBoard(resend_interval=options.health_interval)
         self._stop = threading.Event()
         self._wake_publisher = threading.Event()   # the kubelet registered us, or we stop
+        self._claims_changed = threading.Event()   # a kubelet call ended (the MPS supervisor looks again), or we stop
         self._threads: list[threading.Thread] = []
         self._model_lock = threading.Lock()
         self._taints: TaintMap = {}
@@ -380,7 +384,7 @@ class KubeletPlugin:
             time_slicing=TimeSlicing(sharing),
             compat_nvidia=o.compat_nvidia, metrics=self.metrics, max_parallel=o.max_parallel,
             serialize_lock=(state / "serialize.lock") if o.pod_uid else None, mig_listener=self.monitor,
-            on_change=self._update_device_gauges, status=self._claim_status_writer(),
+            on_change=self._after_call, status=self._claim_status_writer(),
             events=self._claim_events(),
         )
         try:
@@ -520,9 +524,23 @@ class KubeletPlugin:
         assert self.monitor is not None
         self.monitor.run(self._stop)
 
+    def _after_call(self) -> None:
+        self._update_device_gauges()
+        self._claims_changed.set()
+
     def _run_mps_supervisor(self) -> None:
+        """Every ``mps_supervise_interval`` while a claim uses an MPS daemon, restart the dead ones; with none in use,
+        wait for a kubelet call (or ``MPS_IDLE_RECHECK_S``) instead of polling."""
         assert self.driver is not None
-        while not self._stop.wait(self.options.mps_supervise_interval):
+        while not self._stop.is_set():
+            self._claims_changed.clear()      # before the look: a call ending after it wakes the wait below
+            if self.driver.actions.mps_devices_in_use():
+                if self._stop.wait(self.options.mps_supervise_interval):
+                    return
+            elif self._claims_changed.wait(MPS_IDLE_RECHECK_S):
+                continue                      # a call changed the claims (or we stop): look again
+            if self._stop.is_set():
+                return
             try:
                 self.driver.supervise_mps()
             except Exception:  # noqa: BLE001 - supervision must outlive one bad round
@@ -538,6 +556,7 @@ class KubeletPlugin:
             self.dra_server.stop()
         self._stop.set()
         self._wake_publisher.set()
+        self._claims_changed.set()
         for t in self._threads:
             t.join(timeout=10)
         self._threads.clear()

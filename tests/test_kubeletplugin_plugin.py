@@ -365,3 +365,26 @@ def test_slices_are_published_when_the_kubelet_registers_the_plugin_and_stop_end
     plugin.stop()
     assert time.monotonic() - began < 5          # the registration wait ended with stop, not a timeout
     assert not _RecordingSlices.started.is_set()
+
+
+def test_mps_supervisor_waits_for_a_call_while_no_daemon_is_in_use(base, monkeypatch):
+    """No MPS daemon in use: the supervisor does not poll; it looks again after a kubelet call, and supervises every
+    interval while a claim uses a daemon."""
+    plugin = make_plugin(base, DictClaimSource())
+    plugin.options.mps_supervise_interval = 0.05
+    plugin.start()
+    try:
+        rounds: list[float] = []
+        monkeypatch.setattr(plugin.driver, "supervise_mps", lambda: rounds.append(time.monotonic()) or [])
+        time.sleep(0.5)
+        assert rounds == []                      # a 0.05 s poll would have run about ten rounds
+        monkeypatch.setattr(plugin.driver.actions, "mps_devices_in_use", lambda except_claim=None: {"d": "gpu"})
+        plugin.driver._changed()                 # what every kubelet call ends with
+        deadline = time.monotonic() + 5
+        while len(rounds) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(rounds) >= 3
+    finally:
+        began = time.monotonic()
+        plugin.stop()
+    assert time.monotonic() - began < 5
