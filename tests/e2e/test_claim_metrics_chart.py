@@ -1,13 +1,13 @@
 """Per-claim GPU metrics from the chart's plugin pod on the real node: the chart's mount of the kubelet's
 pod-resources directory, its hostPID and its RBAC (list pods, with the plugin's own service account) are what
-the plugin works with, in a container of its own cgroup namespace. Same scenario as test_claim_metrics: two pods
+the plugin works with, in a container of its own cgroup namespace. Same scenario as test_claim_metrics_realnode: two pods
 on MPS slots of one GPU allocating different amounts are two series with those amounts."""
 from __future__ import annotations
 
 import pytest
 
 from realnode_helpers import RealNode
-from test_claim_metrics import two_pods_on_mps_slots_are_two_series
+from test_claim_metrics_realnode import two_pods_on_mps_slots_are_two_series
 from test_helm_realnode import Installation, installed  # noqa: F401 - the chart installed on the real node
 
 pytestmark = pytest.mark.e2e
