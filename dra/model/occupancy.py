@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
-from typing import Any
+from typing import Any, Callable
 
 from api.quantity import format_bytes, quantity_value
 from dra.model.catalog import model_for_product_name
@@ -204,12 +204,18 @@ def allocations(claims: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str,
 
 # --------------------------------------------------------------------------------------------------- counters
 
-def _consumption(device: Mapping[str, Any]) -> Counters:
-    out: Counters = {}
+def consumed_counters(device: Mapping[str, Any], amount: Callable[[Any], Any]) -> dict[str, dict[str, Any]]:
+    """counter set -> counter -> what a published device takes of it while allocated (its ``consumesCounters``),
+    each value read by ``amount``. The one reader of a device's counters (``gpu-dra status`` and explain)."""
+    out: dict[str, dict[str, Any]] = {}
     for entry in device.get("consumesCounters") or ():
-        out[entry.get("counterSet", "")] = {k: _quantity((v or {}).get("value")) for k, v in
+        out[entry.get("counterSet", "")] = {k: amount((v or {}).get("value")) for k, v in
                                              (entry.get("counters") or {}).items()}
     return out
+
+
+def _consumption(device: Mapping[str, Any]) -> Counters:
+    return consumed_counters(device, _quantity)
 
 
 def _fits(need: Counters, left: Counters) -> bool:

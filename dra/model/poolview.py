@@ -12,7 +12,7 @@ from fractions import Fraction
 from typing import Any
 
 from api.quantity import quantity_value
-from dra.model.occupancy import current_pools
+from dra.model.occupancy import consumed_counters, current_pools
 
 DeviceKey = tuple[str, str, str]     # (driver, pool, device)
 CounterKey = tuple[str, str, str]    # (driver, pool, counter set) -> counters by name
@@ -47,12 +47,8 @@ class PoolDevice:
         return bool(self.raw.get("allowMultipleAllocations"))
 
     def consumes(self) -> dict[str, dict[str, Fraction]]:
-        """counter set -> counter -> amount this device takes while allocated."""
-        out: dict[str, dict[str, Fraction]] = {}
-        for entry in self.raw.get("consumesCounters") or []:
-            out[entry["counterSet"]] = {n: quantity_value(str(c.get("value", "0")))
-                                        for n, c in (entry.get("counters") or {}).items()}
-        return out
+        """counter set -> counter -> amount this device takes while allocated (exact, for the explainer)."""
+        return consumed_counters(self.raw, lambda v: quantity_value(str(v if v is not None else "0")))
 
 
 @dataclass
