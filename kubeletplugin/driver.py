@@ -16,8 +16,8 @@ One claim, end to end (``Driver._prepare_claim``):
    which GPU or MIG device is used. A failed status write is logged and counted; the prepare still succeeds.
 
 A failure fails that claim only (its error names the problem) and undoes what was done; the claim and its pods
-get a Warning Event ``PrepareFailed`` with that line (``kube.events``: after the answer, deduplicated per claim). Claims of one call
-prepare in parallel; unrelated claims never wait for each other except on a GPU they both touch.
+get a Warning Event ``PrepareFailed`` with that line (``kube.events``: after the answer, deduplicated per
+claim). Claims of one call prepare in parallel; unrelated claims never wait for each other except on a GPU they both touch.
 
 Start-up recovery (crash, restart, lost checkpoint) is ``kubeletplugin.recovery``.
 

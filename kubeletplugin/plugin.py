@@ -257,12 +257,6 @@ class KubeletPlugin:
         return dict(proc_root=o.proc_root, cgroup=o.mps_cgroup, cgroup_root=o.mps_cgroup_root,
                     cgroup_procs=o.mps_cgroup_procs)
 
-    def _cdi_writer(self, driver_root: DriverRoot) -> Any:
-        writer = self._node_objects().cdi_writer(self.options.cdi_root, driver_root,
-                                                 vendor=f"k8s.{self.options.driver_name}")
-        writer.mps_tools = self.policy.mps.control_in_containers
-        return writer
-
     # ----- devices -------------------------------------------------------------------------------------------
     def _rebuild(self) -> None:
         """Device model and published slices from the inventory, policy and current taints."""
@@ -379,7 +373,8 @@ class KubeletPlugin:
             driver_name=o.driver_name, pool_name=self.pool, devices=self.devices_by_name,
             claims=self._claim_source or KubernetesClaimSource(self._api_client),
             checkpoint=CheckpointStore(state / "checkpoint.json", boot_id_path=o.boot_id_path),
-            cdi=self._cdi_writer(driver_root),
+            cdi=self._node_objects().cdi_writer(o.cdi_root, driver_root, vendor=f"k8s.{o.driver_name}",
+                                                mps_tools=self.policy.mps.control_in_containers),
             nvml=self.nvml, mps=MpsDaemons(sharing, state, policy=self.policy.mps, mount_shm=o.mount_mps_shm),
             time_slicing=TimeSlicing(sharing),
             compat_nvidia=o.compat_nvidia, metrics=self.metrics, max_parallel=o.max_parallel,

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from dra.node import tmpfs
+from dra.node.cdi import CdiSpecWriter
 from dra.node.processes import ProcessIdentity, identify, is_alive, send_signal, wait_gone
 from dra.node.sharing import MpsDaemons
 from dra.node.sharingtools import NvidiaSmiSharingControl
@@ -66,7 +67,8 @@ def test_client_containers_get_the_pipe_directory_read_only_and_no_mps_control_p
 
 def test_the_node_policy_can_give_containers_the_mps_control_program(tmp_path: Path) -> None:
     node = Node(tmp_path, {"default": SLOTS, "mps": {"controlInContainers": True}})
-    node.driver.cdi.mps_tools = node.policy.mps.control_in_containers       # as the plugin sets it
+    node.driver.cdi = CdiSpecWriter(node.cdi_dir, node.tree.driver_root(),
+                                    mps_tools=node.policy.mps.control_in_containers)   # as the plugin builds it
     ref = slot_claim(node, "a", 0)
     ok(node.driver, ref)
     programs = {os.path.basename(m["containerPath"]) for m in node.spec_of(ref)["containerEdits"]["mounts"]}

@@ -450,6 +450,7 @@ class CdiSpecWriter:
         cdi_class: str = DEFAULT_CLASS,
         fmt: SpecFormat = "json",
         toolkit: ToolkitSpecs | None = None,
+        mps_tools: bool = False,
     ) -> None:
         if not _VENDOR_RE.fullmatch(vendor):
             raise ValueError(f"CDI vendor {vendor!r}: must start with a letter, end with a letter or digit and "
@@ -465,7 +466,7 @@ class CdiSpecWriter:
         self.cdi_class = cdi_class
         self.fmt: SpecFormat = fmt
         self.toolkit = toolkit
-        self.mps_tools = False          # the node policy's mps.controlInContainers
+        self.mps_tools = mps_tools      # the node policy's mps.controlInContainers
 
     @property
     def kind(self) -> str:

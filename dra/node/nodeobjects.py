@@ -77,8 +77,9 @@ class NodeObjects:
         except (DriverRootError, OSError) as err:
             raise SharingError(str(err)) from None
 
-    def cdi_writer(self, cdi_root: Path | str, driver_root: DriverRoot, *, vendor: str) -> CdiSpecWriter:
+    def cdi_writer(self, cdi_root: Path | str, driver_root: DriverRoot, *, vendor: str,
+                   mps_tools: bool = False) -> CdiSpecWriter:
         """Writes claim specs into ``cdi_root``; devices the NVIDIA Container Toolkit's own specs describe (in
-        /etc/cdi or ``cdi_root``) are named by those too."""
+        /etc/cdi or ``cdi_root``) are named by those too. ``mps_tools``: containers get the MPS programs."""
         toolkit = ToolkitSpecs(dirs=(TOOLKIT_SPEC_DIRS[0], cdi_root), ignore_vendor=vendor)
-        return CdiSpecWriter(cdi_root, driver_root, vendor=vendor, toolkit=toolkit)
+        return CdiSpecWriter(cdi_root, driver_root, vendor=vendor, toolkit=toolkit, mps_tools=mps_tools)

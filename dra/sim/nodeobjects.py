@@ -91,5 +91,7 @@ class SimulatedNodeObjects(NodeObjects):
                                       **options)
         return SimulatedSharingControl(nvml=nvml, mps=mps)
 
-    def cdi_writer(self, cdi_root: Path | str, driver_root: DriverRoot, *, vendor: str) -> CdiSpecWriter:
-        return CdiSpecWriter(cdi_root, driver_root, vendor=vendor)   # no toolkit specs name simulated GPUs
+    def cdi_writer(self, cdi_root: Path | str, driver_root: DriverRoot, *, vendor: str,
+                   mps_tools: bool = False) -> CdiSpecWriter:
+        # No toolkit specs name simulated GPUs.
+        return CdiSpecWriter(cdi_root, driver_root, vendor=vendor, mps_tools=mps_tools)
