@@ -161,7 +161,7 @@ class ClaimActions:
             # Recorded before the daemon starts: a crash right after the start must still find it to stop.
             self.add_undo(uid, mps_devices=[MpsUse(device=device, gpu=gpu)])
             self._crash_point("mps-use-recorded")
-            paths = self.mps.ensure(device, gpu, whole_gpu=device == gpu, step=self._crash_point)
+            paths = self.mps.ensure(device, gpu, step=self._crash_point)
             self._crash_point("mps-started")
             log.info("MPS daemon serves the claim", device=device)
             mounts[device] = MpsMounts(pipe_dir=paths.pipe_dir, shm_dir=paths.shm_dir)

@@ -288,14 +288,14 @@ def test_time_slicing_adopt_after_restart(nvml):
 def test_one_daemon_per_device_started_once_restarted_and_released(tmp_path, nvml):
     tools = SimulatedSharingControl(nvml=nvml)
     mps = MpsDaemons(tools, tmp_path / "state")
-    paths = mps.ensure(H100, H100, whole_gpu=True)
+    paths = mps.ensure(H100, H100)
     assert paths.base.parent == tmp_path / "state" / "mps" and len(paths.base.name) == 12
     assert len((Path(paths.pipe_dir) / "control").as_posix()) < len(str(tmp_path)) + 40   # fits a socket address
     assert Path(paths.pipe_dir).is_dir() and Path(paths.shm_dir).is_dir()
     assert oct(Path(paths.log_dir).stat().st_mode & 0o777) == oct(0o700)     # the daemon's log is private
     assert tools.compute_mode(H100) == "EXCLUSIVE_PROCESS"
     assert tools.daemons[paths.pipe_dir].spec.visible_devices == (H100,)
-    assert mps.ensure(H100, H100, whole_gpu=True) == paths                   # the second claim joins it
+    assert mps.ensure(H100, H100) == paths                   # the second claim joins it
     assert [a for a in tools.actions if a[0] == "start_mps_daemon"] == [("start_mps_daemon", paths.pipe_dir, (H100,))]
     assert mps.records()[H100].compute_mode_set
     first = mps.records()[H100].daemon
@@ -316,7 +316,7 @@ def test_mps_on_a_mig_device_leaves_the_compute_mode_alone(tmp_path, nvml):
     tools = SimulatedSharingControl(nvml=nvml)
     mps = MpsDaemons(tools, tmp_path)
     mig = create_mig_device(nvml, H100_B, P_3G, 0)
-    paths = mps.ensure(mig.uuid, H100_B, whole_gpu=False)
+    paths = mps.ensure(mig.uuid, H100_B)
     assert tools.daemons[paths.pipe_dir].spec.visible_devices == (mig.uuid,)
     assert not mps.records()[mig.uuid].compute_mode_set and tools.compute_mode(H100_B) == "DEFAULT"
 
@@ -330,14 +330,14 @@ def test_a_failed_daemon_start_undoes_everything(tmp_path, nvml):
 
     tools.start_mps_daemon = refuse
     with pytest.raises(SharingError, match="exited with 1"):
-        mps.ensure(H100, H100, whole_gpu=True)
+        mps.ensure(H100, H100)
     assert tools.compute_mode(H100) == "DEFAULT"
     assert mps.records() == {} and not mps.paths(H100).base.exists()
 
 
 def test_a_daemon_survives_a_new_plugin_process_and_is_found_on_disk(tmp_path, nvml):
     tools = SimulatedSharingControl(nvml=nvml)
-    MpsDaemons(tools, tmp_path).ensure(H100_B, H100_B, whole_gpu=True)
+    MpsDaemons(tools, tmp_path).ensure(H100_B, H100_B)
     after = MpsDaemons(tools, tmp_path)           # a new plugin process over the same state directory
     assert list(after.records()) == [H100_B] and after.running(H100_B)
     after.release(H100_B)

@@ -225,7 +225,7 @@ def test_each_daemon_gets_a_size_limited_tmpfs_as_shm(tmp_path: Path) -> None:
     gpu = "GPU-00000000-0000-0000-0000-000000000001"
     paths = mps.paths(gpu)
     try:
-        mps.ensure(gpu, gpu, whole_gpu=False)
+        mps.ensure(gpu, gpu)
         assert tmpfs.is_mountpoint(paths.shm_dir)
         fs = os.statvfs(paths.shm_dir)
         assert fs.f_blocks * fs.f_frsize == 8 << 20

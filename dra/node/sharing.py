@@ -283,30 +283,24 @@ class MpsDaemons:
     def running(self, device: str, gpu: str | None = None) -> bool:
         return self._alive(self._current(device, gpu or device))
 
-    def ensure(self, device: str, gpu: str, whole_gpu: bool,
-               step: Callable[[str], None] = lambda _: None) -> MpsPaths:
-        """The daemon serving ``device``, started if it is not running (``whole_gpu``: switch the GPU to
-        EXCLUSIVE_PROCESS while it runs). On failure what this call changed is undone. ``step`` is called after
-        each change (the driver's crash hook for tests)."""
+    def ensure(self, device: str, gpu: str, step: Callable[[str], None] = lambda _: None) -> MpsPaths:
+        """The daemon serving ``device`` on the physical GPU ``gpu``, started if it is not running (a whole GPU
+        is switched to EXCLUSIVE_PROCESS while it runs: ``MpsDaemonRecord.derived``). On failure what this call
+        changed is undone. ``step`` is called after each change (the driver's crash hook for tests)."""
         paths = self.paths(device)
         with self._lock:
             record = self._current(device, gpu)
             if self._alive(record):
                 self._keep(record)
                 return paths
-            record = replace(record, daemon=None,
-                             compute_mode_set=whole_gpu and not is_mig_uuid(device))
+            record = MpsDaemonRecord.derived(device, gpu)
             try:
                 # Written before the GPU or any process changes: a crash after this line is found and undone.
-                self.root.mkdir(mode=0o711, parents=True, exist_ok=True)
-                paths.base.mkdir(mode=0o711, exist_ok=True)
-                write_atomic(paths.record, record.to_json(), mode=0o600)
-                self._fresh_directories(paths)
+                self._prepare_start(record)
                 if record.compute_mode_set:
                     self.control.set_compute_mode(gpu, "EXCLUSIVE_PROCESS")
                     step("mps-compute-mode-set")
-                record = replace(record, daemon=self.control.start_mps_daemon(self._spec(record)))
-                write_atomic(paths.record, record.to_json(), mode=0o600)
+                record = self._launch(record)
             except (SharingError, OSError) as err:
                 self._teardown(record, strict=False)
                 if isinstance(err, OSError):
@@ -314,6 +308,20 @@ class MpsDaemons:
                 raise
             log.info("started MPS daemon for %s (pid %d)", device, record.daemon.pid)
             return paths
+
+    def _prepare_start(self, record: MpsDaemonRecord) -> None:
+        """The daemon's record on disk (before anything changes) and its directories, fresh."""
+        paths = self.paths(record.device)
+        self.root.mkdir(mode=0o711, parents=True, exist_ok=True)
+        paths.base.mkdir(mode=0o711, exist_ok=True)
+        write_atomic(paths.record, record.to_json(), mode=0o600)
+        self._fresh_directories(paths)
+
+    def _launch(self, record: MpsDaemonRecord) -> MpsDaemonRecord:
+        """Start the daemon of ``record`` and record its process identity."""
+        started = replace(record, daemon=self.control.start_mps_daemon(self._spec(record)))
+        write_atomic(self.paths(record.device).record, started.to_json(), mode=0o600)
+        return started
 
     def _keep(self, record: MpsDaemonRecord) -> None:
         """Write a rebuilt record of a running daemon back (replacing, never following, what is there)."""
@@ -365,12 +373,9 @@ class MpsDaemons:
                             f" (ignoring process(es) {', '.join(map(str, others))} that only look like it)"
                             if others else "")
                 try:
-                    paths.base.mkdir(mode=0o711, parents=True, exist_ok=True)
                     record = MpsDaemonRecord.derived(device, gpu)
-                    write_atomic(paths.record, record.to_json(), mode=0o600)
-                    self._fresh_directories(paths)
-                    record = replace(record, daemon=self.control.start_mps_daemon(self._spec(record)))
-                    write_atomic(paths.record, record.to_json(), mode=0o600)
+                    self._prepare_start(record)
+                    self._launch(record)
                 except (SharingError, OSError) as err:
                     log.error("restarting MPS daemon for %s failed (will retry): %s", device, err)
                     continue
