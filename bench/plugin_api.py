@@ -13,7 +13,8 @@ Floors, what no prepare or unprepare can avoid, done by a bare client with the s
 
 Floor and plugin calls are interleaved round by round, so machine noise hits both alike; figures are medians
 and ratios. Also: 32 callers on independent claims against the serial prepare rate of the plugin itself, and
-the time from the plugin's start to its registration socket answering GetInfo.
+the time from the plugin's start to its registration socket answering GetInfo, beside the same time and the idle
+memory of a bare gRPC server (``bench.floorserver``: grpc and the registration stubs only).
 
 The plugin runs as the chart deploys it: rolling-update mode (--pod-uid: each call under the state directory's
 file lock), registered (the bench tells it so, as the kubelet would, so it publishes its slices) and serving
@@ -67,7 +68,52 @@ def _p(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-class _Plugin:
+class _Server:
+    """A process serving the registration socket, timed from spawn to GetInfo answered: the plugin and its floor
+    (``bench.floorserver``) alike, so the start-up ratio compares the same interpreter, cwd and polling client."""
+
+    def __init__(self, name: str, argv: list[str], registration: Path, log: Path) -> None:
+        self.name, self.argv, self.registration_socket, self.log = name, argv, registration, log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self) -> float:
+        """Start the process; returns the seconds until its registration socket answered GetInfo."""
+        started = time.monotonic()
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        reg = self.registration_socket
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: "
+                                   f"{self.log.read_text()[-2000:]}")
+            if reg.exists():
+                try:
+                    with grpc.insecure_channel(f"unix:{reg}") as ch:
+                        reg_grpc.RegistrationStub(ch).GetInfo(reg_pb.InfoRequest(), timeout=1)
+                    return time.monotonic() - started
+                except grpc.RpcError:
+                    pass
+            if time.monotonic() - started > 120:
+                raise RuntimeError(f"{self.name}: registration socket did not answer in 120 s")
+            time.sleep(0.002)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+class _Plugin(_Server):
     def __init__(self, work: Path, kubeconfig: Path) -> None:
         self.work = work
         fleet = {"nodes": [{"name": NODE, "gpus": [{"model": "L4", "count": GPUS}]}]}
@@ -78,33 +124,13 @@ class _Plugin:
         self.sockets = socket_paths(DRIVER, self.registry, self.plugins, POD_UID)
         for d in (self.registry, self.plugins, self.cdi, self.state):
             d.mkdir(parents=True, exist_ok=True)
-        self.argv = [sys.executable, "-m", "cli.main", "kubelet-plugin", "--node-name", NODE, "--driver-name", DRIVER,
-                     "--kubeconfig", str(kubeconfig), "--registry-dir", str(self.registry), "--plugin-dir",
-                     str(self.plugins), "--cdi-root", str(self.cdi), "--state-dir", str(self.state), "--fleet",
-                     str(work / "fleet.yaml"), "--log-level", "warning", "--log-format", "json",
-                     "--metrics-port", str(self.metrics_port), "--pod-uid", POD_UID, "--sim-state", "none"]
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> float:
-        """Start the process; returns the seconds until its registration socket answered GetInfo."""
-        started = time.monotonic()
-        self.proc = subprocess.Popen(self.argv, cwd=REPO, stdout=open(self.work / "plugin.log", "ab"),
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        reg = self.sockets.registration
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"plugin exited with {self.proc.returncode}: "
-                                   f"{(self.work / 'plugin.log').read_text()[-2000:]}")
-            if reg.exists():
-                try:
-                    with grpc.insecure_channel(f"unix:{reg}") as ch:
-                        reg_grpc.RegistrationStub(ch).GetInfo(reg_pb.InfoRequest(), timeout=1)
-                    return time.monotonic() - started
-                except grpc.RpcError:
-                    pass
-            if time.monotonic() - started > 120:
-                raise RuntimeError("plugin registration socket did not answer in 120 s")
-            time.sleep(0.002)
+        super().__init__(
+            "plugin", [sys.executable, "-m", "cli.main", "kubelet-plugin", "--node-name", NODE, "--driver-name", DRIVER,
+             "--kubeconfig", str(kubeconfig), "--registry-dir", str(self.registry), "--plugin-dir",
+             str(self.plugins), "--cdi-root", str(self.cdi), "--state-dir", str(self.state), "--fleet",
+             str(work / "fleet.yaml"), "--log-level", "warning", "--log-format", "json",
+             "--metrics-port", str(self.metrics_port), "--pod-uid", POD_UID, "--sim-state", "none"],
+            self.sockets.registration, work / "plugin.log")
 
     def registration(self) -> Any:
         return reg_grpc.RegistrationStub(grpc.insecure_channel(f"unix:{self.sockets.registration}"))
@@ -124,18 +150,7 @@ class _Plugin:
 
     def cpu_seconds(self) -> float:
         """User + system CPU the plugin process has used so far."""
-        assert self.proc is not None
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        return kubeletpattern.cpu_seconds(self.pid)
 
 
 def allocated_claims(kube: KubeApi, count: int) -> list[tuple[str, str]]:
@@ -153,6 +168,10 @@ def allocated_claims(kube: KubeApi, count: int) -> list[tuple[str, str]]:
         kube.request("PUT", f"{RESOURCE_V1}/namespaces/{NAMESPACE}/resourceclaims/{name}/status", body=claim)
         out.append((name, claim["metadata"]["uid"]))
     return out
+
+
+def _seconds(values: list[float]) -> str:
+    return ", ".join(f"{v:.3f}" for v in values)
 
 
 def _get_info(stub: Any) -> float:
@@ -206,12 +225,20 @@ def run(params: Params) -> list[Figure]:
     work = Path(tempfile.mkdtemp(prefix="bench-plugin-"))
     cluster = LocalCluster(workdir=work / "cluster")
     plugin: _Plugin | None = None
+    floor_sock = work / "floorserver.sock"
+    floor_server = _Server("bench.floorserver", [sys.executable, "-m", "bench.floorserver", str(floor_sock)],
+                           floor_sock, work / "floorserver.log")
     try:
         cluster.start()
         cluster.add_node(NODE)
         kube = KubeApi(cluster.api_client())
         kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
         claims = allocated_claims(kube, max(GPUS, params.api_parallel))
+        # Start-up floor first, each start beside one of the plugin's; the floor's memory once it has idled.
+        floor_startup = [floor_server.start()]
+        time.sleep(kubeletpattern.FLOOR_SETTLE_S)
+        rss_floor = kubeletpattern.rss_mib(floor_server.pid)
+        floor_server.stop()
         plugin = _Plugin(work, cluster.kubeconfig)
         startup = [plugin.start()]
         plugin.register()
@@ -223,12 +250,11 @@ def run(params: Params) -> list[Figure]:
         registration = plugin.registration()
 
         # The kubelet's pattern first, on a plugin that has been idle since the warm-up above.
-        assert plugin.proc is not None
         pattern = kubeletpattern.Pattern(
-            pid=plugin.proc.pid, metrics_url=f"http://127.0.0.1:{plugin.metrics_port}/metrics",
+            pid=plugin.pid, metrics_url=f"http://127.0.0.1:{plugin.metrics_port}/metrics",
             call=lambda operation, claim: _call(stub, operation, [claim]), noop=lambda: _get_info(registration),
             floor=floor)
-        idle_cpu, idle_rss, after_idle = pattern.idle(params.idle_s, claims[1])
+        idle = pattern.idle(params.idle_s, claims[1])
         spaced = pattern.spaced(params.spaced_rounds, params.spaced_gap_s, claims[2:GPUS])
 
         prep, unprep, f_prep, f_unprep, rpc = [], [], [], [], []
@@ -264,9 +290,13 @@ def run(params: Params) -> list[Figure]:
 
         plugin.stop()
         for _ in range(max(1, params.api_startups - 1)):   # start-up again, on the now warm file cache
+            floor_startup.append(floor_server.start())
+            floor_server.stop()
             startup.append(plugin.start())
             plugin.stop()
+        imports = kubeletpattern.import_rss(REPO)
     finally:
+        floor_server.stop()
         if plugin is not None:
             plugin.stop()
         cluster.stop()
@@ -275,6 +305,7 @@ def run(params: Params) -> list[Figure]:
     med = statistics.median
     p50, fp50, u50, fu50 = med(prep), med(f_prep), med(unprep), med(f_unprep)
     serial, parallel = med(serial_rates), med(parallel_rates)
+    start, floor_start = med(startup), med(floor_startup)
     return [
         Figure("plugin.prepare.p50_ratio", f"prepare p50 / floor p50 ({p50 * 1000:.2f} / {fp50 * 1000:.2f} ms)",
                p50 / fp50, "x", f"{rounds} rounds, whole GPU, one claim per call"),
@@ -291,5 +322,10 @@ def run(params: Params) -> list[Figure]:
         Figure("plugin.serial.cpu_share", "plugin CPU while one caller prepares (32 callers: at most 1/this faster)",
                med(serial_cpu_shares), "CPUs", "one Python process runs on one CPU at a time (the GIL)"),
         Figure("plugin.startup.getinfo_s", "start to GetInfo answered (median of "
-               f"{len(startup)}: {', '.join(f'{s:.2f}' for s in startup)} s)", med(startup), "s"),
-    ] + kubeletpattern.figures(params.idle_s, idle_cpu, idle_rss, after_idle, spaced, params.spaced_gap_s)
+               f"{len(startup)}: {_seconds(startup)} s)", start, "s"),
+        Figure("plugin.startup.floor_s", "bare gRPC server (grpc + registration stubs): start to GetInfo answered "
+               f"(median of {len(floor_startup)}: {_seconds(floor_startup)} s)", floor_start, "s",
+               "python -m bench.floorserver, each start beside one of the plugin's, timed the same way"),
+        Figure("plugin.startup.getinfo_ratio", f"start to GetInfo: plugin / bare gRPC server ({start:.3f} / "
+               f"{floor_start:.3f} s)", start / floor_start, "x"),
+    ] + kubeletpattern.figures(idle, rss_floor, imports, spaced, params.spaced_gap_s)
