@@ -3,13 +3,16 @@
 ``HealthBoard`` keeps the current health of every device this plugin publishes. Watchers get the complete
 list whenever something changes and again every ``resend_interval`` seconds: the kubelet marks devices
 it has not heard about within its timeout (30 s by default) as Unknown, so silence is not an option.
+Watchers are coroutines on the gRPC server's event loop: between changes and resends they sleep, and a
+kubelet that goes away cancels its watch (no polling to notice it).
 """
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Literal, Mapping, Sequence
+from typing import AsyncIterator, Callable, Iterable, Literal, Mapping, Sequence
 
 HealthStatus = Literal["Healthy", "Unhealthy", "Unknown"]
 
@@ -44,27 +47,32 @@ class HealthBoard:
     def __init__(self, resend_interval: float = DEFAULT_RESEND_INTERVAL, timeout_seconds: int = 0):
         self.resend_interval = resend_interval
         self.timeout_seconds = timeout_seconds   # per-device staleness hint; 0 = kubelet default
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._devices: dict[tuple[str, str], DeviceHealth] = {}
         self._version = 0
         self._closed = False
+        self._wakers: set[Callable[[], None]] = set()   # one per watch: wakes it from any thread
+
+    def _wake_locked(self) -> None:
+        for wake in self._wakers:
+            wake()
 
     def replace(self, devices: Iterable[DeviceHealth]) -> None:
         """Set the complete device list (devices not listed are no longer reported)."""
         new = {(d.pool, d.device): d for d in devices}
-        with self._cond:
+        with self._lock:
             if self._same(new):
                 return
             self._devices = new
             self._version += 1
-            self._cond.notify_all()
+            self._wake_locked()
 
     def set_from_taints(self, pool: str, devices: Iterable[str],
                         taints: Mapping[str, Sequence[Mapping[str, object]]]) -> None:
         """Health of every published device of ``pool``: healthy unless ``taints[device]`` says otherwise.
         Status times only change when the status does, so an unchanged board does not wake watchers."""
         now = time.time()
-        with self._cond:
+        with self._lock:
             old = dict(self._devices)
         out = []
         for name in devices:
@@ -80,37 +88,44 @@ class HealthBoard:
         return new == self._devices
 
     def snapshot(self) -> tuple[int, list[DeviceHealth]]:
-        with self._cond:
+        with self._lock:
             return self._version, sorted(self._devices.values(), key=lambda d: (d.pool, d.device))
 
     def close(self) -> None:
         """End every watch (server shutdown)."""
-        with self._cond:
+        with self._lock:
             self._closed = True
-            self._cond.notify_all()
+            self._wake_locked()
 
-    def watch(self, is_active: Callable[[], bool] | None = None) -> Iterator[list[DeviceHealth]]:
-        """Yield the full list now, on every change, and every ``resend_interval`` seconds, until the board
-        is closed or ``is_active()`` turns false (the client went away)."""
-        seen = -1
-        last_sent = 0.0
-        while True:
-            with self._cond:
-                while not self._closed:
-                    if self._version != seen:
-                        break
-                    wait = self.resend_interval - (time.monotonic() - last_sent)
-                    if wait <= 0:
-                        break
-                    # Wake at least once a second to notice a client that went away.
-                    self._cond.wait(min(wait, 1.0))
-                    if is_active is not None and not is_active():
+    async def watch(self) -> AsyncIterator[list[DeviceHealth]]:
+        """Yield the full list now, on every change, and every ``resend_interval`` seconds, until the board is
+        closed (or the watching task is cancelled: the client went away)."""
+        loop = asyncio.get_running_loop()
+        changed = asyncio.Event()
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(changed.set)
+
+        with self._lock:
+            self._wakers.add(wake)
+        try:
+            seen, last_sent = -1, float("-inf")
+            while True:
+                with self._lock:
+                    # Cleared under the lock that replace() wakes under: a change after this read sets it again.
+                    changed.clear()
+                    if self._closed:
                         return
-                if self._closed:
-                    return
-                seen = self._version
-                devices = sorted(self._devices.values(), key=lambda d: (d.pool, d.device))
-            last_sent = time.monotonic()
-            yield devices
-            if is_active is not None and not is_active():
-                return
+                    version = self._version
+                    devices = sorted(self._devices.values(), key=lambda d: (d.pool, d.device))
+                if version != seen or time.monotonic() - last_sent >= self.resend_interval:
+                    seen, last_sent = version, time.monotonic()
+                    yield devices
+                    continue
+                try:
+                    await asyncio.wait_for(changed.wait(), self.resend_interval - (time.monotonic() - last_sent))
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            with self._lock:
+                self._wakers.discard(wake)

@@ -2,6 +2,9 @@
 ``…v1beta1.DRAPlugin`` (one handler; the versions differ only in v1's ``Device.share_id``), plus the
 ``DRAResourceHealth`` stream in ``v1`` and ``v1alpha1``.
 
+Prepare and unprepare are plain functions, run in the server's thread pool (kubeletplugin.unixserver); the
+health streams are coroutines that sleep between changes.
+
 Per-claim failures travel in the response's ``error`` field; a gRPC error is reserved for a call that
 could not be handled at all (the kubelet then retries the whole pod).
 
@@ -16,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import grpc
 
@@ -173,8 +176,8 @@ class DRAPluginV1beta1(v1beta1_grpc.DRAPluginServicer):
 _HEALTH_ENUM = {"Healthy": "HEALTHY", "Unhealthy": "UNHEALTHY", "Unknown": "UNKNOWN"}
 
 
-def _health_stream(board: HealthBoard, pb: ModuleType, context: grpc.ServicerContext):
-    for devices in board.watch(context.is_active):   # an unattached board waits for its first devices
+async def _health_stream(board: HealthBoard, pb: ModuleType) -> AsyncIterator[Any]:
+    async for devices in board.watch():   # ends when the board closes; a client that goes away cancels it
         msg = pb.NodeWatchResourcesResponse()
         for d in devices:
             msg.devices.add(device=pb.DeviceIdentifier(pool_name=d.pool, device_name=d.device),
@@ -189,16 +192,18 @@ class ResourceHealthV1(health_v1_grpc.DRAResourceHealthServicer):
     def __init__(self, board: HealthBoard):
         self._board = board
 
-    def NodeWatchResources(self, request, context):  # type: ignore[override]
-        yield from _health_stream(self._board, health_v1_pb, context)
+    async def NodeWatchResources(self, request, context):  # type: ignore[override]
+        async for msg in _health_stream(self._board, health_v1_pb):
+            yield msg
 
 
 class ResourceHealthV1alpha1(health_v1alpha1_grpc.DRAResourceHealthServicer):
     def __init__(self, board: HealthBoard):
         self._board = board
 
-    def NodeWatchResources(self, request, context):  # type: ignore[override]
-        yield from _health_stream(self._board, health_v1alpha1_pb, context)
+    async def NodeWatchResources(self, request, context):  # type: ignore[override]
+        async for msg in _health_stream(self._board, health_v1alpha1_pb):
+            yield msg
 
 
 class DRAServer:
@@ -211,7 +216,7 @@ class DRAServer:
         self.service = DRAService(driver, metrics, log)
         self.health = health
 
-        def register(server: grpc.Server) -> None:
+        def register(server: grpc.aio.Server) -> None:
             if serve_v1:
                 v1_grpc.add_DRAPluginServicer_to_server(DRAPluginV1(self.service), server)
             if serve_v1beta1:
@@ -220,7 +225,7 @@ class DRAServer:
                 health_v1_grpc.add_DRAResourceHealthServicer_to_server(ResourceHealthV1(health), server)
                 health_v1alpha1_grpc.add_DRAResourceHealthServicer_to_server(ResourceHealthV1alpha1(health), server)
 
-        # Health streams hold a worker each for their lifetime; keep room for prepare/unprepare calls.
+        # Prepare and unprepare calls run in the server's thread pool; health streams on its event loop.
         self._server = UnixGrpcServer(socket_path, register, max_workers=max_workers, name="dra")
 
     def attach(self, driver: NodeDriver, metrics: PluginMetrics | None = None, log: Any = None) -> None:

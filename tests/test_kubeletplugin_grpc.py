@@ -2,6 +2,8 @@
 stubs the way the kubelet calls them."""
 from __future__ import annotations
 
+import asyncio
+
 import os
 import socket
 import stat
@@ -241,16 +243,43 @@ def test_health_board_watch_ends_on_close():
     board.replace([DeviceHealth("p", "gpu-0", "Healthy")])
     seen = []
 
-    def consume():
-        for snap in board.watch():
+    async def consume():
+        async for snap in board.watch():
             seen.append(snap)
 
-    t = threading.Thread(target=consume)
-    t.start()
-    time.sleep(0.1)
-    board.close()
-    t.join(timeout=3)
-    assert not t.is_alive() and len(seen) == 1
+    async def main():
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.1)
+        threading.Thread(target=board.close).start()   # closed from another thread, as the server's stop does
+        await asyncio.wait_for(task, 3)
+
+    asyncio.run(main())
+    assert len(seen) == 1
+
+
+def test_health_watch_sleeps_between_changes_and_resends():
+    """A watch wakes for a change made from another thread and for its resend, not in between: an idle stream
+    costs nothing until the kubelet's resend is due."""
+    board = HealthBoard(resend_interval=0.5)
+    board.replace([DeviceHealth("p", "gpu-0", "Healthy")])
+    times: list[float] = []
+
+    async def main():
+        watch = board.watch()
+        await watch.__anext__()
+        t0 = time.monotonic()
+        threading.Timer(0.1, lambda: board.replace([DeviceHealth("p", "gpu-0", "Unhealthy", "x")])).start()
+        changed = await asyncio.wait_for(watch.__anext__(), 2)
+        times.append(time.monotonic() - t0)
+        assert changed[0].status == "Unhealthy"
+        resent = await asyncio.wait_for(watch.__anext__(), 2)    # nothing changed: the resend
+        times.append(time.monotonic() - t0)
+        assert resent == changed
+        await watch.aclose()
+        assert not board._wakers                                  # a closed watch leaves nothing behind
+
+    asyncio.run(main())
+    assert 0.05 <= times[0] < 0.4 and times[1] >= 0.55
 
 
 def test_names_from_the_kubelet_are_checked_before_use(short_tmp):
