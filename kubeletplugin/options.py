@@ -42,7 +42,7 @@ class PluginOptions:
     health_interval: float = 10.0          # re-send period of the health stream
     boot_id_path: str = DEFAULT_BOOT_ID_PATH
     mps_supervise_interval: float = 5.0
-    health_wait_ms: int = 1000             # NVML event wait per monitor round (bounds shutdown time)
+    health_wait_ms: int = 10_000           # longest NVML event wait; the monitor wakes earlier for due probes
     mps_cgroup_procs: tuple[str, ...] = ()  # cgroup.procs files MPS daemons move into (outside this container)
     mps_cgroup: str = ""                   # cgroup (below mps_cgroup_root) MPS daemons join, made where missing
     mps_cgroup_root: str = "/sys/fs/cgroup"  # where this process sees the host's cgroup hierarchies

@@ -64,6 +64,8 @@ REGISTRATION_WARN_S = 30.0     # first warning that the kubelet has not register
 # With no MPS daemon in use the supervisor waits for a kubelet call; it also looks this often, for daemons a rolling
 # update's other plugin process started (read from the shared checkpoint).
 MPS_IDLE_RECHECK_S = 60.0
+# How long stop waits for the health monitor to leave its NVML event wait before leaving it to the process exit.
+HEALTH_STOP_WAIT_S = 1.0
 
 
 class PluginConfigError(ValueError):
@@ -552,18 +554,22 @@ class KubeletPlugin:
         self._stop.set()
         self._wake_publisher.set()
         self._claims_changed.set()
+        nvml_waiting = False
         for t in self._threads:
-            t.join(timeout=10)
+            # The health monitor may be inside an NVML event wait (up to --health-wait-ms, not interruptible):
+            # stopping does not wait for it, and its event set and NVML stay open for the process exit to free.
+            t.join(timeout=HEALTH_STOP_WAIT_S if t.name == "health-monitor" else 10)
+            nvml_waiting = nvml_waiting or (t.name == "health-monitor" and t.is_alive())
         self._threads.clear()
         # After the threads: the one that starts the publisher has finished by now.
         if self.slices is not None:
             self.slices.stop()
-        if self.monitor is not None:
+        if self.monitor is not None and not nvml_waiting:
             self.monitor.close()
         if self.driver is not None:
             self.driver.close()
         try:
-            if self.nvml is not None and self._nvml is None:
+            if self.nvml is not None and self._nvml is None and not nvml_waiting:
                 self.nvml.nvmlShutdown()
         except Exception:  # noqa: BLE001 - shutting down anyway
             pass

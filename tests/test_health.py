@@ -326,3 +326,31 @@ def test_an_idle_round_builds_no_taint_map_and_later_changes_still_notify(nvml, 
     clock.now += 11
     m.poll_once(1)
     assert keys(changes[-1]["gpu-0-mig-1g10gb-19-0"]) == [(f"{DRIVER}/gpu-lost", None, "NoSchedule")]
+
+
+def test_an_idle_monitor_waits_until_its_next_probe_or_expiry(nvml):
+    """The NVML wait of a round lasts until the next due probe or taint expiry (capped by wait_timeout_ms), so an
+    idle monitor wakes once per probe interval, not on a short beat."""
+    clock = Clock()
+    m = HealthMonitor(nvml, DRIVER, DEVICES, probe_interval_s=10.0, quiet_period_s=60.0, wait_timeout_ms=30_000,
+                      clock=clock)
+    m.start()
+    m.poll_once(1)                            # the first round probes
+    assert m._wait_ms() == 10_000             # next probe in 10 s
+    clock.now += 4
+    assert m._wait_ms() == 6_000
+    clock.now += 6
+    m.poll_once(1)                            # probes again (10 s since the first)
+    assert m._wait_ms() == 10_000
+    rare = HealthMonitor(nvml, DRIVER, DEVICES, probe_interval_s=1000.0, quiet_period_s=60.0, wait_timeout_ms=30_000,
+                         clock=clock)
+    rare.start()
+    rare.poll_once(1)
+    nvml.inject_xid(GPU1, 79)
+    rare.poll_once(1)
+    clock.now += 57                           # the XID taint expires 60 s after it was seen: in 3 s
+    assert rare._wait_ms() == 3_000
+    capped = HealthMonitor(nvml, DRIVER, DEVICES, probe_interval_s=10.0, wait_timeout_ms=500, clock=clock)
+    capped.start()
+    capped.poll_once(1)
+    assert capped._wait_ms() == 500

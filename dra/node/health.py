@@ -24,6 +24,7 @@ healthy devices) whenever it changes, once per monitor round at most.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -83,7 +84,7 @@ class HealthMonitor:
         ignored_xids: Iterable[int] = (),
         quiet_period_s: float | None = 300.0,
         probe_interval_s: float = 10.0,
-        wait_timeout_ms: int = 5000,
+        wait_timeout_ms: int = 10_000,
         recoveries: Callable[[], Iterable[str]] | None = None,
         store: TaintStore | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -358,12 +359,27 @@ class HealthMonitor:
                     expired = True
         return expired
 
+    def _wait_ms(self) -> int:
+        """How long the next NVML wait may last: until the next probe or taint expiry is due, at most
+        ``wait_timeout_ms``. Every end of a wait costs a round, so an idle monitor wakes only when there is
+        something to do (a probe every ``probe_interval_s``), never on a short fixed beat."""
+        due = self._last_probe + self.probe_interval_s
+        if self.quiet_period_s is not None:
+            with self._lock:
+                for taints in self._taints.values():
+                    for key in (self.xid_key, self.ecc_key):
+                        taint = taints.get(key)
+                        if taint is not None:
+                            due = min(due, taint.last_seen + self.quiet_period_s)
+        return max(1, min(self.wait_timeout_ms, math.ceil(max(0.0, due - self._clock()) * 1000)))
+
     def poll_once(self, timeout_ms: int | None = None) -> bool:
-        """Wait for one event (or the timeout), then probe and expire. Returns whether the taints changed."""
+        """Wait for one event (or the timeout: by default until the next probe or expiry), then probe and
+        expire. Returns whether the taints changed."""
         if self._event_set is None:
             self.start()
         nvml = self.nvml
-        timeout = self.wait_timeout_ms if timeout_ms is None else timeout_ms
+        timeout = self._wait_ms() if timeout_ms is None else timeout_ms
         data = None
         gpu_lost = False
         try:
@@ -399,7 +415,8 @@ class HealthMonitor:
         return self._notify() if changed else False
 
     def run(self, stop: threading.Event) -> None:
-        """Poll until ``stop`` is set; the wait timeout bounds how long stopping takes."""
+        """Poll until ``stop`` is set; ``wait_timeout_ms`` bounds how long stopping takes (an NVML wait cannot
+        be interrupted)."""
         self.start()
         while not stop.is_set():
             try:
