@@ -556,7 +556,7 @@ class KubeletPlugin:
         self._claims_changed.set()
         nvml_waiting = False
         for t in self._threads:
-            # The health monitor may be inside an NVML event wait (up to --health-wait-ms, not interruptible):
+            # The health monitor may be inside an NVML event wait (up to options.health_wait_ms, not interruptible):
             # stopping does not wait for it, and its event set and NVML stay open for the process exit to free.
             t.join(timeout=HEALTH_STOP_WAIT_S if t.name == "health-monitor" else 10)
             nvml_waiting = nvml_waiting or (t.name == "health-monitor" and t.is_alive())
