@@ -31,16 +31,24 @@ from api.generated.dra_health.v1 import api_pb2 as health_v1_pb
 from api.generated.dra_health.v1 import api_pb2_grpc as health_v1_grpc
 from api.generated.dra_health.v1alpha1 import api_pb2 as health_v1alpha1_pb
 from api.generated.dra_health.v1alpha1 import api_pb2_grpc as health_v1alpha1_grpc
-from kubeletplugin.claims import ClaimRef, NodeDriver, PrepareResult, UnprepareResult, claim_ref_problem
 from kubeletplugin.health import MAX_MESSAGE, HealthBoard
 from kubeletplugin.unixserver import UnixGrpcServer
 
 if TYPE_CHECKING:
+    from kubeletplugin.claims import ClaimRef, NodeDriver
     from kubeletplugin.metrics import PluginMetrics
 
 # How long a call that arrives while the plugin starts waits for its driver before its claims fail (the
 # kubelet's own deadline is 45 s).
 READY_WAIT_S = 30.0
+
+
+def _claim_types() -> ModuleType:
+    """kubeletplugin.claims, loaded at the first call instead of at start: its dataclasses and name checks are
+    not needed to answer GetInfo, and by the first call the plugin has loaded it anyway."""
+    from kubeletplugin import claims
+
+    return claims
 
 
 def _logger(name: str) -> Any:
@@ -76,7 +84,8 @@ class DRAService:
 
     @staticmethod
     def _claims(request: Any) -> list[ClaimRef]:
-        return [ClaimRef(namespace=c.namespace, uid=c.uid, name=c.name) for c in request.claims]
+        ref = _claim_types().ClaimRef
+        return [ref(namespace=c.namespace, uid=c.uid, name=c.name) for c in request.claims]
 
     def _check(self, claims: list[ClaimRef], context: grpc.ServicerContext) -> tuple[list[ClaimRef], dict[str, str]]:
         """(claims to hand to the driver, errors of claims that are not). A claim without UID cannot even be
@@ -84,6 +93,7 @@ class DRAService:
         before it reaches an API path or a file name."""
         valid: list[ClaimRef] = []
         errors: dict[str, str] = {}
+        claim_ref_problem = _claim_types().claim_ref_problem
         for c in claims:
             if not c.uid:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -102,7 +112,8 @@ class DRAService:
         valid, errors = self._check(claims, context)
         driver = self._driver() if valid else None
         if valid and driver is None:
-            results = {c.uid: PrepareResult(error="the plugin is still starting; the kubelet retries") for c in valid}
+            results = {c.uid: _claim_types().PrepareResult(error="the plugin is still starting; the kubelet retries")
+                       for c in valid}
         else:
             results = driver.prepare(valid) if driver is not None else {}
         response = pb.NodePrepareResourcesResponse()
@@ -134,7 +145,7 @@ class DRAService:
         valid, errors = self._check(claims, context)
         driver = self._driver() if valid else None
         if valid and driver is None:
-            results = {c.uid: UnprepareResult(error="the plugin is still starting; the kubelet retries")
+            results = {c.uid: _claim_types().UnprepareResult(error="the plugin is still starting; the kubelet retries")
                        for c in valid}
         else:
             results = driver.unprepare(valid) if driver is not None else {}
