@@ -7,11 +7,11 @@ imports no benchmark), so it holds what any Python plugin answering the kubelet'
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
 import sys
-from concurrent import futures
 
 import grpc
 
@@ -27,21 +27,21 @@ class _Registration(reg_grpc.RegistrationServicer):
         return self._info
 
 
-def serve(path: str) -> None:
-    # Blocked before any thread exists, so every thread inherits the mask and only sigwait takes SIGTERM:
-    # no handler, no polling loop.
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+async def serve(path: str) -> None:
+    """The same server as the plugin's (grpc.aio, kubeletplugin.unixserver), with nothing else around it."""
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)   # a wake-up fd: no polling
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)   # left by a killed run
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    server = grpc.aio.server()
     info = reg_pb.PluginInfo(type="DRAPlugin", name="floor.bench", endpoint=path,
                              supported_versions=["v1.DRAPlugin"])
     reg_grpc.add_RegistrationServicer_to_server(_Registration(info), server)
     if server.add_insecure_port(f"unix:{path}") == 0:
         raise SystemExit(f"cannot listen on unix socket {path}")
-    server.start()
-    signal.sigwait({signal.SIGTERM})
-    server.stop(None)
+    await server.start()
+    await stop.wait()
+    await server.stop(None)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
 
@@ -49,4 +49,4 @@ def serve(path: str) -> None:
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         raise SystemExit("usage: python -m bench.floorserver <socket path>")
-    serve(sys.argv[1])
+    asyncio.run(serve(sys.argv[1]))

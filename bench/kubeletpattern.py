@@ -159,6 +159,7 @@ class Idle:
 
     seconds: float                  # the window as timed
     threads: dict[str, ThreadUse]   # by thread name
+    floor_threads: dict[str, ThreadUse]   # the bare gRPC server's, over the same window
     tick_cpu_s: float               # utime + stime of /proc/<pid>/stat over the window: the cross-check
     rss: float                      # MiB, after the window
     calls: Calls                    # the first prepare after the window, and its floor
@@ -168,12 +169,16 @@ class Idle:
         return sum(u.cpu_s for u in self.threads.values()) / self.seconds
 
     @property
+    def floor_cpu_per_s(self) -> float:
+        return sum(u.cpu_s for u in self.floor_threads.values()) / self.seconds
+
+    @property
     def wakeups_per_s(self) -> float:
         return sum(u.switches for u in self.threads.values()) / self.seconds
 
-    def split(self, total: Callable[[ThreadUse], float], fmt: str) -> str:
+    def split(self, total: Callable[[ThreadUse], float], fmt: str, floor: bool = False) -> str:
         """"name ×threads per-second-value" for each thread name, largest first."""
-        ranked = sorted(self.threads.items(), key=lambda kv: -total(kv[1]))
+        ranked = sorted((self.floor_threads if floor else self.threads).items(), key=lambda kv: -total(kv[1]))
         return ", ".join(f"{name}{f' ×{u.threads}' if u.threads > 1 else ''} {total(u) / self.seconds:{fmt}}"
                          for name, u in ranked)
 
@@ -197,14 +202,18 @@ class Pattern:
         rpc = self.noop()
         return rpc + (self.floor.prepare(claim[0]) if operation == "prepare" else self.floor.unprepare(claim[0]))
 
-    def idle(self, seconds: float, claim: tuple[str, str]) -> Idle:
-        """CPU and wake-ups over ``seconds`` without calls, RSS after it, then one prepare (and unprepare) with
-        its floor, each after the same wait."""
+    def idle(self, seconds: float, claim: tuple[str, str], floor_pid: int) -> Idle:
+        """CPU and wake-ups over ``seconds`` without calls, beside those of the bare gRPC server ``floor_pid``
+        over the same window; RSS after it, then one prepare (and unprepare) with its floor, each after the same
+        wait."""
         time.sleep(min(SETTLE_S, seconds))   # what the last calls queued (status writes, slice syncs) is done
-        before, ticks, started = thread_stats(self.pid), cpu_seconds(self.pid), time.monotonic()
+        before, floor_before = thread_stats(self.pid), thread_stats(floor_pid)
+        ticks, started = cpu_seconds(self.pid), time.monotonic()
         time.sleep(seconds)
-        after, ticks_after, took = thread_stats(self.pid), cpu_seconds(self.pid), time.monotonic() - started
-        idle = Idle(took, thread_use(before, after), ticks_after - ticks, rss_mib(self.pid), Calls())
+        after, floor_after = thread_stats(self.pid), thread_stats(floor_pid)
+        ticks_after, took = cpu_seconds(self.pid), time.monotonic() - started
+        idle = Idle(took, thread_use(before, after), thread_use(floor_before, floor_after), ticks_after - ticks,
+                    rss_mib(self.pid), Calls())
         self._plugin_call("prepare", claim, idle.calls)
         time.sleep(seconds)
         idle.calls.floor.append(self._floor_call("prepare", claim))
@@ -237,6 +246,10 @@ def figures(idle: Idle, rss_floor: float, imports: list[tuple[str, float]], spac
                "window counts from 0, one that exits in it loses its share. By thread name (Python's threads are "
                f"all 'python', the others gRPC C-core's), ms/s: {idle.split(lambda u: u.cpu_s * 1000, '.2f')}. "
                f"Cross-check, utime+stime in 10 ms ticks: {idle.tick_cpu_s * 1000 / idle.seconds:.2f} ms/s"),
+        Figure("plugin.idle.cpu_floor_ms_per_s", "bare gRPC server (grpc.aio + registration stubs) CPU while idle, "
+               "same window", idle.floor_cpu_per_s * 1000, "ms/s",
+               f"python -m bench.floorserver, schedstat as above, ms/s: "
+               f"{idle.split(lambda u: u.cpu_s * 1000, '.2f', floor=True)}"),
         Figure("plugin.idle.wakeups_per_s", "plugin wake-ups while idle (context switches, all threads)",
                idle.wakeups_per_s, "wakeups/s", "deltas of voluntary_ctxt_switches + nonvoluntary_ctxt_switches "
                f"of /proc/<pid>/task/*/status; by thread name: {idle.split(lambda u: u.switches, '.1f')}"),

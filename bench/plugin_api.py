@@ -248,11 +248,11 @@ def run(params: Params) -> list[Figure]:
         kube = KubeApi(cluster.api_client())
         kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
         claims = allocated_claims(kube, max(GPUS, params.api_parallel))
-        # Start-up floor first, each start beside one of the plugin's; the floor's memory once it has idled.
+        # Start-up floor first, each start beside one of the plugin's; the floor's memory once it has idled; it
+        # keeps running, idle, through the plugin's idle window.
         floor_startup = [floor_server.start()]
         time.sleep(kubeletpattern.FLOOR_SETTLE_S)
         rss_floor = kubeletpattern.rss_mib(floor_server.pid)
-        floor_server.stop()
         plugin = _Plugin(work, cluster.kubeconfig)
         startup = [plugin.start()]
         plugin.register()
@@ -268,7 +268,8 @@ def run(params: Params) -> list[Figure]:
             pid=plugin.pid, metrics_url=f"http://127.0.0.1:{plugin.metrics_port}/metrics",
             call=lambda operation, claim: _call(stub, operation, [claim]), noop=lambda: _get_info(registration),
             floor=floor)
-        idle = pattern.idle(params.idle_s, claims[1])
+        idle = pattern.idle(params.idle_s, claims[1], floor_pid=floor_server.pid)
+        floor_server.stop()
         spaced = pattern.spaced(params.spaced_rounds, params.spaced_gap_s, claims[2:GPUS])
 
         prep, unprep, f_prep, f_unprep, rpc = [], [], [], [], []
