@@ -613,6 +613,8 @@ class FakeNvml:
         for g in self._gpus:
             if g.spec.uuid == want:
                 return self._dev_handle(g)
+        # MIG devices only after every GPU: a probe of N GPUs by UUID stays N² string compares, not N² MIG walks.
+        for g in self._gpus:
             for ci in self._mig_devices(g):
                 if ci.uuid == want:
                     if g.lost is not None:
