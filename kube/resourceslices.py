@@ -372,6 +372,7 @@ class ResourceSliceController:
         self._active_workers = 0
         self._pass_over = False
         self._next_resync = 0.0
+        self._prompt_until = 0.0                            # watch events sync at once until then (resync)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._watch_resp: Any = None
@@ -434,10 +435,14 @@ class ResourceSliceController:
         the error propagates and nothing is removed."""
         self._consume(pools, deadline=None)
 
-    def resync(self) -> None:
+    def resync(self, prompt_for: float = 0.0) -> None:
         """Queues every desired pool for an immediate sync from a fresh read: for when slices are known to be gone
-        without a watch event to say so yet (a kubelet deletes its node's slices when it starts)."""
+        without a watch event to say so yet (a kubelet deletes its node's slices when it starts). For the next
+        ``prompt_for`` seconds a watch event of a desired pool is synced at once instead of after ``sync_delay``:
+        a starting kubelet deletes the slices while it registers its plugins, so its deletes can come after the
+        sync queued here and would otherwise wait the whole delay."""
         with self._cond:
+            self._prompt_until = max(self._prompt_until, time.monotonic() + prompt_for)
             for name in self._desired or {}:
                 self._fresh.add(name)
                 self._enqueue_locked(name, 0.0, urgent=True)
@@ -959,7 +964,7 @@ class ResourceSliceController:
                     if self._is_own_echo(kind, obj):
                         continue
                     if pool:
-                        self._enqueue([pool], self.sync_delay)
+                        self._enqueue([pool], self._event_delay(pool))
                 backoff.success("watch")
             except (ApiUnavailable, ApiError, ValueError) as exc:
                 with self._cond:
@@ -986,6 +991,13 @@ class ResourceSliceController:
             with self._cond:
                 self._cache_put_locked(rec, if_newer=True)
         return pool
+
+    def _event_delay(self, pool: str) -> float:
+        """How long a watch event of ``pool`` waits to be synced: ``sync_delay`` coalesces bursts, except for a
+        desired pool within a resync's prompt window."""
+        with self._cond:
+            prompt = time.monotonic() < self._prompt_until and pool in (self._desired or {})
+        return 0.0 if prompt else self.sync_delay
 
     def _watch_events(self, rv: str) -> Iterable[dict[str, Any]]:
         resp = self.kube.request("GET", SLICES, query={

@@ -64,6 +64,8 @@ REGISTRATION_WARN_S = 30.0     # first warning that the kubelet has not register
 # With no MPS daemon in use the supervisor waits for a kubelet call; it also looks this often, for daemons a rolling
 # update's other plugin process started (read from the shared checkpoint).
 MPS_IDLE_RECHECK_S = 60.0
+# After a re-registration, how long deletes of our slices (a starting kubelet wipes its node's) are undone at once.
+KUBELET_WIPE_WINDOW_S = 60.0
 # How long stop waits for the health monitor to leave its NVML event wait before leaving it to the process exit.
 HEALTH_STOP_WAIT_S = 1.0
 
@@ -440,8 +442,9 @@ class KubeletPlugin:
             self._wake_publisher.set()
         if registered and self.slices is not None:
             # A registration after the first comes from a restarted kubelet, which deletes its node's slices
-            # when it starts: publish again now rather than after the publisher's repair delay (30 s).
-            self.slices.resync()
+            # when it starts, possibly after this call: publish again now, and for a while restore deleted
+            # slices at once rather than after the publisher's repair delay (30 s).
+            self.slices.resync(prompt_for=KUBELET_WIPE_WINDOW_S)
 
     def _publish_once_registered(self) -> None:
         """Starts the slice publisher once the kubelet has confirmed the registration: a pod the scheduler

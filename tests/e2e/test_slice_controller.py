@@ -177,6 +177,32 @@ def test_externally_deleted_or_edited_slices_are_restored(api_client: Any, drive
         assert gone in pool_summary(slices_of(api_client, driver_name))
 
 
+def test_within_a_resync_window_deleted_slices_come_back_at_once(api_client: Any, driver_name: str,
+                                                                  node: str) -> None:
+    """A restarted kubelet deletes its node's slices while it registers the plugin, possibly after the plugin's
+    resync: within resync's prompt window a delete is undone at once; outside it, only after sync_delay."""
+    kube = KubeApi(api_client)
+
+    def present(name: str) -> bool:
+        return name in pool_summary(slices_of(api_client, driver_name))
+
+    with controller(api_client, driver_name, Owner.node(node), sync_delay=60.0) as ctl:
+        ctl.update({node: three_slices(node)})
+        assert ctl.wait_for_sync(30), ctl.errors
+        first = slices_of(api_client, driver_name)[1]["metadata"]["name"]
+        kube.delete(SLICES, first)
+        time.sleep(3)
+        assert not present(first)                  # no window: the watch event waits for sync_delay (60 s)
+        ctl.resync(prompt_for=30)                  # the resync itself restores it ...
+        wait_until(lambda: present(first), 10, "the resync to restore the deleted slice")
+        assert ctl.wait_for_sync(10)
+        second = slices_of(api_client, driver_name)[2]["metadata"]["name"]
+        t0 = time.monotonic()
+        kube.delete(SLICES, second)                # ... and a delete after it, within the window, is undone at once
+        wait_until(lambda: present(second), 10, "a delete within the window to be undone")
+        assert time.monotonic() - t0 < 10
+
+
 def test_an_edited_slice_that_carries_our_annotation_along_is_restored(api_client: Any, driver_name: str,
                                                                        node: str) -> None:
     """Edits that keep our annotation valid-looking: an edited copy put in place of the slice (what `kubectl
