@@ -34,14 +34,26 @@ def server_loop() -> asyncio.AbstractEventLoop:
             loop = asyncio.new_event_loop()
             thread = threading.Thread(target=loop.run_forever, name="grpc-loop", daemon=True)
             thread.start()
-            # Stopped before gRPC's own exit handler (registered earlier, so run later) closes the completion
-            # queue's descriptor, which a running loop would still read.
+            # gRPC's asyncio state (one completion queue, whose descriptor this loop reads) is counted by its
+            # servers and shut down by whichever thread drops the last one: under the running loop, that closed
+            # the descriptor the loop was reading ("Bad file descriptor" at exit). A reference of our own keeps it
+            # for the loop's lifetime; it is given back on the loop's own thread when the process exits.
+            asyncio.run_coroutine_threadsafe(_take_grpc(), loop).result()
             atexit.register(_stop_loop, loop, thread)
             _loop = loop
         return _loop
 
 
+async def _take_grpc() -> None:
+    grpc.aio.init_grpc_aio()      # on the loop's thread: the completion queue binds to the running loop
+
+
+async def _give_back_grpc() -> None:
+    grpc.aio.shutdown_grpc_aio()
+
+
 def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    asyncio.run_coroutine_threadsafe(_give_back_grpc(), loop).result(timeout=5)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(timeout=5)
 

@@ -328,7 +328,7 @@ class _RecordingSlices:
     def update(self, pools: object) -> None:
         pass
 
-    def resync(self) -> None:
+    def resync(self, prompt_for: float = 0.0) -> None:
         pass
 
     def failing(self) -> dict:
