@@ -203,16 +203,16 @@ class DriverRoot:
             if container_dir is None or container_dir in seen_dirs:
                 continue  # missing, or the same directory reached through a merged-/usr symlink
             seen_dirs.add(container_dir)
-            readable_dir = Path(_join(self.root, container_dir))
-            if readable_dir.is_dir():
-                out.append((container_dir, readable_dir))
+            local_dir = Path(_join(self.root, container_dir))
+            if local_dir.is_dir():
+                out.append((container_dir, local_dir))
         return out
 
     def has_libcuda(self) -> bool:
         """Whether a ``libcuda.so*`` file or link is in one of the library directories."""
-        for _, readable_dir in self.library_dirs():
+        for _, local_dir in self.library_dirs():
             try:
-                if any(name.startswith("libcuda.so") and _is_compute_library(name) for name in os.listdir(readable_dir)):
+                if any(name.startswith("libcuda.so") and _is_compute_library(name) for name in os.listdir(local_dir)):
                     return True
             except OSError:
                 continue
@@ -222,9 +222,9 @@ class DriverRoot:
         libraries: dict[str, RootedPath] = {}
         links: dict[str, LibraryLink] = {}
         lib_folders: list[str] = []
-        for container_dir, readable_dir in self.library_dirs():
+        for container_dir, local_dir in self.library_dirs():
             found_here = False
-            for entry in sorted(readable_dir.iterdir(), key=lambda p: p.name):
+            for entry in sorted(local_dir.iterdir(), key=lambda p: p.name):
                 if not _is_compute_library(entry.name):
                     continue
                 container_path = _join("/", container_dir, entry.name)
