@@ -35,7 +35,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -104,18 +104,26 @@ def find_binaries(build: bool = True, version: str | None = None) -> Path:
                               if version == target else ""))
     if not _BUILD_SCRIPT.is_file():
         raise ClusterError(f"no ${BIN_ENV} set and no build script at {_BUILD_SCRIPT}")
-    proc = subprocess.run(["bash", str(_BUILD_SCRIPT)], capture_output=True, text=True,
-                          env={**os.environ, "K8S_VERSION": version})
+    return bin_dir_from_script(_BUILD_SCRIPT, {**os.environ, "K8S_VERSION": version}, _missing_components,
+                               ClusterError, failed=f"failed for Kubernetes {version}", tail_lines=_LOG_TAIL_LINES)
+
+
+def bin_dir_from_script(script: Path, env: dict[str, str], missing: Callable[[Path], list[str]],
+                        error: type[ClusterError], failed: str = "failed", tail_lines: int = _LOG_TAIL_LINES) -> Path:
+    """Runs a hack/build-*.sh script, which reuses its cache or builds and prints its bin directory on its last
+    line; that directory, once ``missing`` finds nothing lacking in it. Else ``error`` naming the script and what
+    went wrong (its stderr's tail when it failed)."""
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-_LOG_TAIL_LINES:])
-        raise ClusterError(f"{_BUILD_SCRIPT.name} failed for Kubernetes {version} (exit {proc.returncode}):\n{tail}")
+        tail = "\n".join(proc.stderr.strip().splitlines()[-tail_lines:])
+        raise error(f"{script.name} {failed} (exit {proc.returncode}):\n{tail}")
     lines = proc.stdout.strip().splitlines()
     if not lines:
-        raise ClusterError(f"{_BUILD_SCRIPT.name} printed no bin directory")
+        raise error(f"{script.name} printed no bin directory")
     bin_dir = Path(lines[-1])
-    missing = _missing_components(bin_dir)
-    if missing:
-        raise ClusterError(f"{_BUILD_SCRIPT.name} reported {bin_dir}, which lacks: {', '.join(missing)}")
+    lacking = missing(bin_dir)
+    if lacking:
+        raise error(f"{script.name} reported {bin_dir}, which lacks: {', '.join(lacking)}")
     return bin_dir
 
 

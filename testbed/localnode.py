@@ -49,7 +49,7 @@ from typing import Any
 import yaml
 
 from api.k8snames import is_dns_subdomain
-from testbed.localcluster import ClusterError, LocalCluster, free_port, pinned_version
+from testbed.localcluster import ClusterError, LocalCluster, bin_dir_from_script, free_port, pinned_version
 
 log = logging.getLogger(__name__)
 
@@ -147,18 +147,7 @@ def find_node_binaries(build: bool = True) -> Path:
     if not build:
         # The script's own cache check, without building: it exits at once when everything is there.
         env_vars["GPU_DRA_NODE_NO_BUILD"] = "1"
-    proc = subprocess.run(["bash", str(_BUILD_SCRIPT)], capture_output=True, text=True, env=env_vars)
-    if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-_LOG_TAIL_LINES:])
-        raise NodeError(f"{_BUILD_SCRIPT.name} failed (exit {proc.returncode}):\n{tail}")
-    lines = proc.stdout.strip().splitlines()
-    if not lines:
-        raise NodeError(f"{_BUILD_SCRIPT.name} printed no bin directory")
-    bin_dir = Path(lines[-1])
-    missing = _missing(bin_dir)
-    if missing:
-        raise NodeError(f"{_BUILD_SCRIPT.name} reported {bin_dir}, which lacks: {', '.join(missing)}")
-    return bin_dir
+    return bin_dir_from_script(_BUILD_SCRIPT, env_vars, _missing, NodeError, tail_lines=_LOG_TAIL_LINES)
 
 
 # ---- host facts -----------------------------------------------------------------------------------
