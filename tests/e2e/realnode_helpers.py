@@ -14,6 +14,8 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +92,18 @@ class RealNode:
         self.api_client = self.cluster.api_client()
         self.kube = KubeApi(self.api_client)
         return self
+
+    @contextmanager
+    def running(self, classes: bool = True) -> Iterator["RealNode"]:
+        """Started, with our DeviceClasses unless ``classes`` is false, for the ``with`` block and stopped after
+        it: the whole body of a module's node fixture."""
+        self.start()
+        try:
+            if classes:
+                self.add_classes()
+            yield self
+        finally:
+            self.stop()
 
     def stop(self) -> None:
         """Plugins first (their files are in the node's work dir), then the node and the cluster."""

@@ -31,12 +31,8 @@ ALLOC = {"metrics-a": 300, "metrics-b": 700}      # MiB each pod allocates and h
 
 @pytest.fixture(scope="module")
 def real() -> Iterator[RealNode]:
-    node = RealNode().start()
-    try:
-        node.add_classes()
+    with RealNode().running() as node:
         yield node
-    finally:
-        node.stop()
 
 
 @pytest.fixture(scope="module")

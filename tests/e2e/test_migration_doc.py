@@ -50,11 +50,9 @@ def test_every_command_block_is_run_or_named_as_not_run() -> None:
 def real() -> Iterator[RealNode]:
     labels = yaml.safe_load((MIGRATION / "nodes.yaml").read_text())["items"][0]["metadata"]["labels"]
     node = RealNode(labels={k: v for k, v in labels.items() if not k.startswith("nvidia.com/gpu.")
-                            or k == "nvidia.com/gpu.present"}).start()
-    try:
-        yield node
-    finally:
-        node.stop()
+                            or k == "nvidia.com/gpu.present"})
+    with node.running(classes=False) as running:
+        yield running
 
 
 def _cluster_as_today(real: RealNode, workdir: Path) -> None:

@@ -36,12 +36,8 @@ _DEVICE_NAME = re.compile(r"^gpu-(\d+)(?:-mig-[0-9a-z]+-(\d+)-(\d+))?")
 
 @pytest.fixture(scope="module")
 def real() -> Iterator[RealNode]:
-    node = RealNode().start()
-    try:
-        node.add_classes()
+    with RealNode().running() as node:
         yield node
-    finally:
-        node.stop()
 
 
 @pytest.fixture(scope="module")

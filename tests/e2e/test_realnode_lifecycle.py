@@ -30,11 +30,8 @@ SLICES_BACK_S = 10.0
 
 @pytest.fixture(scope="module")
 def real() -> Iterator[RealNode]:
-    node = RealNode(kubelet_config={"syncFrequency": KUBELET_SYNC}).start()
-    try:
+    with RealNode(kubelet_config={"syncFrequency": KUBELET_SYNC}).running(classes=False) as node:
         yield node
-    finally:
-        node.stop()
 
 
 def test_a_pod_created_while_the_plugin_starts_runs_promptly(real: RealNode) -> None:

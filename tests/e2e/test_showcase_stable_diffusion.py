@@ -36,12 +36,8 @@ def manifests() -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def real() -> Iterator[RealNode]:
-    node = RealNode().start()
-    try:
-        node.add_classes()
+    with RealNode().running() as node:
         yield node
-    finally:
-        node.stop()
 
 
 @pytest.fixture(scope="module")
