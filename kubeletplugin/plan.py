@@ -19,6 +19,7 @@ from api.config import (
     merge_allocation_configs,
     restore_claim_request_scopes,
 )
+from api.config.errors import printable
 from dra.model.devices import KIND_GPU, KIND_MIG, KIND_SHARED, KIND_SLOT, Device
 from api.quantity import MIB, parse_quantity
 from kubeletplugin.claims import AllocatedDevice, ClaimError, allocation_for
@@ -27,10 +28,11 @@ TIMESLICE_DEFAULT = "Default"
 
 
 class PlanError(ClaimError):
-    """The claim's allocation or configuration cannot be prepared on this node."""
+    """The claim's allocation or configuration cannot be prepared on this node. The message quotes the claim
+    (device and request names from its allocation), so it is made one printable line here, for every message."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(message, reason="plan")
+        super().__init__(printable(message), reason="plan")
 
 
 @dataclass(frozen=True)

@@ -191,6 +191,16 @@ def test_claim_problems_fail_only_that_claim(whole):
         assert not whole.driver.cdi.spec_path(bad.uid).exists()
 
 
+def test_device_name_from_the_allocation_reaches_the_error_escaped(whole):
+    """The allocation's device name is the claim's text: in the per-claim error it is one printable line, written
+    with the same escapes as every other user-supplied text (``api.config.errors.printable``)."""
+    forged = "gpu-9\nE0101 00:00:00 prepare succeeded \x1b[2K\u202egpu-0"
+    ref = whole.add_claim("forged", [{"request": "gpu", "device": forged}])
+    err = whole.driver.prepare([ref])[ref.uid].error
+    assert err.isprintable(), err
+    assert "device gpu-9\\nE0101 00:00:00 prepare succeeded \\x1b[2K\\u202egpu-0 is not published" in err, err
+
+
 def test_results_of_other_drivers_and_pools_are_ignored(whole):
     ref = whole.add_claim("mixed", [
         {"request": "gpu", "device": "gpu-0"},
