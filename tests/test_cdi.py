@@ -265,6 +265,16 @@ def test_mps_edits_mount_pipe_and_shm_never_the_log(tmp_path, tree):
     assert "rw" in mounts["/dev/shm"]["options"]
 
 
+def test_mps_shm_is_mounted_noexec_nosuid_nodev(tmp_path, tree):
+    """The daemon's shared-memory directory is written by every client of the daemon: as a container's /dev/shm
+    nothing in it runs, and no set-uid bit or device node there counts."""
+    mps = MpsMounts(pipe_dir="/var/lib/plugin/mps/x/pipe", shm_dir="/var/lib/plugin/mps/x/shm")
+    dev = ClaimDevice(name="gpu-0-slot-1", uuid="GPU-aaaa", gpu_minor=0, requests=("s",), mps=mps)
+    spec, _ = writer(tmp_path, tree).build(UID, [dev])
+    options = mounts_by_container(spec["devices"][0]["containerEdits"])["/dev/shm"]["options"]
+    assert {"rw", "noexec", "nosuid", "nodev"} <= set(options) and "exec" not in options, options
+
+
 def test_visible_devices_follow_requests(tmp_path, tree):
     devices = [
         ClaimDevice(name="gpu-0", uuid="GPU-a", gpu_minor=0, requests=("pair",)),

@@ -57,6 +57,9 @@ MPS_PROGRAMS = ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
 
 READ_ONLY_BIND = ["ro", "nosuid", "nodev", "rbind", "rprivate"]
 READ_WRITE_BIND = ["rw", "nosuid", "nodev", "rbind", "rprivate"]
+# An MPS daemon's shm directory as a client's /dev/shm: writable by every client of the daemon (other pods), so
+# nothing there runs (noexec), as the tmpfs it is on a real node is mounted.
+SHM_BIND = ["rw", "nosuid", "nodev", "noexec", "rbind", "rprivate"]
 
 # CDI spec versions the container-device-interface library knows, oldest first, and what each added.
 CDI_VERSIONS: tuple[str, ...] = ("0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0")
@@ -383,7 +386,7 @@ def _sharing_edits(device: ClaimDevice) -> tuple[list[str], list[dict[str, Any]]
     # The pipe directory is read-only: clients only connect to its sockets, while the (root) daemon writes its
     # PID file and log there following links.
     mounts = [_mount(device.mps.pipe_dir, MPS_PIPE_CONTAINER_DIR, READ_ONLY_BIND),
-              _mount(device.mps.shm_dir, MPS_SHM_CONTAINER_DIR, READ_WRITE_BIND)]
+              _mount(device.mps.shm_dir, MPS_SHM_CONTAINER_DIR, SHM_BIND)]
     return env, mounts
 
 
