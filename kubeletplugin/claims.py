@@ -167,6 +167,7 @@ class AllocatedDevice:
     admin_access: bool = False
     share_id: str | None = None
     consumed_capacity: dict[str, str] = field(default_factory=dict)
+    tolerations: tuple[dict[str, str], ...] = ()   # copied by the scheduler from the request (device taints)
 
     @property
     def base_request(self) -> str:
@@ -188,6 +189,17 @@ class OpaqueConfigEntry:
 class ClaimAllocation:
     devices: tuple[AllocatedDevice, ...]
     configs: tuple[OpaqueConfigEntry, ...]
+
+
+def _tolerations(result: dict[str, Any], at: str) -> tuple[dict[str, str], ...]:
+    """A result's tolerations with the fields that matching reads, as strings (tolerationSeconds is the
+    eviction controller's business, not ours)."""
+    out = []
+    for i, t in enumerate(_field(result, "tolerations", list, at) or []):
+        if not isinstance(t, dict):
+            raise ClaimError(f"{at}.tolerations[{i}]: must be an object, got {type(t).__name__}")
+        out.append({k: t[k] for k in ("key", "operator", "value", "effect") if isinstance(t.get(k), str)})
+    return tuple(out)
 
 
 def allocation_for(claim: dict[str, Any], driver_name: str, pool_name: str) -> ClaimAllocation:
@@ -222,6 +234,7 @@ def allocation_for(claim: dict[str, Any], driver_name: str, pool_name: str) -> C
             share_id=share if isinstance(share, str) and share else None,
             consumed_capacity={str(k): str(v) for k, v in
                                (_field(r, "consumedCapacity", dict, at) or {}).items()},
+            tolerations=_tolerations(r, at),
         ))
     configs: list[OpaqueConfigEntry] = []
     for i, c in enumerate(_field(devs, "config", list, f"{where}: status.allocation.devices") or []):

@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import structlog
 
+from dra.model.tenancy import GpuTenant, mps_served, tolerates_tenancy
 from dra.node import migdevices as mig
 from dra.node.cdi import CdiSpecWriter, ClaimDevice
 from dra.node.checkpoint import PREPARE_COMPLETED, PREPARE_STARTED, CheckpointStore, ClaimRecord, DeviceHeld
@@ -270,6 +271,25 @@ class Driver:
         return restarted
 
     # ----- bookkeeping -----------------------------------------------------------------------------------------
+    def mps_tenants(self) -> dict[str, GpuTenant]:
+        """GPU UUID -> the one namespace its MPS daemon serves, from the claims recorded as its clients (started
+        or completed: the tenancy is decided when a claim joins the daemon). A GPU whose daemon serves several
+        namespaces (node policy mps.shareAcrossNamespaces) or a claim of unknown namespace (a record rebuilt after
+        a lost checkpoint) has no one tenant."""
+        if self.mps.policy.share_across_namespaces:
+            return {}
+        by_gpu: dict[str, list[ClaimRecord]] = {}
+        for record in self.checkpoint.claims().values():
+            for gpu in {u.gpu for u in record.undo.mps_devices if u.device == u.gpu}:
+                by_gpu.setdefault(gpu, []).append(record)
+        tenants = {}
+        for gpu, records in by_gpu.items():
+            namespaces = {r.namespace for r in records}
+            if len(namespaces) == 1 and "" not in namespaces:
+                tenants[gpu] = GpuTenant(namespace=records[0].namespace,
+                                         tolerated=all(r.mps_tenancy_tolerated for r in records))
+        return tenants
+
     def prepared_device_names(self) -> set[str]:
         return {d.device for r in self.checkpoint.claims().values() if r.completed for d in r.devices}
 
@@ -395,9 +415,12 @@ class Driver:
                         for p in plans if not p.result.admin_access)
         exclusive = [(p.result.pool, p.device.name) for p in plans
                      if not p.result.admin_access and not p.device.allow_multiple_allocations]
+        tolerated = all(tolerates_tenancy(p.result.tolerations, self.driver_name, ref.namespace)
+                        for p in plans if mps_served(p.device))
         try:
             self.checkpoint.put(ClaimRecord(uid=ref.uid, namespace=ref.namespace, name=ref.name,
-                                            state=PREPARE_STARTED, devices=planned),
+                                            state=PREPARE_STARTED, devices=planned,
+                                            mps_tenancy_tolerated=tolerated),
                                 exclusive=exclusive, durable=self.actions.changes_hardware(plans))
         except DeviceHeld as held:
             request = next(p.result.base_request for p in plans if p.device.name == held.device)

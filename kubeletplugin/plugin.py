@@ -45,6 +45,7 @@ from dra.node.taintstore import TaintStore
 from dra.node.inventory import discover
 from dra.model.policy import DEFAULT_NODE_POLICY, NodePolicy, PolicyError, parse_node_policy
 from dra.model.slices import ApiFeatures, apply_features, desired_pool_slices, validate_pool
+from dra.model.tenancy import tenancy_taint_key, tenancy_taints
 from kubeletplugin.apiserver import StoppedWaiting, wait_for_api_features
 from kubeletplugin.claims import ClaimSource, KubernetesClaimSource
 from kubeletplugin.claimstatus import ClaimStatusWriter, KubernetesClaimStatusWriter
@@ -173,7 +174,8 @@ class KubeletPlugin:
         self._claims_changed = threading.Event()   # a kubelet call ended (the MPS supervisor looks again), or we stop
         self._threads: list[threading.Thread] = []
         self._model_lock = threading.Lock()
-        self._taints: TaintMap = {}
+        self._taints: TaintMap = {}                # the health monitor's
+        self._tenancy: TaintMap = {}               # MPS tenancy (dra.model.tenancy), from the prepared claims
         self.model: DeviceModel | None = None
         self.published: list[Device] = []
         self.driver: Driver | None = None
@@ -265,14 +267,15 @@ class KubeletPlugin:
     def _rebuild(self) -> None:
         """Device model and published slices from the inventory, policy and current taints."""
         with self._model_lock:
-            model = build_devices(self.inventory, self.policy, driver=self.options.driver_name, taints=self._taints)
+            taints = {name: self._taints.get(name, []) + self._tenancy.get(name, [])
+                      for name in self._taints.keys() | self._tenancy.keys()}
+            model = build_devices(self.inventory, self.policy, driver=self.options.driver_name, taints=taints)
             published, _, notes = apply_features(model.devices, model.counter_sets, self.features)
             self.model = model
             self.published = list(published)
-            taints = dict(self._taints)
         # Health comes from the full model's taints (the server may not accept taints in slices).
         self.health_board.set_from_taints(self.pool, [d.name for d in self.published],
-                                          {d.name: list(d.taints) for d in model.devices})
+                                          {d.name: self._health_taints(d) for d in model.devices})
         self._update_device_gauges()
         if self.slices is not None:
             self._publish(taints)
@@ -304,9 +307,14 @@ class KubeletPlugin:
         with self._model_lock:
             return self.model.by_name() if self.model else {}
 
+    def _health_taints(self, d: Device) -> list[dict[str, Any]]:
+        """A device's taints that say something about its health: not the MPS tenancy one."""
+        tenancy = tenancy_taint_key(self.options.driver_name)
+        return [t for t in d.taints if t.get("key") != tenancy]
+
     def _update_device_gauges(self) -> None:
         prepared = self.driver.prepared_device_names() if self.driver else set()
-        unhealthy = {d.name for d in self.published if health_from_taints(d.taints)[0] == "Unhealthy"}
+        unhealthy = {d.name for d in self.published if health_from_taints(self._health_taints(d))[0] == "Unhealthy"}
         names = {d.name for d in self.published}
         self.metrics.set_devices(available=len(names - prepared - unhealthy), prepared=len(names & prepared),
                                  unhealthy=len(unhealthy))
@@ -393,6 +401,11 @@ class KubeletPlugin:
 
         self._start_claim_metrics()
         self._rebuild()   # the model and the health board; nothing is published before the kubelet knows us
+        if self._update_tenancy():
+            self._rebuild()   # the daemons' tenants, from the checkpoint: in the very first publish too
+        if not self.features.device_taints and not self.policy.mps.share_across_namespaces:
+            log.info("MPS tenancy is checked at prepare only: the API server has no device taints (Kubernetes "
+                     "1.36+), so the scheduler cannot be told which namespace a GPU's MPS daemon serves")
         self.monitor.start()
         self._spawn(self._run_monitor, "health-monitor")
         self._spawn(self._run_mps_supervisor, "mps-supervisor")
@@ -525,8 +538,28 @@ class KubeletPlugin:
         self.monitor.run(self._stop)
 
     def _after_call(self) -> None:
-        self._update_device_gauges()
+        if self._update_tenancy():
+            self._rebuild()
+        else:
+            self._update_device_gauges()
         self._claims_changed.set()
+
+    def _update_tenancy(self) -> bool:
+        """The MPS tenancy taints of the prepared claims now; whether they changed. Servers without device
+        taints (before 1.36) get none: the prepare-time refusal is then the only check (logged at start)."""
+        if self.driver is None or self.model is None or not self.features.device_taints:
+            return False
+        tenants = self.driver.mps_tenants()
+        tenancy = tenancy_taints(self.model.devices, tenants, self.options.driver_name)
+        with self._model_lock:
+            if tenancy == self._tenancy:
+                return False
+            self._tenancy = tenancy
+        untolerated = sorted(f"{gpu} ({t.namespace})" for gpu, t in tenants.items() if not t.tolerated)
+        log.info("MPS tenancy taints changed", tainted_devices=len(tenancy),
+                 namespaces=sorted({t.namespace for t in tenants.values() if t.tolerated}),
+                 untainted_gpus_claims_without_toleration=untolerated or None)
+        return True
 
     def _run_mps_supervisor(self) -> None:
         """Every ``mps_supervise_interval`` while a claim uses an MPS daemon, restart the dead ones; with none in use,

@@ -149,6 +149,9 @@ class ClaimRecord(_Record):
     # Rebuilt from the claim's CDI spec after the checkpoint was lost: request names, namespace and name are
     # unknown until the claim is prepared again (kubeletplugin.recovery).
     recovered: bool = False
+    # Its MPS-served devices' allocation tolerates the MPS tenancy taint of its namespace (dra.model.tenancy):
+    # only then may its GPU carry that taint, which would otherwise evict its own pods.
+    mps_tenancy_tolerated: bool = False
 
     @property
     def completed(self) -> bool:
