@@ -31,8 +31,8 @@ class PlanError(ClaimError):
     """The claim's allocation or configuration cannot be prepared on this node. The message quotes the claim
     (device and request names from its allocation), so it is made one printable line here, for every message."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(printable(message), reason="plan")
+    def __init__(self, message: str | ConfigError) -> None:
+        super().__init__(printable(str(message)), reason="plan")
 
 
 @dataclass(frozen=True)
