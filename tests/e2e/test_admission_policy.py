@@ -160,6 +160,15 @@ def test_a_plugin_writes_only_its_own_nodes_pool_and_driver(policy: Setup) -> No
     message = denied(lambda: policy.plugin_a.create(SLICES, slice_body(f"{a}-on-b", b, b, driver)))
     assert f"on node {a} may only write ResourceSlices of its own node, not slices of node {b}" in message
 
+    # Device taints under its driver's keys (health, MPS tenancy): accepted; under another key: refused.
+    tainted = slice_body(f"{a}-tainted", a, a, driver)
+    tainted["spec"]["devices"][0]["taints"] = [{"key": f"{driver}/mps-namespace", "value": "team-a",
+                                                "effect": "NoExecute"}]
+    policy.plugin_a.delete(SLICES, policy.plugin_a.create(SLICES, tainted)["metadata"]["name"])
+    tainted["spec"]["devices"][0]["taints"].append({"key": "example.com/maintenance", "effect": "NoExecute"})
+    message = denied(lambda: policy.plugin_a.create(SLICES, tainted))
+    assert f"may only set device taints with keys {driver}/..., not on device gpu-0" in message
+
     # Node B's slices: node A's plugin can neither change nor delete them; node B's plugin can.
     theirs = policy.plugin_b.create(SLICES, slice_body(f"{b}-own", b, b, driver))
     theirs["metadata"]["labels"] = {"changed-by": "node-a"}
