@@ -24,7 +24,6 @@ MIG placement named by more than one claim (an admin-access claim watching it) i
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -34,6 +33,7 @@ from dra.node import migdevices as mig
 from dra.node.cdi import CdiSpecWriter, load_spec
 from dra.node.checkpoint import PREPARE_COMPLETED, CheckpointStore, ClaimRecord, LoadResult, MpsUse, UndoInfo
 from dra.node.checkpoint import PreparedDevice as CheckpointDevice
+from dra.node.sharing import MpsPaths, read_record
 from kubeletplugin.deviceactions import ClaimActions, mig_undo
 
 
@@ -205,12 +205,10 @@ def _live_placements(nvml: Any, gpus: Sequence[str]) -> dict[tuple[str, int, int
 
 
 def _daemon_device(base: Path) -> str | None:
-    """The device a daemon directory serves, from its record (the plugin's own file, never mounted)."""
-    try:
-        device = json.loads((base / "daemon.json").read_bytes())["device"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return device if isinstance(device, str) else None
+    """The device a daemon directory serves, from its record when that checks out (``read_record``: a regular
+    file of the plugin's naming the device of its own directory)."""
+    record, _ = read_record(MpsPaths(base))
+    return record.device if record is not None else None
 
 
 def _mps_uses(spec: Mapping[str, Any], mps_root: Path | None, devices: Mapping[str, Device],

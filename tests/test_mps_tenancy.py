@@ -164,8 +164,12 @@ def test_signals_reach_only_the_recorded_process(tmp_path: Path) -> None:
 
 
 # ----- damaged records ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("damage", ["garbage", "deleted", "link", "other-device"])
-def test_a_damaged_daemon_record_is_rebuilt_never_trusted(node: Node, tmp_path: Path, damage: str) -> None:
+@pytest.mark.parametrize("damage", ["garbage", "deleted", "link", "other-device", "no-process"])
+def test_a_damaged_daemon_record_is_never_trusted_and_its_daemon_restarted(node: Node, tmp_path: Path,
+                                                                           damage: str) -> None:
+    """A record that is not ours, names another device or names no process: the daemon of its directory is
+    stopped through its control socket and started again, with its identity recorded; the other device's daemon
+    and the file a link points at are untouched."""
     gpu0, gpu1 = node.uuids
     a, b = slot_claim(node, "a", 0), slot_claim(node, "b", 0, gpu=1)
     ok(node.driver, a)
@@ -181,22 +185,83 @@ def test_a_damaged_daemon_record_is_rebuilt_never_trusted(node: Node, tmp_path: 
     elif damage == "link":
         record.unlink()
         record.symlink_to(victim)
-    else:                                                     # names GPU 1: its daemon must not be stopped for A
+    elif damage == "other-device":                            # names GPU 1: its daemon must not be stopped for A
         record.write_bytes(mps.paths(gpu1).record.read_bytes())
-    daemon0 = node.control.daemons[mps.paths(gpu0).pipe_dir].identity
-    # The supervisor neither starts a second daemon nor loses the running one.
-    assert node.driver.supervise_mps() == []
-    assert node.control.mps_daemon_running(mps.paths(gpu0).pipe_dir, daemon0)
-    assert mps.records()[gpu0].daemon == daemon0            # the record is written again from what runs
+    else:                                                     # an older release's record, or a start cut short
+        record.write_text(json.dumps({k: v for k, v in json.loads(record.read_text()).items() if k != "daemon"}))
+    pipe0, pipe1 = mps.paths(gpu0).pipe_dir, mps.paths(gpu1).pipe_dir
+    daemon0, daemon1 = (node.control.daemons[p].identity for p in (pipe0, pipe1))
+    assert node.driver.supervise_mps() == [gpu0]
+    restarted = mps.records()[gpu0].daemon
+    assert restarted is not None and restarted != daemon0 and node.control.mps_daemon_running(pipe0, restarted)
+    assert not node.control.mps_daemon_running(pipe0, daemon0)
+    assert node.control.mps_daemon_running(pipe1, daemon1)
+    assert node.driver.supervise_mps() == []                 # the new record is trusted
     assert victim.read_text() == "precious"
-    if damage == "other-device":
-        record.write_bytes(mps.paths(gpu1).record.read_bytes())
     assert node.driver.unprepare([a])[a.uid].error == ""
-    assert not node.control.mps_daemon_running(mps.paths(gpu0).pipe_dir, daemon0)
+    assert not node.control.mps_daemon_running(pipe0, restarted)
     assert node.control.compute_mode(gpu0) == "DEFAULT"     # back from EXCLUSIVE_PROCESS
-    daemon1 = mps.records()[gpu1].daemon
-    assert daemon1 is not None and node.control.mps_daemon_running(mps.paths(gpu1).pipe_dir, daemon1)
+    assert mps.records()[gpu1].daemon == daemon1 and node.control.mps_daemon_running(pipe1, daemon1)
     assert victim.read_text() == "precious"
+
+
+@pytest.mark.parametrize("damage", ["missing", "foreign"])
+def test_a_missing_or_foreign_record_is_one_log_line_as_documented(node: Node, caplog: pytest.LogCaptureFixture,
+                                                                   damage: str) -> None:
+    """docs/failure-modes.md quotes the line; the plugin logs exactly that, once."""
+    gpu0, gpu1 = node.uuids
+    ok(node.driver, slot_claim(node, "a", 0))
+    ok(node.driver, slot_claim(node, "b", 0, gpu=1))
+    mps = node.driver.mps
+    record = mps.paths(gpu0).record
+    if damage == "missing":
+        record.unlink()
+        problem = "is missing"
+    else:
+        record.write_bytes(mps.paths(gpu1).record.read_bytes())
+        problem = f"names device {gpu1!r}, whose daemon directory is not {mps.paths(gpu0).base.name}"
+    caplog.clear()
+    with caplog.at_level("INFO", logger="dra.node.sharing"):
+        assert node.driver.supervise_mps() == [gpu0]
+    lines = [r.getMessage() for r in caplog.records if r.name == "dra.node.sharing"]
+    assert lines == [f"MPS daemon record {record} {problem}: not trusted, no process is taken for its daemon; "
+                     "the daemon is started again"], lines
+    documented = lines[0].replace(str(record), "<state dir>/mps/<device hash>/daemon.json").replace(
+        mps.paths(gpu0).base.name, "<device hash>").replace(gpu1, "<other device>")
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "failure-modes.md").read_text()
+    assert f"`{documented}`" in docs, documented
+
+
+@pytest.mark.parametrize("cut_short", [False, True], ids=["stale-pid-file", "start-cut-short"])
+def test_a_record_without_a_process_never_adopts_a_look_alike(real_node: Node, cut_short: bool) -> None:
+    """A record that names no process (an older release's, or one whose start was cut short before the identity
+    was written): the PID file in the pipe directory names a process that looks like the daemon (a PID reused
+    after the daemon died, by a process any pod with the host's PID namespace can start). It is never taken for
+    the daemon: the daemon is started again, and the look-alike is never signalled."""
+    gpu0 = real_node.uuids[0]
+    ok(real_node.driver, slot_claim(real_node, "a", 0))
+    mps = real_node.driver.mps
+    paths = mps.paths(gpu0)
+    before = mps.records()[gpu0].daemon
+    assert before is not None
+    paths.record.write_text(json.dumps({k: v for k, v in json.loads(paths.record.read_text()).items()
+                                        if k != "daemon"}))
+    if not cut_short:
+        assert send_signal(before, signal.SIGKILL) and wait_gone(before, 10)
+    fake = forged_daemon(paths.pipe_dir)
+    try:
+        # The PID file names the look-alike (the daemon's PID, reused); with the start cut short, the daemon
+        # still runs beside it.
+        (Path(paths.pipe_dir) / "nvidia-cuda-mps-control.pid").write_text(str(fake.pid))
+        assert real_node.driver.supervise_mps() == [gpu0]
+        after = mps.records()[gpu0].daemon
+        assert after is not None and after.pid not in (fake.pid, before.pid) and is_alive(after)
+        assert not is_alive(before)                           # quit through its control socket when it ran
+        assert fake.poll() is None                            # never signalled
+        assert real_node.driver.supervise_mps() == []
+    finally:
+        fake.kill()
+        fake.wait()
 
 
 def test_a_dead_daemon_with_a_damaged_record_is_restarted(node: Node) -> None:

@@ -16,8 +16,10 @@ Daemons live apart from the plugin: each is started in its own session by a help
 UUID>/daemon.json``, written before anything is changed), so a plugin restart or upgrade leaves them and their
 clients running and the next plugin process takes them over. Which claims use a daemon is in the checkpoint;
 the daemon goes when its last claim does. A daemon is known by the identity of its process (PID and start time,
-``dra.node.processes``) recorded when it started; a record that is missing, damaged or names another device is
-never trusted but rebuilt from the device and the daemon's own PID file.
+``dra.node.processes``) recorded when it started, and by nothing else: a record that is missing, damaged, names
+another device or names no process (a start that did not finish, an older release's record) is never trusted,
+and its daemon is stopped through its control socket and started again, never looked for by its PID file or its
+looks (a process that merely looks like the daemon could be anyone's).
 
 Directories per daemon: ``pipe`` (mounted read-only into client containers: NVIDIA's clients need only to
 connect to its sockets, while the root daemon writes its PID file and log there following links), ``shm`` (the
@@ -38,6 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from api.config.errors import printable
 from dra.model.policy import MpsNodePolicy
 from dra.node import tmpfs
 from dra.node.atomicfile import remove_file, write_atomic
@@ -230,7 +233,7 @@ class MpsDaemons:
         """Every daemon described on disk by a record that checks out (running or not), by device."""
         out: dict[str, MpsDaemonRecord] = {}
         for entry in self._dirs():
-            record = self._read_at(MpsPaths(entry))
+            record, _ = read_record(MpsPaths(entry))
             if record is not None:
                 out[record.device] = record
         return out
@@ -242,46 +245,34 @@ class MpsDaemons:
             return []
 
     def _read(self, device: str) -> MpsDaemonRecord | None:
-        return self._read_at(self.paths(device))
+        return read_record(self.paths(device))[0]
 
-    @staticmethod
-    def _read_at(paths: MpsPaths) -> MpsDaemonRecord | None:
-        """The record in ``paths`` if it is a regular file of ours that names the device this directory is for;
-        None (with one log line when something is there) otherwise: such a record is never acted on."""
-        try:
-            doc = json.loads(read_regular_file(paths.record, MAX_RECORD_BYTES))
-            device, gpu, mode_set = doc["device"], doc["gpu"], doc["computeModeSet"]
-            if not isinstance(device, str) or not isinstance(gpu, str) or not isinstance(mode_set, bool):
-                raise TypeError("device and gpu must be strings, computeModeSet a boolean")
-            if not device or "/" in device or _dir_name(device) != paths.base.name:
-                raise ValueError(f"it names device {device!r}, whose daemon directory is not {paths.base.name}")
-            daemon = ProcessIdentity.from_json(doc.get("daemon"))
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-            log.warning("MPS daemon record %s is damaged and not trusted (%s); it is rebuilt from what runs",
-                        paths.record, _one_line(err))
-            return None
-        return MpsDaemonRecord(device=device, gpu=gpu, compute_mode_set=mode_set, daemon=daemon)
-
-    def _current(self, device: str, gpu: str) -> MpsDaemonRecord:
-        """The record of ``device``'s daemon: the one on disk when it checks out and agrees with ``gpu``, else
-        rebuilt (the daemon found through the PID file it writes, which only root can write)."""
-        record = self._read(device)
-        if record is None or record.gpu != gpu:
-            record = MpsDaemonRecord.derived(device, gpu)
-        if record.daemon is None:
-            found = self.control.mps_daemon(self.paths(device).pipe_dir)
-            if found is not None:
-                record = replace(record, daemon=found)
-        return record
+    def _current(self, device: str, gpu: str) -> tuple[MpsDaemonRecord, str | None]:
+        """The record of ``device``'s daemon when it is a record of ours that agrees with ``gpu`` and names the
+        daemon's process, with None; else the record the plugin writes for the device, with no process, and the
+        start of the caller's one log line saying what was wrong (None where there is no daemon directory at
+        all). A daemon whose process is not known is stopped through its control socket, never looked for by
+        its PID file or its looks."""
+        paths = self.paths(device)
+        record, problem = read_record(paths)
+        if record is not None and record.gpu != gpu:
+            record, problem = None, f"names GPU {printable(record.gpu)}, not {gpu}"
+        elif record is not None and record.daemon is None:
+            record, problem = None, ("names no daemon process (a daemon start that did not finish, or an older "
+                                     "release's record)")
+        if record is not None:
+            return record, None
+        if problem == RECORD_MISSING and not paths.base.is_dir():
+            problem = None
+        note = f"MPS daemon record {paths.record} {problem}: not trusted, no process is taken for its daemon"
+        return MpsDaemonRecord.derived(device, gpu), note if problem else None
 
     def _alive(self, record: MpsDaemonRecord) -> bool:
         return record.daemon is not None and self.control.mps_daemon_running(self.paths(record.device).pipe_dir,
                                                                              record.daemon)
 
     def running(self, device: str, gpu: str | None = None) -> bool:
-        return self._alive(self._current(device, gpu or device))
+        return self._alive(self._current(device, gpu or device)[0])
 
     def ensure(self, device: str, gpu: str, step: Callable[[str], None] = lambda _: None) -> MpsPaths:
         """The daemon serving ``device`` on the physical GPU ``gpu``, started if it is not running (a whole GPU
@@ -289,11 +280,13 @@ class MpsDaemons:
         changed is undone. ``step`` is called after each change (the driver's crash hook for tests)."""
         paths = self.paths(device)
         with self._lock:
-            record = self._current(device, gpu)
+            record, problem = self._current(device, gpu)
             if self._alive(record):
-                self._keep(record)
                 return paths
+            if problem:
+                log.warning("%s; the daemon is started again", problem)
             record = MpsDaemonRecord.derived(device, gpu)
+            self._stop_unidentified(paths)     # raises before anything is changed
             try:
                 # Written before the GPU or any process changes: a crash after this line is found and undone.
                 self._prepare_start(record)
@@ -323,10 +316,11 @@ class MpsDaemons:
         write_atomic(self.paths(record.device).record, started.to_json(), mode=0o600)
         return started
 
-    def _keep(self, record: MpsDaemonRecord) -> None:
-        """Write a rebuilt record of a running daemon back (replacing, never following, what is there)."""
-        if self._read(record.device) != record:
-            write_atomic(self.paths(record.device).record, record.to_json(), mode=0o600)
+    def _stop_unidentified(self, paths: MpsPaths) -> None:
+        """Before a start: a daemon serving this pipe directory whose process is not known (a start cut short, an
+        older release's daemon) is asked to quit through its control socket, which only a root daemon can have
+        made there; no process is signalled. Raises SharingError when one answers and does not quit."""
+        self.control.stop_mps_daemon(paths.pipe_dir, None)
 
     def _fresh_directories(self, paths: MpsPaths) -> None:
         """Before every daemon start: the pipe and shm directories exist and are empty. The daemon (root) writes
@@ -349,7 +343,9 @@ class MpsDaemons:
         """The last claim left: stop the daemon, restore the compute mode, remove its directories. Idempotent;
         raises SharingError when the daemon cannot be stopped (the claim's undo entry then stays for a retry)."""
         with self._lock:
-            record = self._current(device, gpu or self._gpu_of(device))
+            record, problem = self._current(device, gpu or self._gpu_of(device))
+            if problem:
+                log.warning("%s; the daemon is stopped through its control socket", problem)
             self._teardown(record, strict=True)
             log.info("stopped MPS daemon for %s", device)
 
@@ -363,17 +359,20 @@ class MpsDaemons:
         restarted = []
         with self._lock:
             for device, gpu in sorted(in_use.items()):
-                record = self._current(device, gpu)
+                record, problem = self._current(device, gpu)
                 if self._alive(record):
-                    self._keep(record)
                     continue
                 paths = self.paths(device)
                 others = self.control.lookalikes(paths.pipe_dir, record.daemon)
-                log.warning("MPS daemon for %s is not running; restarting it%s", device,
-                            f" (ignoring process(es) {', '.join(map(str, others))} that only look like it)"
-                            if others else "")
+                ignored = (f" (ignoring process(es) {', '.join(map(str, others))} that only look like it)"
+                           if others else "")
+                if problem:
+                    log.warning("%s; the daemon is started again%s", problem, ignored)
+                else:
+                    log.warning("MPS daemon for %s is not running; restarting it%s", device, ignored)
                 try:
                     record = MpsDaemonRecord.derived(device, gpu)
+                    self._stop_unidentified(paths)
                     self._prepare_start(record)
                     self._launch(record)
                 except (SharingError, OSError) as err:
@@ -385,7 +384,7 @@ class MpsDaemons:
 
     def remove_unknown(self, in_use: Mapping[str, str]) -> list[str]:
         """Directories under the MPS root that belong to no device in use and hold no record that checks out
-        (a damaged record): their daemon, found through its PID file, is stopped and they are removed. Returns
+        (a damaged record): their daemon is stopped through its control socket and they are removed. Returns
         the directories removed."""
         known = {_dir_name(d) for d in in_use} | {_dir_name(d) for d in self.records()}
         removed = []
@@ -394,16 +393,16 @@ class MpsDaemons:
                 if entry.name in known:
                     continue
                 paths = MpsPaths(entry)
-                daemon = self.control.mps_daemon(paths.pipe_dir)
+                _, problem = read_record(paths)
                 try:
-                    self.control.stop_mps_daemon(paths.pipe_dir, daemon)
+                    self.control.stop_mps_daemon(paths.pipe_dir, None)
                 except SharingError as err:
                     log.error("stopping the MPS daemon in %s failed: %s", entry, err)
                     continue
                 self._remove_directories(paths)
-                log.warning("removed MPS daemon directory %s: its record was missing or damaged and no claim uses "
-                            "it%s; the compute mode of its GPU is left as it is", entry,
-                            f" (stopped daemon {daemon.pid})" if daemon else "")
+                log.warning("removed MPS daemon directory %s: its record %s and no claim uses it (a daemon there was "
+                            "stopped through its control socket); the compute mode of its GPU is left as it is",
+                            entry, problem or "is not its own")
                 removed.append(entry.name)
         return removed
 
@@ -441,6 +440,28 @@ class MpsDaemons:
             paths.base.rmdir()
         except OSError:
             pass
+
+
+RECORD_MISSING = "is missing"
+
+
+def read_record(paths: MpsPaths) -> tuple[MpsDaemonRecord | None, str | None]:
+    """(the record in ``paths``, None) if it is a regular file of ours that names the device this directory is
+    for; (None, what is wrong: ``RECORD_MISSING``, "is damaged (...)", "names device ...") otherwise, and such a
+    record is never acted on. Logs nothing: the caller says what it does about it, in one line."""
+    try:
+        doc = json.loads(read_regular_file(paths.record, MAX_RECORD_BYTES))
+        device, gpu, mode_set = doc["device"], doc["gpu"], doc["computeModeSet"]
+        if not isinstance(device, str) or not isinstance(gpu, str) or not isinstance(mode_set, bool):
+            raise TypeError("device and gpu must be strings, computeModeSet a boolean")
+    except FileNotFoundError:
+        return None, RECORD_MISSING
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return None, f"is damaged ({printable(_one_line(err))})"
+    if not device or "/" in device or _dir_name(device) != paths.base.name:
+        return None, f"names device {printable(device)!r}, whose daemon directory is not {paths.base.name}"
+    return MpsDaemonRecord(device=device, gpu=gpu, compute_mode_set=mode_set,
+                           daemon=ProcessIdentity.from_json(doc.get("daemon"))), None
 
 
 def _dir_name(device: str) -> str:

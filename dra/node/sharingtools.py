@@ -10,7 +10,8 @@ Rules both implementations share:
 * Time-slice intervals (Default=0, Short=1, Medium=2, Long=3) apply to whole GPUs; a GPU (or a MIG device)
   that does not support it fails with ``SharingNotSupported``, a clean per-claim error.
 * An MPS control daemon serves one pipe directory, and is known by the identity of its process (PID and start
-  time) from the moment it starts: a process elsewhere that looks like it is never taken for it.
+  time) from the moment it starts: a process elsewhere that looks like it is never taken for it. A daemon whose
+  identity is not known is reached only through its control socket (``quit``), never signalled.
 * A GPU in EXCLUSIVE_PROCESS compute mode admits one process, so at most one MPS daemon serves it (the
   driver runs one daemon per GPU or MIG device, and switches a whole GPU to EXCLUSIVE_PROCESS under it). The
   compute mode of a GPU an MPS daemon serves is not changed while the daemon runs.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -97,8 +99,9 @@ class SharingControl(ABC):
 
     @abstractmethod
     def mps_daemon(self, pipe_dir: str) -> ProcessIdentity | None:
-        """The running daemon of this pipe directory as its own PID file names it (checked against the process),
-        for a daemon whose identity was not recorded; None when there is none."""
+        """The running daemon of this pipe directory as its own PID file names it (checked against the process):
+        how a daemon just started is identified. Never how a daemon is found again: a PID file outlives its
+        daemon, and its PID can be reused by a process that only looks like one."""
 
     @abstractmethod
     def mps_daemon_running(self, pipe_dir: str, daemon: ProcessIdentity) -> bool:
@@ -110,7 +113,9 @@ class SharingControl(ABC):
 
     @abstractmethod
     def stop_mps_daemon(self, pipe_dir: str, daemon: ProcessIdentity | None) -> None:
-        """Stop the daemon (``quit``, then signals to ``daemon`` alone); a daemon that is not running is fine."""
+        """Stop the daemon (``quit``, then signals to ``daemon`` alone); a daemon that is not running is fine.
+        ``daemon`` None: whatever daemon answers on the pipe directory's control socket is sent ``quit`` and
+        waited for until the socket answers no more; no process is signalled (SharingError if it stays)."""
 
     def lookalikes(self, pipe_dir: str, daemon: ProcessIdentity | None) -> list[int]:
         """Processes other than ``daemon`` that present themselves as this pipe directory's daemon: never
@@ -321,8 +326,10 @@ class NvidiaSmiSharingControl(SharingControl):
         return (done.stdout or "").strip()
 
     def stop_mps_daemon(self, pipe_dir: str, daemon: ProcessIdentity | None) -> None:
-        daemon = daemon if daemon is not None and self.mps_daemon_running(pipe_dir, daemon) else None
         if daemon is None:
+            self._quit_unidentified(pipe_dir)
+            return
+        if not self.mps_daemon_running(pipe_dir, daemon):
             return
         try:
             self.mps_command(pipe_dir, "quit")
@@ -335,6 +342,37 @@ class NvidiaSmiSharingControl(SharingControl):
             if wait_gone(daemon, wait_s):
                 return
         raise SharingError(f"MPS daemon for {pipe_dir}: still running after quit, SIGTERM and SIGKILL")
+
+
+    def _quit_unidentified(self, pipe_dir: str) -> None:
+        """``quit`` to the daemon listening on the control socket, if one does; wait until none does."""
+        if not _control_answers(pipe_dir):
+            return
+        try:
+            self.mps_command(pipe_dir, "quit")
+        except SharingError as err:
+            log.warning("%s", err)
+        deadline = time.monotonic() + self.timeout_s
+        while _control_answers(pipe_dir):
+            if time.monotonic() > deadline:
+                raise SharingError(f"MPS daemon for {pipe_dir}: its process is not known and it still answers on "
+                                   "its control socket after quit; it is not signalled")
+            time.sleep(0.05)
+
+
+def _control_answers(pipe_dir: str) -> bool:
+    """Whether a daemon listens on the pipe directory's control socket (a socket of this process's user)."""
+    try:
+        _check_control_socket(pipe_dir)
+    except SharingError:
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(5)
+        try:
+            sock.connect(os.path.join(pipe_dir, "control"))
+        except OSError:
+            return False
+    return True
 
 
 def _check_control_socket(pipe_dir: str) -> None:

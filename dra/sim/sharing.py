@@ -189,7 +189,8 @@ class SimulatedSharingControl(SharingControl):
             return self.mps.stop_mps_daemon(pipe_dir, daemon)
         with self._lock:
             current = self.daemons.get(pipe_dir)
-            if current is None or not current.alive or current.identity != daemon:
+            # No identity: the pipe directory's daemon is reached through its control socket (here: its entry).
+            if current is None or not current.alive or (daemon is not None and current.identity != daemon):
                 return
             self.mps_command(pipe_dir, "quit")
             self.actions.append(("stop_mps_daemon", pipe_dir))
