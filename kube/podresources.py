@@ -3,9 +3,9 @@
 The kubelet serves it on ``<kubelet root dir>/pod-resources/kubelet.sock`` (``/var/lib/kubelet/...`` on most
 nodes). ``List`` answers, per pod and container, each ResourceClaim the container uses and the claim's devices
 (driver, pool, device name). Only running pods are listed, so a prepared claim whose pod has not started yet is
-not in the answer. A container in a pod's namespace is named by pod and container name only: telling a host
-process's container apart needs its cgroup (``dra.node.containers``) and the pod's container IDs
-(``kube.nodepods``).
+not in the answer. Pods and containers are named by namespace and name only (no pod UID, no container ID): a
+host process's cgroup (``dra.node.containers``) names its pod by UID, which the claims' ``status.reservedFor``
+ties to the name (``kubeletplugin.claimmetrics``).
 """
 from __future__ import annotations
 

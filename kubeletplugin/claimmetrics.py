@@ -3,21 +3,37 @@
 At every scrape (a prometheus_client collector on the plugin's registry):
 
 1. the prepared claims (the checkpoint) give each device's NVML target (the GPU, or the MIG device through its
-   own handle), its physical GPU, MIG profile and sharing (none, time-slicing, mps, share);
-2. the kubelet's PodResources ``List`` (``kube.podresources``) says which containers hold which of these claims'
-   devices: one series per container and device, also while no process runs;
+   own handle), its physical GPU, MIG profile and sharing (none, time-slicing, mps, share), and the pods the claim
+   was reserved for when it was prepared (``status.reservedFor``: pod name and UID, in the claim's namespace);
+2. the kubelet's PodResources ``List`` (``kube.podresources``) says which containers (pod namespace and name,
+   container name) hold which of these claims' devices: one series per pod and NVML target, also while no
+   process runs;
 3. NVML lists the processes on each target (``nvmlDeviceGetComputeRunningProcesses`` and, for MPS clients,
    ``nvmlDeviceGetMPSComputeRunningProcesses``) with their memory, and ``nvmlDeviceGetProcessUtilization``
    their latest utilisation samples;
-4. each process is put in its container by its cgroup (``dra.node.containers``: pod UID and container ID, which a
-   process cannot change) and the node's pod list (``kube.nodepods``: container ID → pod and container name),
-   and counted for the claim device of that container on that target. On a shared GPU (slots, shares, MPS)
-   several claims' containers run on one target: their processes are told apart this way, never by name.
+4. each process's cgroup (``dra.node.containers``) names its pod's UID, which a process cannot change; the
+   reservedFor pods name that UID's pod (a UID names one pod for ever). A pod that shares a claim prepared for
+   another pod is not in the record (the kubelet prepares a claim once), so a process whose pod UID no claim
+   names has the claims on its target read again from the API server (``read_claim``, each claim at most every
+   ``reread_interval`` seconds).
+5. The process counts for the series of its pod on its target. On a shared GPU (slots, shares, MPS) several
+   pods' processes run on one target: they are told apart this way, never by name.
 
-A process in no container that holds a claim device on its target (an MPS server, a host program, a container
-given the GPU some other way) is counted in ``gpu_dra_gpu_unattributed_processes`` per GPU. A source that
-fails (the socket, NVML, the API server) is counted in ``gpu_dra_claim_metrics_errors_total`` and the scrape
-goes on without what it would have given.
+Nothing on the node names a container by its ID (PodResources names containers, the cgroup has only their IDs),
+so within one pod a process is placed by the devices its containers hold: when one container of the pod holds
+devices on the process's target, its series is exact. When several do (two containers referencing one claim, or
+holding two claims' slots of one GPU), or one container holds two devices on the target, the process cannot be
+told apart between them: the pod then has one series on that target whose labels that differ between those
+containers and devices are joined with ``|`` (``container="main|sidecar"``, and ``device``, ``claim`` or
+``request`` likewise when they differ), sorted. Its figures are the sum of all of them, and no series of one
+of those containers alone is exported, since its share is not known.
+
+A process in no pod, in a pod that no prepared claim is reserved for, or in a pod that holds no claim device on
+its target (an MPS server, a host program, a container given the GPU some other way) is counted in
+``gpu_dra_gpu_unattributed_processes`` per GPU. A container of a pod that holds a claim device on the target and
+was given the GPU some other way as well cannot be told from its pod's other containers: it counts for the pod's
+series on that target. A source that fails (the socket, NVML, a claim read from the API server) is counted in
+``gpu_dra_claim_metrics_errors_total`` and the scrape goes on without what it would have given.
 """
 from __future__ import annotations
 
@@ -35,14 +51,15 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from dra.model.devices import KIND_MIG, KIND_SHARED, Device
 from dra.node.checkpoint import ClaimRecord
 from dra.node.containers import container_of
-from kube.client import ApiError, ApiUnavailable
 from kube.podresources import ContainerDevice, PodResourcesError
+from kubeletplugin.claims import ClaimError, reserved_pods
 
 log = structlog.get_logger("claim-metrics")
 
 LABELS = ("namespace", "pod", "container", "claim", "request", "device", "gpu_uuid", "mig_profile", "sharing")
 UTILIZATION_WINDOW_S = 30.0     # samples older than this are not "now"
 ERROR_SOURCES = ("podresources", "nvml", "apiserver")
+JOINED = "|"                    # between the values of containers (devices) a process cannot be told apart among
 
 
 @dataclass(frozen=True)
@@ -57,6 +74,8 @@ class ClaimDevice:
     gpu_uuid: str               # the physical GPU
     mig_profile: str
     sharing: str                # none | time-slicing | mps | share
+    claim_uid: str = ""
+    reserved_for: tuple[tuple[str, str], ...] = ()   # (pod name, pod UID) as recorded at prepare
 
 
 @dataclass
@@ -94,24 +113,80 @@ def claim_devices(records: Iterable[ClaimRecord], devices: Mapping[str, Device],
                 continue
             out.append(ClaimDevice(record.namespace, record.name, ",".join(prepared.requests), prepared.device,
                                    target, device.gpu_uuid, device.mig_profile_name or "",
-                                   sharing_of(device, record, target)))
+                                   sharing_of(device, record, target), record.uid,
+                                   tuple((p.name, p.uid) for p in record.reserved_for)))
     return out
+
+
+def joined_labels(members: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
+    """One label tuple for several that a process cannot be told apart among: each position's values, sorted and
+    joined with ``|`` where they differ (a Kubernetes name never holds ``|``)."""
+    return tuple(JOINED.join(sorted(set(values))) for values in zip(*members))
+
+
+class PodsByUid:
+    """Pod UID → (namespace, name), from the pods the prepared claims are reserved for: as recorded at prepare,
+    and as read again from the API server for claims on a target where a process of an unknown pod runs."""
+
+    def __init__(self, read_claim: Callable[[str, str, str], Mapping[str, Any]] | None, *, min_interval: float,
+                 clock: Callable[[], float]) -> None:
+        self._read_claim = read_claim
+        self.min_interval = min_interval
+        self._clock = clock
+        self._read: dict[str, tuple[tuple[str, str], ...]] = {}    # claim UID → reservedFor as last read
+        self._read_at: dict[str, float] = {}
+
+    def known(self, prepared: Iterable[ClaimDevice]) -> dict[str, tuple[str, str]]:
+        """The pods of the prepared claims; forgets the reads of claims no longer prepared."""
+        claims = {d.claim_uid: d for d in prepared}
+        for uid in set(self._read) - set(claims):
+            del self._read[uid]
+        for uid in set(self._read_at) - set(claims):
+            del self._read_at[uid]
+        out: dict[str, tuple[str, str]] = {}
+        for uid, d in claims.items():
+            for name, pod_uid in (*d.reserved_for, *self._read.get(uid, ())):
+                out[pod_uid] = (d.claim_namespace, name)
+        return out
+
+    def read_again(self, claims: Iterable[ClaimDevice]) -> tuple[dict[str, tuple[str, str]], list[str]]:
+        """Reads the claims not read within ``min_interval``: (their pods' UIDs, the reads that failed)."""
+        found: dict[str, tuple[str, str]] = {}
+        failed: list[str] = []
+        if self._read_claim is None:
+            return found, failed
+        for d in {c.claim_uid: c for c in claims}.values():
+            last = self._read_at.get(d.claim_uid)
+            if last is not None and self._clock() - last < self.min_interval:
+                continue
+            self._read_at[d.claim_uid] = self._clock()
+            try:
+                claim = self._read_claim(d.claim_namespace, d.claim, d.claim_uid)
+            except ClaimError as err:
+                failed.append(str(err))
+                continue
+            self._read[d.claim_uid] = tuple(reserved_pods(claim))
+            found.update({uid: (d.claim_namespace, name) for name, uid in self._read[d.claim_uid]})
+        return found, failed
 
 
 class ClaimMetricsCollector(Collector):
     """claim_devices:   the prepared claim devices now (see ``claim_devices``)
     pod_resources:   the kubelet's answer for this driver (``PodResourcesClient.list``)
-    pods:            container ID → pod and container (``NodePods.container``)
+    read_claim:      a ResourceClaim from the API server by namespace, name and UID (``ClaimSource.get_claim``);
+                     None: only the pods recorded at prepare are known
     nvml:            pynvml's API (or the simulated one)"""
 
     def __init__(self, *, nvml: Any, claim_devices: Callable[[], list[ClaimDevice]],
-                 pod_resources: Callable[[], list[ContainerDevice]], pods: Callable[[str], Any],
+                 pod_resources: Callable[[], list[ContainerDevice]],
+                 read_claim: Callable[[str, str, str], Mapping[str, Any]] | None,
                  registry: CollectorRegistry, proc_root: Path | str = "/proc",
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, reread_interval: float = 10.0,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self.nvml = nvml
         self._claim_devices = claim_devices
         self._pod_resources = pod_resources
-        self._pods = pods
+        self._pods = PodsByUid(read_claim, min_interval=reread_interval, clock=monotonic)
         self.proc_root = Path(proc_root)
         self._clock = clock
         self._lock = threading.Lock()
@@ -169,33 +244,47 @@ class ClaimMetricsCollector(Collector):
             log.warning("per-claim GPU metrics: no PodResources answer", error=str(err))
             return {}, {}
         by_claim_device = {(d.claim_namespace, d.claim, d.device): d for d in prepared}
-        # (target, namespace, pod, container) → the claim device that container holds on that target
-        holders: dict[tuple[str, str, str, str], tuple[str, ...]] = {}
-        usage: dict[tuple[str, ...], _Usage] = {}
-        for row in sorted(rows, key=lambda r: (r.namespace, r.pod, r.container, r.claim_name, r.device)):
+        # (target, namespace, pod) → (container, claim, request, device, gpu, profile, sharing) its containers hold
+        held: dict[tuple[str, str, str], set[tuple[str, ...]]] = defaultdict(set)
+        for row in rows:
             d = by_claim_device.get((row.claim_namespace, row.claim_name, row.device))
             if d is None:
                 continue   # another pool's device, or a claim not prepared here (any more)
-            labels = (row.namespace, row.pod, row.container, d.claim, d.request, d.device, d.gpu_uuid,
-                      d.mig_profile, d.sharing)
-            usage.setdefault(labels, _Usage())
-            holders.setdefault((d.target_uuid, row.namespace, row.pod, row.container), labels)
+            held[(d.target_uuid, row.namespace, row.pod)].add(
+                (row.container, d.claim, d.request, d.device, d.gpu_uuid, d.mig_profile, d.sharing))
+        # One series per pod and target: its processes there cannot be told apart any finer (module docstring).
+        series = {key: (key[1], key[2], *joined_labels(members)) for key, members in held.items()}
+        usage: dict[tuple[str, ...], _Usage] = {labels: _Usage() for labels in series.values()}
+        pods = self._pods.known(prepared)
         unattributed: dict[str, int] = defaultdict(int)
         targets = sorted({(d.target_uuid, d.gpu_uuid) for d in prepared})
         for target, gpu in targets:
-            processes = self._processes(target)
-            for pid, used in processes.items():
-                where = self._container(pid)
-                labels_of = holders.get((target, *where)) if where else None
-                if labels_of is None:
+            for pid, used in self._processes(target).items():
+                pod = self._pod_of(pid, target, pods, prepared)
+                labels = series.get((target, *pod)) if pod else None
+                if labels is None:
                     unattributed[gpu] += 1
                     continue
-                u = usage[labels_of]
+                u = usage[labels]
                 u.processes += 1
                 u.memory_bytes += used[0]
                 u.sm_percent += used[1]
                 u.memory_percent += used[2]
         return usage, dict(unattributed)
+
+    def _pod_of(self, pid: int, target: str, pods: dict[str, tuple[str, str]],
+                prepared: list[ClaimDevice]) -> tuple[str, str] | None:
+        """(namespace, pod) of a host process, by its cgroup's pod UID; `pods` learns what a read finds."""
+        cg = container_of(pid, self.proc_root)
+        if cg is None:
+            return None
+        if cg.pod_uid not in pods:
+            found, failed = self._pods.read_again(d for d in prepared if d.target_uuid == target)
+            pods.update(found)
+            for error in failed:   # the scrape goes on without this process's pod
+                self.errors["apiserver"] += 1
+                log.warning("per-claim GPU metrics: cannot read a claim's reservedFor", error=error)
+        return pods.get(cg.pod_uid)
 
     def _processes(self, uuid: str) -> dict[int, tuple[int, int, int]]:
         """pid → (memory bytes, SM %, memory %) on one NVML device; {} when NVML cannot say (counted)."""
@@ -233,18 +322,3 @@ class ClaimMetricsCollector(Collector):
         for pid, s in latest.items():
             out[pid] = (out[pid][0], int(s.smUtil), int(s.memUtil))
         return out
-
-    def _container(self, pid: int) -> tuple[str, str, str] | None:
-        """(namespace, pod, container) of a host process, by its cgroup and the node's pods."""
-        cg = container_of(pid, self.proc_root)
-        if cg is None:
-            return None
-        try:
-            found = self._pods(cg.container_id)
-        except (ApiError, ApiUnavailable) as err:   # the scrape goes on without this process's container
-            self.errors["apiserver"] += 1
-            log.warning("per-claim GPU metrics: cannot list this node's pods", error=str(err))
-            return None
-        if found is None or found.pod_uid != cg.pod_uid:
-            return None    # not a pod's container (or the pod was replaced by one of the same name)
-        return (found.namespace, found.pod, found.container)

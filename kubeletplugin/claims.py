@@ -256,6 +256,18 @@ def allocation_for(claim: dict[str, Any], driver_name: str, pool_name: str) -> C
     return ClaimAllocation(devices=tuple(results), configs=tuple(configs))
 
 
+def reserved_pods(claim: Any) -> list[tuple[str, str]]:
+    """(name, uid) of the pods in the claim's ``status.reservedFor`` (in the claim's namespace). Entries that are
+    not pods, or whose name or UID is not a Kubernetes one, are left out."""
+    status = claim.get("status") if isinstance(claim, dict) else None
+    reserved = status.get("reservedFor") if isinstance(status, dict) else None
+    if not isinstance(reserved, list):
+        return []
+    return [(r["name"], r["uid"]) for r in reserved
+            if isinstance(r, dict) and r.get("resource", "pods") == "pods" and not r.get("apiGroup")
+            and is_dns_subdomain(r.get("name")) and is_uid(r.get("uid"))]
+
+
 def _field(obj: dict[str, Any], key: str, kind: type, where: str) -> Any:
     """obj[key] if it is a ``kind`` (or absent/null); a ClaimError naming the field otherwise."""
     value = obj.get(key)

@@ -51,10 +51,11 @@ from dra.model.tenancy import GpuTenant, mps_served, tolerates_tenancy
 from dra.node import migdevices as mig
 from dra.node.cdi import CdiSpecWriter, ClaimDevice
 from dra.node.checkpoint import PREPARE_COMPLETED, PREPARE_STARTED, CheckpointStore, ClaimRecord, DeviceHeld
+from dra.node.checkpoint import ReservedPod
 from dra.node.checkpoint import PreparedDevice as CheckpointDevice
 from dra.node.sharing import MpsDaemons, TimeSlicing
 from dra.node.sharingtools import SharingError
-from kubeletplugin.claims import ClaimError, ClaimRef, ClaimSource
+from kubeletplugin.claims import ClaimError, ClaimRef, ClaimSource, reserved_pods
 from kubeletplugin.claimstatus import ClaimStatusReporter, ClaimStatusWriter
 from kubeletplugin.keyedlocks import KeyedLocks
 from kubeletplugin.deviceactions import Applied, ClaimActions, DeviceCatalog, MigListener, PrepareError
@@ -80,12 +81,9 @@ def crash_step_from_env() -> str | None:
     return step
 
 
-def _pods(claim: Mapping[str, Any]) -> list[str]:
-    """Names of the pods the claim is reserved for, for log context."""
-    status = claim.get("status")
-    reserved = status.get("reservedFor") if isinstance(status, dict) else None
-    return [str(r["name"]) for r in reserved if isinstance(r, dict) and r.get("resource", "pods") == "pods"
-            and r.get("name")] if isinstance(reserved, list) else []
+def _reserved_for(claim: Mapping[str, Any]) -> tuple[ReservedPod, ...]:
+    """The pods the claim is reserved for: for the record (per-claim metrics) and log context."""
+    return tuple(ReservedPod(name=name, uid=uid) for name, uid in reserved_pods(claim))
 
 
 def _from_checkpoint(d: CheckpointDevice) -> PreparedDevice:
@@ -345,12 +343,13 @@ class Driver:
             log.debug("claim already prepared; returning the stored devices")
             return [_from_checkpoint(d) for d in record.devices]
         claim = self.claims.get_claim(ref.namespace, ref.name, ref.uid)
-        log = log.bind(pods=_pods(claim))
+        reserved = _reserved_for(claim)
+        log = log.bind(pods=[p.name for p in reserved])
         plans = plan_claim(claim, driver_name=self.driver_name, pool_name=self.pool_name,
                            devices=self._devices(), compat_nvidia=self.compat_nvidia,
                            mps_limits_above_share=self.mps.policy.limits_above_share)
         if record is not None and record.completed:
-            return self._complete_recovered(ref, record, plans, log)
+            return self._complete_recovered(ref, record, plans, reserved, log)
         if record is not None:
             log.info("rolling back an earlier half-done prepare before retrying")
             try:
@@ -361,7 +360,7 @@ class Driver:
         if not plans:
             log.info("claim has no devices of this driver in this node's pool")
             return []
-        self._book(ref, plans)
+        self._book(ref, plans, reserved)
         self._crash_point("checkpoint-started")
         started = time.monotonic()
         try:
@@ -384,7 +383,7 @@ class Driver:
         return devices
 
     def _complete_recovered(self, ref: ClaimRef, record: ClaimRecord, plans: list[DevicePlan],
-                            log: Any) -> list[PreparedDevice]:
+                            reserved: tuple[ReservedPod, ...], log: Any) -> list[PreparedDevice]:
         """A claim adopted from its CDI spec is prepared already; its allocation supplies what the spec could
         not (request names, admin access). Nothing is done to the hardware."""
         stored = {(d.device, d.share_id): d for d in record.devices}
@@ -401,12 +400,13 @@ class Driver:
         undo = record.undo.model_copy(update={
             "mig_devices": tuple(m for m in record.undo.mig_devices if m.device not in admin)})
         self.checkpoint.put(record.model_copy(update={
-            "namespace": ref.namespace, "name": ref.name, "devices": devices, "undo": undo, "recovered": False}))
+            "namespace": ref.namespace, "name": ref.name, "devices": devices, "undo": undo, "recovered": False,
+            "reserved_for": reserved}))
         log.info("claim adopted from its CDI spec is prepared; its record is complete again",
                  devices=[d.device for d in devices])
         return [_from_checkpoint(d) for d in devices]
 
-    def _book(self, ref: ClaimRef, plans: list[DevicePlan]) -> None:
+    def _book(self, ref: ClaimRef, plans: list[DevicePlan], reserved: tuple[ReservedPod, ...]) -> None:
         """Record PrepareStarted, refusing devices another prepared (or preparing) claim holds in the same step
         (the last line of defence against double allocation). Written ahead only when the prepare changes the
         hardware: otherwise a crash leaves at most a CDI spec, which the next start removes as an orphan."""
@@ -419,7 +419,7 @@ class Driver:
                         for p in plans if mps_served(p.device))
         try:
             self.checkpoint.put(ClaimRecord(uid=ref.uid, namespace=ref.namespace, name=ref.name,
-                                            state=PREPARE_STARTED, devices=planned,
+                                            state=PREPARE_STARTED, devices=planned, reserved_for=reserved,
                                             mps_tenancy_tolerated=tolerated),
                                 exclusive=exclusive, durable=self.actions.changes_hardware(plans))
         except DeviceHeld as held:

@@ -433,11 +433,10 @@ class KubeletPlugin:
 
     def _start_claim_metrics(self) -> None:
         """Per-claim GPU metrics (kubeletplugin.claimmetrics) on the /metrics registry, when a PodResources socket
-        is given and the API server can be asked for this node's pods."""
+        is given."""
         o = self.options
-        if not o.pod_resources_socket or self._api_client is None or self.driver is None:
+        if not o.pod_resources_socket or self.driver is None:
             return
-        from kube.nodepods import NodePods
         from kube.podresources import PodResourcesClient
         from kubeletplugin.claimmetrics import ClaimMetricsCollector, claim_devices
 
@@ -446,7 +445,7 @@ class KubeletPlugin:
         ClaimMetricsCollector(
             nvml=self.nvml, registry=self.metrics.registry, proc_root=o.proc_root,
             claim_devices=lambda: claim_devices(checkpoint.claims().values(), self.devices_by_name(), self.pool),
-            pod_resources=lambda: client.list(o.driver_name), pods=NodePods(self._api_client, o.node_name).container)
+            pod_resources=lambda: client.list(o.driver_name), read_claim=self.driver.claims.get_claim)
         log.info("per-claim GPU metrics on", pod_resources_socket=o.pod_resources_socket)
 
     def _on_registration_status(self, registered: bool, error: str) -> None:

@@ -166,6 +166,28 @@ def test_whole_gpu_prepare_writes_cdi_and_is_idempotent(whole):
     assert whole.driver.unprepare([ref])[ref.uid].error == ""
 
 
+def test_the_record_keeps_the_pods_the_claim_is_reserved_for(whole):
+    # The per-claim metrics name a process's pod by its UID from these (kubeletplugin.claimmetrics).
+    ref = whole.add_claim("c1", [{"request": "gpu", "device": "gpu-1"}])
+    claim = whole.claims.get_claim(ref.namespace, ref.name, ref.uid)
+    pod = claim["status"]["reservedFor"][0]
+    claim["status"]["reservedFor"] += [
+        {"resource": "pods", "name": "second", "uid": "0b9f2c3d-1111-2222-3333-444455556666"},
+        {"apiGroup": "example.com", "resource": "jobs", "name": "not-a-pod", "uid": "1"},
+        {"resource": "pods", "name": "../x", "uid": "2"}]
+    ok(whole.driver, ref)
+    expect = [(pod["name"], pod["uid"]), ("second", "0b9f2c3d-1111-2222-3333-444455556666")]
+    assert [(p.name, p.uid) for p in whole.driver.checkpoint.get(ref.uid).reserved_for] == expect
+    driver = whole.restart()
+    assert [(p.name, p.uid) for p in driver.checkpoint.get(ref.uid).reserved_for] == expect
+
+
+def test_a_record_of_an_older_plugin_without_reserved_for_loads():
+    record = ClaimRecord.model_validate({"uid": "u1", "namespace": "default", "name": "c1",
+                                         "state": "PrepareCompleted", "devices": [{"device": "gpu-1", "pool": NODE}]})
+    assert record.completed and record.reserved_for == ()
+
+
 def test_unprepare_of_unknown_claim_succeeds(whole):
     ref = ClaimRef("default", "never-prepared", "ghost")
     assert whole.driver.unprepare([ref]) == {ref.uid: whole.driver.unprepare([ref])[ref.uid]}

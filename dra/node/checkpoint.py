@@ -128,6 +128,13 @@ class MpsUse(_Record):
     gpu: str                                 # its physical GPU (locked while the daemon starts or stops)
 
 
+class ReservedPod(_Record):
+    """A pod a claim was reserved for (``status.reservedFor``); its namespace is the claim's."""
+
+    name: str
+    uid: str
+
+
 class UndoInfo(_Record):
     mig_devices: tuple[MigUndo, ...] = ()
     time_slices: tuple[TimeSliceUndo, ...] = ()
@@ -145,6 +152,10 @@ class ClaimRecord(_Record):
     state: ClaimState
     devices: tuple[PreparedDevice, ...] = ()
     undo: UndoInfo = Field(default_factory=UndoInfo)
+    # The pods the claim was reserved for when it was prepared, for the per-claim metrics (pod UID → pod). Pods
+    # that share the claim later are not here (the kubelet prepares a claim once); empty in records of older
+    # plugins and of recovered claims.
+    reserved_for: tuple[ReservedPod, ...] = ()
     updated: float = 0.0                     # unix time of the last write of this record
     # Rebuilt from the claim's CDI spec after the checkpoint was lost: request names, namespace and name are
     # unknown until the claim is prepared again (kubeletplugin.recovery).
