@@ -10,7 +10,7 @@ import yaml
 
 from api.names import DEFAULT_DRIVER_NAME
 from dra.model.convert.conversion import Options, convert, output_files
-from helmchart import render
+from testbed.helmchart import render
 from test_convert import MIG_PARTED, TIME_SLICING
 
 

@@ -280,7 +280,7 @@ def _objects(name: str) -> list[dict[str, Any]]:
 
 def _role(suffix: str) -> dict[str, Any]:
     """The chart's ClusterRole named ``<release>-<suffix>``, as helm renders it."""
-    from helmchart import render
+    from testbed.helmchart import render
 
     [role] = [o for o in render() if o["kind"] == "ClusterRole" and o["metadata"]["name"].endswith(f"-{suffix}")]
     return role

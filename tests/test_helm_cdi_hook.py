@@ -7,7 +7,7 @@ from typing import Any
 
 from api.names import NVIDIA_DRIVER_NAME
 from cli.kubeletplugin_cmd import _STRING_FLAGS
-from helmchart import ROOT, helm, render, template_args
+from testbed.helmchart import ROOT, helm, render, template_args
 
 
 def daemonset(objects: list[dict[str, Any]]) -> dict[str, Any]:

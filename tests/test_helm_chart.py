@@ -16,7 +16,7 @@ from api.deviceclasses import device_classes
 from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
 from cli.main import build_parser
 from controller.cluster import DRIVER_LABEL, MANAGED_BY, MANAGED_BY_LABEL
-from helmchart import CHART, ROOT, helm, render, template_args
+from testbed.helmchart import CHART, ROOT, helm, render, template_args
 
 SIMULATED = str(ROOT / "deploy" / "kind" / "values-simulated.yaml")
 NAMESPACED = {"ServiceAccount", "ConfigMap", "Secret", "Service", "Deployment", "DaemonSet", "PodDisruptionBudget",

@@ -9,7 +9,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from helmchart import render
+from testbed.helmchart import render
 from kubeletplugin.claimmetrics import ClaimMetricsCollector
 
 PLUGIN = "gpu-dra-gpu-dra-driver-kubelet-plugin"

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from helmchart import helm, render, template_args
+from testbed.helmchart import helm, render, template_args
 
 
 

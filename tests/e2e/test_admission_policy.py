@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from helmchart import render
+from testbed.helmchart import render
 from kube.client import SLICES, ApiError, KubeApi
 
 pytestmark = pytest.mark.e2e

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from helmchart import CHART, ROOT, helm
+from testbed.helmchart import CHART, ROOT, helm
 
 pytestmark = pytest.mark.e2e
 

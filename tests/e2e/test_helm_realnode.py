@@ -36,7 +36,7 @@ from api.names import DEFAULT_DRIVER_NAME
 from testbed.localcluster import free_port
 from testbed.localnode import cgroup_dirs, install_driver_root
 from testbed.nodeplugin import LocalNodePlugin, NodePluginError
-from helmchart import CHART, helm
+from testbed.helmchart import CHART, helm
 from kube.client import DEVICE_CLASSES, SLICES, ApiError, KubeApi
 from kubeletplugin.sockets import socket_paths
 from realnode_helpers import EXAMPLES, RealNode, fleet_node, load_objects

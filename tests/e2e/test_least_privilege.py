@@ -20,7 +20,7 @@ from api.deviceclasses import device_classes
 from testbed.demo_examples import create_namespace
 from testbed.localcluster import ClusterError, LocalCluster, find_binaries, pinned_version
 from controller.cluster import DRIVER_LABEL, MANAGED_BY, MANAGED_BY_LABEL, ClusterController
-from helmchart import render
+from testbed.helmchart import render
 from kube.client import DEVICE_CLASSES, NODES, RESOURCE_V1, SLICES, ApiError, KubeApi
 from kube.events import KubernetesEventWriter, claim_ref, event_body, micro_time
 from kube.resourceslices import DesiredPool, Owner, ResourceSliceController

@@ -64,7 +64,7 @@ def test_a_failed_prepare_is_an_event_on_the_claim_and_its_pod_once(cluster, kub
 def test_the_chart_lets_the_plugin_write_and_count_events(cluster, api_client, kube, namespace, driver_name):
     """The Event writes with the chart's plugin ClusterRole alone (impersonated), the series patch included; the
     API server takes the bodies as they are (names, MicroTime, series)."""
-    from helmchart import render
+    from testbed.helmchart import render
     from kube.events import PREPARE_FAILED, ClaimEventRecorder, KubernetesEventWriter
 
     [role] = [o for o in render("--set", f"driverName={driver_name}")

@@ -4,13 +4,17 @@ service reference replaced by that URL and CA, and claims and templates go in th
 from __future__ import annotations
 
 import base64
+import http.client
 import json
+import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import ExitStack, closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +24,7 @@ import yaml
 
 from api.names import CONFIG_API_VERSION, NVIDIA_CONFIG_API_VERSION, NVIDIA_DRIVER_NAME
 from testbed.localcluster import free_port
-from helmchart import ROOT, render
+from testbed.helmchart import ROOT, render
 from tlscerts import ServingCert, make_serving_cert
 
 pytestmark = pytest.mark.e2e
@@ -229,3 +233,106 @@ def test_a_webhook_that_is_down_refuses_only_claims_configuring_the_driver(clust
             proc = apply(cluster, tmp, obj)
             assert proc.returncode == 0, proc.stderr
         assert apply(cluster, tmp, claim("while-down-controller", DRIVER, GOOD_MPS), user=CONTROLLER_SA).returncode == 0
+
+
+# --- slow and idle clients ---------------------------------------------------------------------------------------
+
+# Four trickling bodies per worker of the webhook (ConnectionLimits.workers), as in the report: each declares the
+# largest body the webhook takes and sends one byte every two seconds.
+SLOW_BODIES = 4 * 4
+IDLE = 128
+API_SERVER_TIMEOUT = 5.0  # the chart's webhook.timeoutSeconds
+
+
+def _review(obj: dict[str, Any], uid: str) -> bytes:
+    request = {"uid": uid, "kind": {"group": "resource.k8s.io", "version": "v1", "kind": obj["kind"]},
+               "resource": {"group": "resource.k8s.io", "version": "v1", "resource": "resourceclaims"},
+               "operation": "CREATE", "namespace": NAMESPACE, "object": obj, "userInfo": {"username": "alice"}}
+    return json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": request}).encode()
+
+
+def _timed_request(hook: Webhook, method: str, path: str, body: bytes | None = None) -> tuple[float, int, bytes]:
+    """Seconds to the answer (connection and TLS handshake included), its status and body; from 127.0.0.1."""
+    ctx = ssl.create_default_context(cafile=str(hook.certs.ca))
+    began = time.monotonic()
+    conn = http.client.HTTPSConnection("127.0.0.1", hook.port, context=ctx, timeout=2 * API_SERVER_TIMEOUT)
+    try:
+        conn.request(method, path, body=body, headers={"Content-Type": "application/json"} if body else {})
+        resp = conn.getresponse()
+        data = resp.read()
+    except TimeoutError:
+        raise AssertionError(f"{method} {path}: no answer within {2 * API_SERVER_TIMEOUT:.0f}s") from None
+    finally:
+        conn.close()
+    return time.monotonic() - began, resp.status, data
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    try:
+        sock.settimeout(0)
+        return sock.recv(1) == b""
+    except (BlockingIOError, ssl.SSLWantReadError):
+        return False
+    except OSError:  # reset
+        return True
+
+
+def test_slow_bodies_and_idle_connections_do_not_delay_a_review(certs: ServingCert) -> None:
+    """128 idle connections, then 16 clients that send a complete head (Content-Length: 3145728) and trickle the
+    body: a review and /healthz are still answered within a second, and every trickling client is cut before the
+    API server's webhook timeout. The clients come from other loopback addresses than the review, as other pods
+    would (several, as the idle ones fill more than one client's share)."""
+    hook = Webhook(None, certs, DRIVER, False, "slow-clients")
+    hook.start()
+    ctx = ssl.create_default_context(cafile=str(certs.ca))
+    opened: dict[socket.socket, float] = {}
+    done = threading.Event()
+
+    def trickle() -> None:
+        while not done.wait(2.0):
+            for sock in list(opened):
+                try:
+                    sock.sendall(b" ")
+                except OSError:  # cut by the server
+                    pass
+
+    try:
+        with ExitStack() as stack:
+            for i in range(IDLE):
+                stack.enter_context(closing(socket.create_connection(
+                    ("127.0.0.1", hook.port), timeout=5, source_address=(f"127.0.1.{1 + i // 32}", 0))))
+            for _ in range(SLOW_BODIES):
+                raw = socket.create_connection(("127.0.0.1", hook.port), timeout=5, source_address=("127.0.2.1", 0))
+                sock = stack.enter_context(closing(ctx.wrap_socket(raw, server_hostname="127.0.0.1")))
+                sock.sendall(b"POST /validate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 3145728\r\n\r\n{")
+                opened[sock] = time.monotonic()
+            threading.Thread(target=trickle, daemon=True).start()
+            try:
+                took, status, data = _timed_request(hook, "POST", "/validate",
+                                                    _review(claim("slow-bad", DRIVER, BAD_MPS), "uid-bad"))
+                assert status == 200, data
+                answer = json.loads(data)["response"]
+                assert answer["uid"] == "uid-bad" and answer["allowed"] is False, answer
+                assert BAD_FIELD in answer["status"]["message"]
+                assert took < 1, f"a review waited {took:.1f}s behind slow and idle clients"
+                took, status, data = _timed_request(hook, "POST", "/validate",
+                                                    _review(claim("slow-good", DRIVER, GOOD_MPS), "uid-good"))
+                assert status == 200 and json.loads(data)["response"] == {"uid": "uid-good", "allowed": True}, data
+                assert took < 1, f"a review waited {took:.1f}s behind slow and idle clients"
+                took, status, data = _timed_request(hook, "GET", "/healthz")
+                assert status == 200 and took < 1, (status, data, f"{took:.1f}s")
+                # Every trickling client is cut before the API server would have given up on a review it sent.
+                deadline = time.monotonic() + 3 * API_SERVER_TIMEOUT
+                cut: dict[socket.socket, float] = {}
+                while len(cut) < len(opened) and time.monotonic() < deadline:
+                    for sock in opened.keys() - cut.keys():
+                        if _closed_by_server(sock):
+                            cut[sock] = time.monotonic() - opened[sock]
+                    time.sleep(0.05)
+                assert len(cut) == len(opened), f"{len(opened) - len(cut)} trickling clients still held"
+                assert max(cut.values()) < API_SERVER_TIMEOUT, f"a trickling client held {max(cut.values()):.1f}s"
+            finally:
+                done.set()
+    finally:
+        hook.stop()

@@ -1,5 +1,5 @@
-"""Helm for the tests: the binary hack/build-helm.sh builds (or reuses) from the pin in hack/versions.env, and
-`helm template` of the chart as parsed objects."""
+"""Helm for the tests and the benchmarks: the binary hack/build-helm.sh builds (or reuses) from the pin in
+hack/versions.env, and `helm template` of the chart as parsed objects."""
 from __future__ import annotations
 
 import functools
