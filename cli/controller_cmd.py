@@ -1,4 +1,5 @@
-"""`gpu-dra controller`: the cluster controller (DeviceClasses, slices of vanished nodes, /healthz, /metrics)."""
+"""`gpu-dra controller`: the cluster controller (DeviceClasses, slices of vanished nodes, /healthz, /metrics) and
+Warning Events for pending claims that MPS tenancy keeps off the devices (controller.pendingclaims)."""
 from __future__ import annotations
 
 import argparse
@@ -20,6 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=8080, help="port for /healthz and /metrics (0: any free port)")
     parser.add_argument("--metrics-address", default="0.0.0.0", help="address to serve /healthz and /metrics on")
     parser.add_argument("--interval", type=float, default=30.0, help="seconds between reconcile passes")
+    parser.add_argument("--pending-interval", type=float, default=5.0,
+                        help="seconds between passes over pending claims, which get a Warning Event when MPS tenancy "
+                             "keeps them off the devices (0: none)")
     parser.add_argument("--once", action="store_true", help="one successful pass (retrying with back-off), then exit")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
@@ -28,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from api.deviceclasses import device_classes
     from controller.cluster import ClusterController
+    from controller.pendingclaims import PendingClaimEvents
     from kube.connect import ConnectError, api_client_from
     from kube.httpserver import serve_health_and_metrics
 
@@ -39,6 +44,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     driver = NVIDIA_DRIVER_NAME if args.compat_nvidia else args.driver_name
     ctl = ClusterController(api, driver, classes, interval=args.interval)
+    if args.pending_interval < 0:
+        print("gpu-dra controller: --pending-interval must be 0 (off) or more seconds", file=sys.stderr)
+        return 2
     if args.once:
         try:
             ctl.run_until_success(timeout=max(60.0, 4 * args.interval))
@@ -54,10 +62,18 @@ def run(args: argparse.Namespace) -> int:
     server = serve_health_and_metrics(args.metrics_port, ctl.healthy, args.metrics_address)
     host, port = server.server_address[:2]
     log.info("driver %s: serving /healthz and /metrics on %s:%d; %d DeviceClasses to keep", driver, host, port, len(classes))
+    pending = None
+    if args.pending_interval:
+        pending = PendingClaimEvents(api, driver, [c["metadata"]["name"] for c in classes],
+                                     interval=args.pending_interval)
     ctl.start()
+    if pending is not None:
+        pending.start()
     try:
         stop.wait()
     finally:
+        if pending is not None:
+            pending.stop()
         ctl.stop()
         server.shutdown()
     return 0

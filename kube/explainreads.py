@@ -37,15 +37,17 @@ class ExplainTargets:
     notes: list[str] = field(default_factory=list)
 
 
-def read_cluster_state(kube: KubeApi) -> ClusterState:
+def read_cluster_state(kube: KubeApi, claims: list[dict[str, Any]] | None = None) -> ClusterState:
+    """`claims`: every ResourceClaim as the caller listed it just before; listed here if None."""
     try:
         rules = kube.list(TAINT_RULES)["items"]
     except ApiError as exc:
         if exc.status not in (404, 403):
             raise
         rules = []          # servers before 1.37 have no v1 DeviceTaintRule
-    return ClusterState(kube.list(DEVICE_CLASSES)["items"], kube.list(SLICES)["items"], kube.list(CLAIMS)["items"],
-                        rules, [n["metadata"]["name"] for n in kube.list_metadata(NODES)["items"]])
+    return ClusterState(kube.list(DEVICE_CLASSES)["items"], kube.list(SLICES)["items"],
+                        kube.list(CLAIMS)["items"] if claims is None else claims, rules,
+                        [n["metadata"]["name"] for n in kube.list_metadata(NODES)["items"]])
 
 
 def _claims_path(ns: str) -> str:

@@ -22,13 +22,20 @@ def tolerates(toleration: dict[str, Any], taint: dict[str, Any]) -> bool:
     return toleration.get("key") == taint.get("key") and (toleration.get("value") or "") == (taint.get("value") or "")
 
 
+def untolerated(taints: list[dict[str, Any]], tolerations: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
+    """The blocking taints that no toleration covers."""
+    return [t for t in taints
+            if t.get("effect") in _BLOCKING_EFFECTS and not any(tolerates(tol, t) for tol in tolerations)]
+
+
+def taint_text(taint: dict[str, Any]) -> str:
+    """`key=value:Effect`, as kubectl writes a taint."""
+    return f"{taint.get('key')}{'=' + taint['value'] if taint.get('value') else ''}:{taint.get('effect')}"
+
+
 def untolerated_taints(taints: list[dict[str, Any]], tolerations: tuple[dict[str, Any], ...]) -> list[str]:
     """The blocking taints that no toleration covers, as `key=value:Effect`."""
-    out = []
-    for t in taints:
-        if t.get("effect") in _BLOCKING_EFFECTS and not any(tolerates(tol, t) for tol in tolerations):
-            out.append(f"{t.get('key')}{'=' + t['value'] if t.get('value') else ''}:{t.get('effect')}")
-    return out
+    return [taint_text(t) for t in untolerated(taints, tolerations)]
 
 
 def _device_capacity(device: dict[str, Any], name: str, driver: str) -> dict[str, Any] | None:

@@ -21,10 +21,11 @@ from api.quantity import quantity_value
 from dra.model.claimrequests import ALL, Alternative, ClaimSpec, Constraint, read_claim_spec
 from dra.model.devicecel import (CelRuntimeError, CelUnsupported, attribute_value, compile_selector,
                                  device_variable, split_qualified)
-from dra.model.devicefit import capacity_needs, format_amount, untolerated_taints
+from dra.model.devicefit import capacity_needs, format_amount, taint_text, untolerated
 from dra.model.poolview import (CounterKey, DeviceKey, Pool, PoolDevice, Usage, allocated_node,
                                 allocation_results, build_pools, claim_id, counter_holders, counters_in_use,
                                 usage_of)
+from dra.model.tenancy import tenancy_namespace, tenancy_reason
 
 # Bound on the devices the search tries per node; past it the node is reported as undecided, not guessed.
 SEARCH_LIMIT = 200_000
@@ -52,6 +53,8 @@ class AlternativeReport:
     free: list[str] = field(default_factory=list)
     why_not: list[str] = field(default_factory=list)     # one line per kind of unusable device
     capacity_left: list[str] = field(default_factory=list)  # consumable capacity of shared devices
+    # MPS tenancy (dra.model.tenancy): namespace -> the GPUs whose matching devices are kept for its daemon
+    tenancy: dict[str, list[str]] = field(default_factory=dict)
     error: str = ""
 
 
@@ -94,6 +97,7 @@ class _Candidate:
     state: str
     why: str
     needs: dict[str, Fraction]
+    tenant: str = ""          # the namespace whose MPS daemon the device's tenancy taint names
 
 
 class _Context:
@@ -138,9 +142,13 @@ class _Context:
 # ------------------------------------------------------------------------------------ per-device states
 
 def _classify(ctx: _Context, pool: Pool, dev: PoolDevice, alt: Alternative) -> _Candidate:
-    taints = untolerated_taints(dev.taints, alt.tolerations)
+    taints = untolerated(dev.taints, alt.tolerations)
     if taints:
-        return _Candidate(dev, TAINTED, f"tainted {', '.join(taints)}, not tolerated", {})
+        tenants = [ns for ns in (tenancy_namespace(t, dev.key[0]) for t in taints) if ns is not None]
+        why = f"tainted {', '.join(taint_text(t) for t in taints)}, not tolerated"
+        if tenants:
+            why += f" ({tenancy_reason(tenants[0])})"
+        return _Candidate(dev, TAINTED, why, {}, tenants[0] if tenants else "")
     needs, why = capacity_needs(dev.raw, dev.key[0], alt.capacity)
     if why:
         return _Candidate(dev, CAPACITY, why, {})
@@ -196,6 +204,11 @@ def _candidates(ctx: _Context, node: str, alt: Alternative, report: AlternativeR
             report.capacity_left += [f"{c.dev.name}: {n} {format_amount(left)} of {format_amount(total)} left"
                                      for n, left, total in _capacity_left(ctx, c.dev)]
     report.states = dict(Counter(c.state for _, c in out))
+    for _, c in out:
+        if c.tenant:
+            gpus = report.tenancy.setdefault(c.tenant, [])
+            if _gpu_of(c.dev) not in gpus:
+                gpus.append(_gpu_of(c.dev))
     report.free = [c.dev.name for _, c in out if c.state == FREE]
     by_why: dict[str, list[str]] = defaultdict(list)
     for _, c in out:
@@ -203,6 +216,13 @@ def _candidates(ctx: _Context, node: str, alt: Alternative, report: AlternativeR
             by_why[c.why].append(c.dev.name)
     report.why_not = [f"{_names(devs)} {'is' if len(devs) == 1 else 'are'} {why}" for why, devs in by_why.items()]
     return out
+
+
+def _gpu_of(dev: PoolDevice) -> str:
+    """The GPU a device is part of: its parentUUID attribute (slots, shares, MIG devices), else its own name."""
+    attrs = dev.raw.get("attributes") or {}
+    parent = attrs.get("parentUUID") or attrs.get(f"{dev.key[0]}/parentUUID") or {}
+    return str(parent.get("string") or dev.name)
 
 
 def _names(devs: list[str]) -> str:

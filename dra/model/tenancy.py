@@ -45,6 +45,19 @@ def tenancy_toleration(driver: str, namespace: str) -> dict[str, Any]:
     return {"key": tenancy_taint_key(driver), "operator": "Equal", "value": namespace, "effect": TENANCY_EFFECT}
 
 
+def tenancy_namespace(taint: Mapping[str, Any], driver: str) -> str | None:
+    """The namespace whose MPS daemon a taint of ``driver``'s devices says their GPU serves; None for any other
+    taint."""
+    if taint.get("key") == tenancy_taint_key(driver) and taint.get("effect") == TENANCY_EFFECT:
+        return str(taint.get("value") or "")
+    return None
+
+
+def tenancy_reason(namespace: str) -> str:
+    """How a device kept for a namespace's daemon is explained, in `gpu-dra explain` and the controller's Event."""
+    return f"MPS daemon serves namespace {namespace}"
+
+
 def tolerates_tenancy(tolerations: Iterable[Mapping[str, Any]], driver: str, namespace: str) -> bool:
     taint = tenancy_taint(driver, namespace)
     return any(tolerates(dict(t), taint) for t in tolerations)

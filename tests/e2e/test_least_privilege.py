@@ -20,9 +20,10 @@ from api.deviceclasses import device_classes
 from testbed.demo_examples import create_namespace
 from testbed.localcluster import ClusterError, LocalCluster, find_binaries, pinned_version
 from controller.cluster import DRIVER_LABEL, MANAGED_BY, MANAGED_BY_LABEL, ClusterController
+from controller.pendingclaims import PendingClaimEvents
 from testbed.helmchart import render
 from kube.client import DEVICE_CLASSES, NODES, RESOURCE_V1, SLICES, ApiError, KubeApi
-from kube.events import KubernetesEventWriter, claim_ref, event_body, micro_time
+from kube.events import KubernetesEventWriter, ObjectRef, claim_ref, event_body, micro_time
 from kube.resourceslices import DesiredPool, Owner, ResourceSliceController
 from kubeletplugin.claims import ClaimRef, KubernetesClaimSource
 from kubeletplugin.claimstatus import DeviceStatus, KubernetesClaimStatusWriter
@@ -321,4 +322,19 @@ def test_the_plugins_and_the_controllers_own_calls_pass_with_the_chart_rbac_alon
     refused(lambda: r.controller.get(f"{DEVICE_CLASSES}/probe.{driver}"), also=(403,))
     message = refused(lambda: r.controller.delete(DEVICE_CLASSES, f"probe.{driver}"), by_policy=r.classes_policy).message
     assert f"may only delete DeviceClasses it made for that driver, not DeviceClass probe.{driver}" in message
-    refused(lambda: r.controller.list(claim_path(r.ns_a)), also=(403,))
+    # Its pass over pending claims: the claims listed, the cluster state read to judge a waiting one (the
+    # DeviceTaintRules, on servers that have them), and a Warning Event on a claim and its pod.
+    waiting = r.claim(r.ns_b, "waiting")
+    pending = PendingClaimEvents(r.controller_client, driver, wanted, min_age_s=0)
+    assert pending.pass_once() == 1
+    if minor(r.kube) >= 37:
+        r.controller.list(f"{RESOURCE_V1}/devicetaintrules")
+    pod = ObjectRef("v1", "Pod", r.ns_b, "waiting-pod", "0f8a7c6e-1111-4222-8333-444455556666")
+    for regarding in (claim_ref(r.ns_b, "waiting", waiting["metadata"]["uid"]), pod):
+        KubernetesEventWriter(r.controller_client).create(event_body(
+            regarding, reason="MPSTenancy", note="probe", controller=f"{driver}/controller", instance="probe",
+            now=time.time()))
+    # Nothing more of claims and pods than that list.
+    refused(lambda: r.controller.get(claim_path(r.ns_b, "waiting")), also=(403,))
+    refused(lambda: merge_status(r.controller, r.ns_b, "waiting", {"allocation": None}), also=(403,))
+    refused(lambda: r.controller.list(f"/api/v1/namespaces/{r.ns_b}/pods"), also=(403,))

@@ -1,0 +1,244 @@
+"""Warning Events for pending claims that MPS tenancy keeps off every device that would fit.
+
+A GPU whose MPS daemon serves one namespace has its MPS slots and shares tainted
+``<driver>/mps-namespace=<namespace>:NoExecute`` (dra.model.tenancy), so the scheduler never allocates them to a
+claim of another namespace. When nothing else fits, the pod stays Pending and the scheduler says only
+"cannot allocate all claims". This loop says why: an Event (``events.k8s.io/v1``, type Warning, reason
+``MPSTenancy``) on each such claim and on the Pod that owns it (a template's claim), naming the namespace the GPUs
+serve, e.g. ``claim team-b/train-x7 cannot be allocated: the MPS slots and shares of 2 GPUs on node-a serve
+namespace team-a (...)``.
+
+Each pass (every ``interval`` seconds, default 5: a pending pod is a person waiting):
+
+- one LIST of ResourceClaims, cluster-wide;
+- the unallocated ones that ask for one of this driver's DeviceClasses, grouped by the Pod that owns them (a pod's
+  claims are allocated together, so they are judged together); a group is due once its oldest claim is
+  ``min_age_s`` old (the scheduler has had its try) and then again every ``recheck_s``;
+- bounded work: at most ``max_per_pass`` groups are evaluated per pass (the longest-waiting first); the rest wait
+  for the next pass. Nothing more is read unless a group is due; then the cluster state is read once for the
+  pass (kube.explainreads.read_cluster_state with the claims already listed) and each group is judged by
+  ``gpu-dra explain``'s model (dra.model.explain), which decides as kube-scheduler does;
+- a verdict "not allocatable" with matching devices kept for another namespace's MPS daemon posts one Event per
+  object; it is posted again only when its message changes. What was posted is remembered per group and
+  forgotten once the group's claims are allocated or gone, so memory follows the pending claims.
+
+An Event is a courtesy: one that is refused or fails is logged and tried again at the group's next evaluation.
+
+RBAC (deploy/helm, rbac-controller.yaml): ``list`` on resourceclaims and devicetaintrules (deviceclasses,
+resourceslices and nodes are listed by the cluster controller anyway) and ``create`` on ``events`` in
+``events.k8s.io``.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from dra.model.claimrequests import ClaimSpecError, read_claim_spec
+from dra.model.explain import NOT_ALLOCATABLE, Explanation, Target, explain
+from dra.model.tenancy import tenancy_reason
+from kube.backoff import Backoff
+from kube.client import ApiError, ApiUnavailable, KubeApi
+from kube.events import EventWriter, KubernetesEventWriter, ObjectRef, claim_ref, event_body
+from kube.explainreads import CLAIMS, read_cluster_state
+
+log = logging.getLogger(__name__)
+
+MPS_TENANCY = "MPSTenancy"
+ACTION_ALLOCATE = "Allocate"
+MAX_OTHER_LINES = 3        # lines about devices that are unusable for other reasons, in one Event
+
+
+@dataclass
+class PendingGroup:
+    """Unallocated claims judged together: those owned by one Pod, or one claim without an owning Pod."""
+
+    key: str                                    # the pod's UID, else the claim's
+    pod: ObjectRef | None
+    claims: list[dict[str, Any]] = field(default_factory=list)
+    since: float = 0.0                          # creation time of the oldest claim (wall clock)
+
+    @property
+    def names(self) -> list[str]:
+        return [f"{c['metadata'].get('namespace', '')}/{c['metadata'].get('name', '')}" for c in self.claims]
+
+
+def owning_pod(claim: dict[str, Any]) -> ObjectRef | None:
+    """The Pod a claim was generated for (its controller ownerReference), if any."""
+    meta = claim.get("metadata") or {}
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("controller") and ref.get("kind") == "Pod" and ref.get("apiVersion") == "v1" and ref.get("name"):
+            return ObjectRef("v1", "Pod", str(meta.get("namespace", "")), str(ref["name"]), str(ref.get("uid", "")))
+    return None
+
+
+def asks_for(claim: dict[str, Any], class_names: Iterable[str]) -> bool:
+    """Whether a request (or subrequest) of the claim names one of the classes."""
+    try:
+        spec = read_claim_spec(claim.get("spec") or {})
+    except ClaimSpecError:
+        return False           # the API server validated it; nothing the scheduler could allocate either
+    wanted = set(class_names)
+    return any(alt.device_class in wanted for req in spec.requests for alt in req.alternatives)
+
+
+def created_at(claim: dict[str, Any]) -> float | None:
+    stamp = (claim.get("metadata") or {}).get("creationTimestamp")
+    try:
+        return datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp() if stamp else None
+    except ValueError:
+        return None
+
+
+def pending_groups(claims: Sequence[dict[str, Any]], class_names: Iterable[str]) -> list[PendingGroup]:
+    """The unallocated claims, not being deleted, grouped by owning Pod; only groups with a claim that asks for
+    one of ``class_names``. Oldest first."""
+    names = set(class_names)
+    groups: dict[str, PendingGroup] = {}
+    for claim in claims:
+        meta = claim.get("metadata") or {}
+        if (claim.get("status") or {}).get("allocation") or meta.get("deletionTimestamp"):
+            continue
+        pod = owning_pod(claim)
+        key = pod.uid if pod is not None and pod.uid else str(meta.get("uid", ""))
+        group = groups.setdefault(key, PendingGroup(key, pod, since=float("inf")))
+        group.claims.append(claim)
+        group.since = min(group.since, created_at(claim) or 0.0)
+    wanted = [g for g in groups.values() if any(asks_for(c, names) for c in g.claims)]
+    return sorted(wanted, key=lambda g: (g.since, g.key))
+
+
+def tenancy_note(names: Sequence[str], exp: Explanation) -> str | None:
+    """The Event's message when the claims are not allocatable and matching devices are kept for another
+    namespace's MPS daemon; None otherwise."""
+    if exp.verdict != NOT_ALLOCATABLE:
+        return None
+    held: dict[tuple[str, str], set[str]] = {}          # (node, namespace) -> GPUs
+    others: list[str] = []
+    for node in exp.nodes:
+        for rep in node.requests:
+            for ns, gpus in rep.tenancy.items():
+                held.setdefault((node.node, ns), set()).update(gpus)
+            others += [f"{node.node}: {line}" for line in rep.why_not
+                       if not any(tenancy_reason(ns) in line for ns in rep.tenancy)]
+    if not held:
+        return None
+    who = f"claim {names[0]}" if len(names) == 1 else f"claims {', '.join(names)} (allocated together)"
+    serve = ", ".join(f"{len(gpus)} GPU{'s' * (len(gpus) != 1)} on {node} serve namespace {ns}"
+                      for (node, ns), gpus in sorted(held.items()))
+    note = (f"{who} cannot be allocated: the MPS slots and shares of {serve} (an MPS daemon serves one namespace; "
+            f"node policy mps.shareAcrossNamespaces)")
+    if others:
+        more = len(others) - MAX_OTHER_LINES
+        note += "; other devices: " + "; ".join(others[:MAX_OTHER_LINES]) + (f"; and {more} more" if more > 0 else "")
+    return note
+
+
+@dataclass
+class _Seen:
+    checked: float                 # monotonic time of the last evaluation
+    note: str | None = None        # what was posted, None if nothing
+
+
+class PendingClaimEvents:
+    """The loop of the module docstring. ``kube`` and ``writer`` default to the API server's."""
+
+    def __init__(self, api_client: Any, driver: str, class_names: Iterable[str], *, interval: float = 5.0,
+                 min_age_s: float = 5.0, recheck_s: float = 30.0, max_per_pass: int = 10,
+                 kube: Any = None, writer: EventWriter | None = None, instance: str | None = None,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+        self.kube = kube if kube is not None else KubeApi(api_client)
+        self.writer = writer if writer is not None else KubernetesEventWriter(api_client)
+        self.driver = driver
+        self.class_names = frozenset(class_names)
+        self.interval, self.min_age_s, self.recheck_s = interval, min_age_s, recheck_s
+        self.max_per_pass = max_per_pass
+        self.controller = f"{driver}/controller"
+        self.instance = instance or socket.gethostname() or "gpu-dra-controller"
+        self._clock, self._wall = clock, wall
+        self._seen: dict[str, _Seen] = {}
+        self._backoff = Backoff(initial=0.5, maximum=max(interval, 30.0))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.events_posted = 0
+        self.last_error: str | None = None
+
+    def pass_once(self) -> int:
+        """One pass; returns the number of groups evaluated. Raises ApiUnavailable/ApiError when the reads fail."""
+        claims = self.kube.list(CLAIMS)["items"]
+        groups = pending_groups(claims, self.class_names)
+        pending = {g.key for g in groups}
+        for key in [k for k in self._seen if k not in pending]:
+            del self._seen[key]
+        now, wall = self._clock(), self._wall()
+        due = [g for g in groups if wall - g.since >= self.min_age_s and
+               (g.key not in self._seen or now - self._seen[g.key].checked >= self.recheck_s)][:self.max_per_pass]
+        if not due:
+            return 0
+        state = read_cluster_state(self.kube, claims=claims)
+        for group in due:
+            seen = self._seen.setdefault(group.key, _Seen(now))
+            seen.checked = now
+            try:
+                exp = explain([Target(n, c) for n, c in zip(group.names, group.claims)], state.classes, state.slices,
+                              state.claims, state.taint_rules, state.nodes)
+            except Exception as exc:  # noqa: BLE001 - one claim the model cannot judge must not stop the others
+                log.warning("pending claims %s not evaluated: %s", ", ".join(group.names), exc)
+                continue
+            note = tenancy_note(group.names, exp)
+            if note is not None and note != seen.note and self._post(group, note):
+                seen.note = note
+        return len(due)
+
+    def _post(self, group: PendingGroup, note: str) -> bool:
+        at = self._wall()
+        refs = [claim_ref(str(c["metadata"].get("namespace", "")), str(c["metadata"].get("name", "")),
+                          str(c["metadata"].get("uid", ""))) for c in group.claims]
+        targets: list[tuple[ObjectRef, ObjectRef | None]] = [(r, None) for r in refs]
+        if group.pod is not None:
+            targets.append((group.pod, refs[0] if len(refs) == 1 else None))
+        try:
+            for regarding, related in targets:
+                self.writer.create(event_body(regarding, reason=MPS_TENANCY, note=note, controller=self.controller,
+                                              instance=self.instance, now=at, related=related,
+                                              action=ACTION_ALLOCATE))
+                self.events_posted += 1
+        except (ApiError, ApiUnavailable) as exc:
+            log.warning("event about pending claims %s not written: %s", ", ".join(group.names), exc)
+            return False
+        log.info("pending claims: %s", note)
+        return True
+
+    # ---- the loop ---------------------------------------------------------------------------------
+
+    def start(self) -> "PendingClaimEvents":
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name=f"pending-claims-{self.driver}", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.pass_once()
+            except (ApiUnavailable, ApiError) as exc:
+                self.last_error = str(exc)
+                log.warning("pending claims pass failed: %s", exc)
+                delay = self._backoff.failure("pass")
+            else:
+                self.last_error = None
+                self._backoff.success("pass")
+                delay = self.interval
+            self._stop.wait(delay)
