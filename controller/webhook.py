@@ -9,7 +9,8 @@ the plugin.
 Served over TLS by `serve`: POST /validate (AdmissionReview admission.k8s.io/v1), GET /healthz and /readyz.
 The certificate and key are read again whenever their files change (a rotated Secret), for new connections.
 Anyone who reaches the port is bounded like the API server: bodies of at most 3 MiB, JSON of at most 64 levels
-(deeper parts read as null, refused by the decoder), threads and connection time as `kube.httpserver` bounds them.
+(deeper parts read as null, refused by the decoder), threads, connections and their time as `kube.httpserver`
+bounds them with `LIMITS`: a review reaches a worker only once it has arrived whole, within 3 s of connecting.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import ssl
 import sys
 import threading
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from prometheus_client import Counter
@@ -47,6 +49,10 @@ MAX_BODY = 3 << 20
 # Deep enough for any config the decoder accepts (its own bound, MAX_PARAMETERS_DEPTH, below the ~10 levels of the
 # review around the parameters); deeper containers are read as null, which the decoder then refuses for depth.
 MAX_JSON_DEPTH = 64
+# Bodies up to MAX_BODY are read before a worker takes the review. Every request must arrive and be answered
+# within 3 s of connecting, well inside the API server's timeout (the chart's webhook.timeoutSeconds, 5 s): the
+# API server sends at once, and a client that trickles is cut before it could make a review wait that long.
+LIMITS = ConnectionLimits(idle_timeout=3.0, request_timeout=3.0, max_body=MAX_BODY)
 
 
 def config_problems(obj: Any, resource: str, *, driver_name: str, compat_nvidia: bool) -> list[str]:
@@ -169,7 +175,7 @@ class _ReviewHandler(ProbeHandler):
             # Answered before the body is read; the connection is closed with the rest unread.
             self._reply(413, "text/plain; charset=utf-8", f"body must be 1 to {MAX_BODY} bytes\n".encode())
             return
-        body = self.rfile.read(length)
+        body = self.rfile.read(length)  # read by the server already: no wait on the client
         try:
             answer = review(loads_bounded(body, MAX_JSON_DEPTH), driver_name=self.driver_name,
                             compat_nvidia=self.compat_nvidia)
@@ -180,11 +186,12 @@ class _ReviewHandler(ProbeHandler):
 
 
 def serve(address: str, port: int, cert_file: str, key_file: str, *, driver_name: str,
-          compat_nvidia: bool, limits: ConnectionLimits = ConnectionLimits()) -> BoundedHTTPServer:
+          compat_nvidia: bool, limits: ConnectionLimits = LIMITS) -> BoundedHTTPServer:
     """Starts serving in a background thread; port 0 picks a free one (server.server_address). Stop with
     server.shutdown(). Raises OSError or ssl.SSLError when the certificate or key cannot be loaded."""
     reloader = _CertReloader(cert_file, key_file)
     handler = type("Handler", (_ReviewHandler,), {"driver_name": driver_name, "compat_nvidia": compat_nvidia})
-    server = _TLSServer((address, port), handler, limits=limits)
+    # Whatever the other limits, a review's body is read before a worker takes it (the handler reads no further).
+    server = _TLSServer((address, port), handler, limits=replace(limits, max_body=MAX_BODY))
     server.reloader = reloader
     return start(server, "webhook")

@@ -22,7 +22,7 @@ import pytest
 
 from api.names import DEFAULT_DRIVER_NAME
 from controller.webhook import MAX_BODY, serve
-from kube.httpserver import BoundedHTTPServer, ConnectionLimits, serve_health_and_metrics
+from kube.httpserver import BoundedHTTPServer, ConnectionLimits, ProbeHandler, serve_health_and_metrics, start
 from tlscerts import ServingCert, make_serving_cert
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,12 +98,12 @@ def test_idle_connections_hold_no_threads_and_healthz_still_answers(make_server:
         idle = [stack.enter_context(closing(_connect(srv))) for _ in range(200)]
         time.sleep(0.5)  # every connection accepted
         threads = threading.active_count() - before
-        # The accepting thread and the workers, whatever the number of connections.
-        assert threads <= 1 + ConnectionLimits().workers, f"{threads} threads for {len(idle)} idle connections"
+        # The accepting thread, the workers and the probes' thread, whatever the number of connections.
+        assert threads <= 2 + ConnectionLimits().workers, f"{threads} threads for {len(idle)} idle connections"
         start = time.monotonic()
         assert get("/healthz") == 200
         assert time.monotonic() - start < 2, "a fresh /healthz waited behind idle connections"
-    assert threading.active_count() - before <= 1 + ConnectionLimits().workers
+    assert threading.active_count() - before <= 2 + ConnectionLimits().workers
 
 
 def test_a_silent_connection_is_closed_after_the_idle_timeout(make_server: Callable[..., Server]) -> None:
@@ -288,3 +288,171 @@ def test_a_full_server_keeps_serving_when_the_connection_it_drops_was_readable()
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+# --- whole requests before workers, per-client and body limits, probes beside the workers ------------------------
+
+class _EchoHandler(ProbeHandler):
+    """POST answers its body; POST /wait first waits for the server's `release` (a worker kept busy)."""
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server naming
+        body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        self.server.handled.append(self.path)  # type: ignore[attr-defined]
+        if self.path == "/wait":
+            self.server.release.wait(10)  # type: ignore[attr-defined]
+        self._reply(200, "application/octet-stream", body)
+
+
+@pytest.fixture
+def echo_server() -> Iterator[Callable[[ConnectionLimits], BoundedHTTPServer]]:
+    started: list[BoundedHTTPServer] = []
+
+    def make(limits: ConnectionLimits) -> BoundedHTTPServer:
+        srv = BoundedHTTPServer(("127.0.0.1", 0), _EchoHandler, limits=limits)
+        srv.release = threading.Event()  # type: ignore[attr-defined]
+        srv.handled = []  # type: ignore[attr-defined]
+        started.append(start(srv, "echo"))
+        return srv
+
+    yield make
+    for srv in started:
+        srv.release.set()  # type: ignore[attr-defined]
+        srv.shutdown()
+        srv.server_close()
+
+
+def _post(srv: BoundedHTTPServer, path: str, body: bytes, *, declared: int | None = None,
+          source: str = "127.0.0.1") -> socket.socket:
+    """A connection that has sent a POST head declaring `declared` bytes (default: len(body)) and then `body`."""
+    sock = socket.create_connection(("127.0.0.1", srv.server_address[1]), timeout=5, source_address=(source, 0))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body) if declared is None else declared}"
+                 f"\r\n\r\n".encode() + body)
+    return sock
+
+
+def _open(sock: socket.socket) -> bool:
+    """Whether the server still holds `sock` open (nothing it sends is expected yet)."""
+    sock.settimeout(0)
+    try:
+        return sock.recv(1) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.settimeout(5)
+
+
+def _wait_closed(socks: list[socket.socket], seconds: float = 5) -> None:
+    deadline = time.monotonic() + seconds
+    while any(_open(s) for s in socks):
+        assert time.monotonic() < deadline, f"{sum(_open(s) for s in socks)} connections never closed"
+        time.sleep(0.02)
+
+
+def test_trickling_bodies_hold_no_workers_and_no_server_full_of_them_refuses_a_new_request(
+        echo_server: Callable[[ConnectionLimits], BoundedHTTPServer]) -> None:
+    """Each connection sends a whole head and then its body byte by byte: none gets a worker, and when they fill
+    every connection a new request still gets in (they are still arriving, so the oldest makes room)."""
+    limits = ConnectionLimits(workers=1, max_connections=4, max_body=1 << 20)
+    srv = echo_server(limits)
+    with ExitStack() as stack:
+        slow = [stack.enter_context(closing(_post(srv, "/", b"{", declared=1 << 20))) for _ in range(4)]
+        for sock in slow:
+            sock.sendall(b" ")
+        start = time.monotonic()
+        with closing(_post(srv, "/", b"hello")) as sock:
+            answer = _read_answer(sock)
+        assert time.monotonic() - start < 1, f"a request waited {time.monotonic() - start:.1f}s behind slow bodies"
+        assert answer.startswith(b"HTTP/1.0 200") and answer.endswith(b"\r\n\r\nhello"), answer
+        _wait_closed(slow[:1])  # the oldest made room for it
+        assert srv.handled == ["/"]  # type: ignore[attr-defined]
+        # A body in pieces is one request, handled once it is whole.
+        with closing(_post(srv, "/", b"abc", declared=9)) as sock:
+            for piece in (b"def", b"ghi"):
+                time.sleep(0.1)
+                sock.sendall(piece)
+            assert _read_answer(sock).endswith(b"\r\n\r\nabcdefghi")
+
+
+def test_a_trickled_body_is_cut_at_the_request_deadline(
+        echo_server: Callable[[ConnectionLimits], BoundedHTTPServer]) -> None:
+    """Never silent for idle_timeout, yet cut once request_timeout has passed since it connected."""
+    srv = echo_server(ConnectionLimits(idle_timeout=1.0, request_timeout=2.0, max_body=1 << 20))
+    with closing(_post(srv, "/", b"{", declared=1 << 20)) as sock:
+        closed = _closed_within(sock, 6, trickle=b" ")
+    assert closed is not None, "a trickled body was never cut"
+    assert closed < 2.0 + 1, closed
+    assert srv.handled == []  # type: ignore[attr-defined]
+
+
+def test_one_client_address_cannot_take_the_connections_of_others(
+        echo_server: Callable[[ConnectionLimits], BoundedHTTPServer]) -> None:
+    """Past per_client, a client's new connection closes that client's own oldest, not another client's."""
+    srv = echo_server(ConnectionLimits(max_connections=8, per_client=4))
+    with ExitStack() as stack:
+        other = stack.enter_context(closing(socket.create_connection(("127.0.0.1", srv.server_address[1]), 5)))
+        flood = [stack.enter_context(closing(socket.create_connection(
+            ("127.0.0.1", srv.server_address[1]), timeout=5, source_address=("127.0.0.2", 0)))) for _ in range(10)]
+        _wait_closed(flood[:6])  # the sixth is closed when the tenth is accepted
+        assert all(_open(sock) for sock in flood[6:])
+        # The server's 8 connections were exceeded (11 opened), yet the oldest, another client's, is still held.
+        assert _open(other)
+        other.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+        assert _read_answer(other).startswith(b"HTTP/1.0 200")
+
+
+def test_bodies_past_the_buffer_budget_close_the_oldest_arriving_body(
+        echo_server: Callable[[ConnectionLimits], BoundedHTTPServer]) -> None:
+    """Bodies are counted by their declared length from their head on: the one that does not fit closes the
+    longest-waiting arriving request holding a body, so memory stays within max_buffered."""
+    srv = echo_server(ConnectionLimits(max_body=1000, max_buffered=2500))
+    with ExitStack() as stack:
+        first, second, third = (stack.enter_context(closing(_post(srv, "/", b"x", declared=1000))) for _ in range(3))
+        _wait_closed([first])
+        assert _open(second) and _open(third)
+        third.sendall(b"y" * 999)
+        assert _read_answer(third).endswith(b"\r\n\r\nx" + b"y" * 999)
+        # The answered request gave its share back: another full body fits beside the second.
+        with closing(_post(srv, "/", b"z" * 1000)) as sock:
+            assert _read_answer(sock).endswith(b"z" * 1000)
+        assert _open(second)
+
+
+def test_a_body_longer_than_max_body_goes_to_the_handler_with_nothing_read(
+        echo_server: Callable[[ConnectionLimits], BoundedHTTPServer]) -> None:
+    """Such a request is not held for its body; its handler reads only what the server read for it (no body), so
+    it answers at once instead of waiting on the client."""
+    srv = echo_server(ConnectionLimits(workers=1, max_body=100))
+    with closing(_post(srv, "/", b"abc", declared=101)) as sock:
+        answer = _read_answer(sock)
+    assert answer.startswith(b"HTTP/1.0 200") and answer.endswith(b"\r\n\r\n"), answer
+
+
+def test_probes_are_answered_while_every_worker_is_busy(
+        echo_server: Callable[[ConnectionLimits], BoundedHTTPServer]) -> None:
+    srv = echo_server(ConnectionLimits(workers=1, max_body=100))
+    with ExitStack() as stack:
+        busy = [stack.enter_context(closing(_post(srv, "/wait", b"w"))) for _ in range(2)]  # one handled, one queued
+        deadline = time.monotonic() + 5
+        while srv.handled != ["/wait"]:  # type: ignore[attr-defined]
+            assert time.monotonic() < deadline, "the worker never took a request"
+            time.sleep(0.02)
+        for path in ("/healthz", "/readyz", "/livez"):
+            start = time.monotonic()
+            assert _get(f"http://127.0.0.1:{srv.server_address[1]}{path}") == 200
+            assert time.monotonic() - start < 1, f"{path} waited {time.monotonic() - start:.1f}s behind requests"
+        srv.release.set()  # type: ignore[attr-defined]
+        assert all(_read_answer(sock).endswith(b"\r\n\r\nw") for sock in busy)
+
+
+def test_a_request_whose_deadline_passed_while_queued_is_not_handled(
+        echo_server: Callable[[ConnectionLimits], BoundedHTTPServer]) -> None:
+    """Its client has been cut already: handling it would only take a worker from the requests behind it."""
+    srv = echo_server(ConnectionLimits(workers=1, request_timeout=1.0, max_body=100))
+    with closing(_post(srv, "/wait", b"w")), closing(_post(srv, "/late", b"l")) as late:
+        assert _closed_within(late, 5) is not None, "the queued request was never cut"
+        srv.release.set()  # type: ignore[attr-defined]
+        with closing(_post(srv, "/after", b"a")) as sock:
+            assert _read_answer(sock).endswith(b"\r\n\r\na")
+    assert srv.handled == ["/wait", "/after"]  # type: ignore[attr-defined]
