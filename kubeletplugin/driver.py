@@ -184,7 +184,8 @@ class Driver:
     def _start(self) -> StartupReport:
         report = recover_at_start(checkpoint=self.checkpoint, cdi=self.cdi, actions=self.actions,
                                   rollback=self._rollback, devices=self._devices(), nvml=self.nvml,
-                                  pool_name=self.pool_name, log=self.log)
+                                  pool_name=self.pool_name, log=self.log, claims=self.claims,
+                                  driver_name=self.driver_name)
         self._update_gauges()
         return report
 
@@ -338,6 +339,11 @@ class Driver:
             return devices
 
     def _prepare_locked(self, ref: ClaimRef, log: Any) -> list[PreparedDevice]:
+        conflict = self.checkpoint.conflict_of(ref.uid)
+        if conflict is not None:
+            raise PrepareError(f"claim {ref.describe()}: the checkpoint is damaged: {conflict.describe()}, and the "
+                               "API server did not settle which one it is allocated to; the device stays out of use "
+                               "until the next start of the plugin settles it or the other claim is unprepared")
         record = self.checkpoint.get(ref.uid)
         if record is not None and record.completed and not record.recovered:
             log.debug("claim already prepared; returning the stored devices")

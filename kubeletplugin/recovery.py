@@ -1,8 +1,9 @@
 """Bringing the node in line with the checkpoint at start-up, and rebuilding prepared claims from their CDI specs
 when the checkpoint was lost.
 
-At start (``recover_at_start``): claims of an earlier boot are forgotten (their CDI specs deleted); completed
-claims are adopted (their time-slice settings, MPS daemons and MIG devices registered again, before any
+At start (``recover_at_start``): claims of an earlier boot are forgotten (their CDI specs deleted); an exclusive
+device that two records hold (a damaged or edited checkpoint) goes to the claim the API server allocates it to,
+or to neither (``resolve_double_bookings``); completed claims are adopted (their time-slice settings, MPS daemons and MIG devices registered again, before any
 rollback releases a GPU setting they share); half-done prepares are rolled back; MIG devices and CDI specs
 nobody owns are removed — unless state was lost, in which case nothing is destroyed and claims are adopted
 from their CDI specs instead.
@@ -28,12 +29,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from api.config.errors import printable
 from dra.model.devices import KIND_MIG, Device
 from dra.node import migdevices as mig
 from dra.node.cdi import CdiSpecWriter, load_spec
-from dra.node.checkpoint import PREPARE_COMPLETED, CheckpointStore, ClaimRecord, LoadResult, MpsUse, UndoInfo
+from dra.node.checkpoint import (
+    PREPARE_COMPLETED,
+    BookingConflict,
+    CheckpointStore,
+    ClaimRecord,
+    LoadResult,
+    MpsUse,
+    UndoInfo,
+)
 from dra.node.checkpoint import PreparedDevice as CheckpointDevice
 from dra.node.sharing import MpsPaths, read_record
+from kubeletplugin.claims import ClaimError, ClaimSource, allocation_for
 from kubeletplugin.deviceactions import ClaimActions, mig_undo
 
 
@@ -51,9 +62,10 @@ class StartupReport:
 
 def recover_at_start(*, checkpoint: CheckpointStore, cdi: CdiSpecWriter, actions: ClaimActions,
                      rollback: Callable[[ClaimRecord], None], devices: Mapping[str, Device], nvml: Any,
-                     pool_name: str, log: Any) -> StartupReport:
+                     pool_name: str, log: Any, claims: ClaimSource, driver_name: str) -> StartupReport:
     """Load the checkpoint and bring the node in line with it (module docstring)."""
     loaded = checkpoint.load()
+    resolve_double_bookings(checkpoint, claims, driver_name, log)
     for record in loaded.dropped_claims:
         # State from before a reboot: the hardware state is gone; the CDI file may remain on a
         # persistent spec directory.
@@ -105,6 +117,53 @@ def recover_at_start(*, checkpoint: CheckpointStore, cdi: CdiSpecWriter, actions
              dropped_after_reboot=[r.uid for r in loaded.dropped_claims], adopted_from_cdi=adopted_from_cdi,
              corrupt_checkpoint=str(loaded.corrupt_file) if loaded.corrupt_file else None)
     return report
+
+
+def resolve_double_bookings(checkpoint: CheckpointStore, claims: ClaimSource, driver_name: str, log: Any) -> None:
+    """Each exclusive device that more than one record holds goes to the one claim the API server allocates it to
+    on this node; the other records lose their booking of it. When the API server allocates it to none of them,
+    to several, or cannot be asked, both bookings stand, so the device stays out of use, and the prepare of
+    either claim fails naming the conflict (``CheckpointStore.conflict_of``). One log line per conflict."""
+    for conflict in checkpoint.conflicts():
+        allocated, unknown = _allocated_to(conflict, checkpoint, claims, driver_name)
+        if len(allocated) == 1 and not unknown:
+            checkpoint.resolve(conflict, allocated[0])
+            log.error(printable(f"checkpoint: {conflict.describe()}; the API server allocates it to claim "
+                                f"{allocated[0]} only, which keeps it: the other record(s) no longer list the device "
+                                "or a MIG device made for it, so unpreparing those claims leaves them alone"),
+                      device=conflict.device, claims=list(conflict.claims), keeper=allocated[0])
+            continue
+        if unknown:
+            why = f"the API server could not be asked about every one ({'; '.join(unknown)})"
+        elif allocated:
+            why = f"the API server allocates it to each of {', '.join(allocated)}"
+        else:
+            why = "the API server allocates it to none of them"
+        log.error(printable(f"checkpoint: {conflict.describe()} and {why}: both bookings stand, the device stays out "
+                            "of use and the prepare of either claim fails naming this conflict until the next start "
+                            "resolves it or one of them is unprepared"),
+                  device=conflict.device, claims=list(conflict.claims))
+
+
+def _allocated_to(conflict: BookingConflict, checkpoint: CheckpointStore, claims: ClaimSource,
+                  driver_name: str) -> tuple[list[str], list[str]]:
+    """(the conflict's claims whose allocation on this node holds the device, why a claim could not be asked)."""
+    allocated, unknown = [], []
+    for uid in conflict.claims:
+        record = checkpoint.get(uid)
+        if record is None or not record.namespace or not record.name:
+            unknown.append(f"claim {uid}: its record names no ResourceClaim")
+            continue
+        try:
+            claim = claims.get_claim(record.namespace, record.name, uid)
+            results = allocation_for(claim, driver_name, conflict.pool).devices
+        except ClaimError as err:
+            if err.reason != "claim":        # missing, replaced or not allocated: not the device's holder
+                unknown.append(str(err))
+            continue
+        if any(r.device == conflict.device and not r.admin_access for r in results):
+            allocated.append(uid)
+    return allocated, unknown
 
 
 def _adopt_from_cdi_specs(checkpoint: CheckpointStore, cdi: CdiSpecWriter, devices: Mapping[str, Device],

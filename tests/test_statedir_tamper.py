@@ -17,14 +17,17 @@ import pytest
 from dra.node import checkpoint as checkpoint_module
 from dra.node.checkpoint import (
     PREPARE_COMPLETED,
+    BookingConflict,
     CheckpointStore,
     ClaimRecord,
+    DeviceHeld,
     MigUndo,
     PreparedDevice,
     UndoInfo,
 )
 from dra.node.safefiles import UnsafeFile, open_regular, read_regular_file, write_regular_file
 from dra.node.taintstore import SavedTaint, TaintStore
+from kubeletplugin.claims import ClaimRef
 from test_kubeletplugin_driver import Node, ok
 
 BOOT = "7c1f3a52-0a4e-4b55-9f43-2d1f3e6b9a01"
@@ -356,7 +359,9 @@ def test_a_damaged_journal_after_a_reboot_is_void_like_the_rest_of_that_boot(tmp
 
 
 # ----- one exclusive device, two records -------------------------------------------------------------------------
-def test_two_records_holding_one_exclusive_device_are_resolved_in_one_line(tmp_path, boot_file, caplog):
+def test_two_records_holding_one_exclusive_device_are_reported_and_both_kept(tmp_path, boot_file, caplog):
+    """The store cannot tell a phantom from the real holder: it keeps both bookings (so no third claim gets the
+    device) and reports the conflict; ``resolve`` drops the others' bookings durably."""
     store = store_at(tmp_path, boot_file)
     store.load()
     store.put(record("older"))
@@ -369,14 +374,96 @@ def test_two_records_holding_one_exclusive_device_are_resolved_in_one_line(tmp_p
     store.path.write_text(json.dumps(doc))
     reread = store_at(tmp_path, boot_file)
     result = reread.load()
-    line = damage_line(caplog, store.path, DEVICE)
-    assert "older" in line and "newer" in line and "booking of it is dropped" in line
-    assert reread.holders("node-1", DEVICE) == {"newer"}
-    older = reread.get("older")
-    assert [d.device for d in older.devices] == ["gpu-1"]      # its other device stays its own
-    assert older.undo.mig_devices == ()                         # unpreparing it destroys nothing of "newer"
-    assert reread.get("newer").undo.mig_devices and result.claims == 2
-    assert store_at(tmp_path, boot_file).load() and errors(caplog) == [line]   # resolved on disk too
+    conflict = BookingConflict("node-1", DEVICE, ("newer", "older"))
+    assert result.conflicts == (conflict,) and reread.conflicts() == (conflict,) and result.claims == 2
+    assert reread.holders("node-1", DEVICE) == {"newer", "older"}
+    assert reread.conflict_of("older") == conflict and reread.conflict_of("other") is None
+    with pytest.raises(DeviceHeld):
+        reread.put(record("third"), exclusive=[("node-1", DEVICE)])
+    reread.resolve(conflict, "older")
+    assert reread.holders("node-1", DEVICE) == {"older"} and reread.conflicts() == ()
+    newer = store_at(tmp_path, boot_file)
+    assert newer.load().conflicts == ()                        # resolved on disk too
+    assert newer.get("newer").devices == () and newer.get("newer").undo.mig_devices == ()
+    assert [d.device for d in newer.get("older").devices] == [DEVICE, "gpu-1"]
+    assert newer.get("older").undo.mig_devices
+    assert errors(caplog) == []                                # the caller says what it did, in one line
+
+
+def planted(node: Node, uid: str, name: str, device: str) -> None:
+    """A journal line that books ``device`` for a claim the API server does not allocate it to, appended to the
+    checkpoint of a stopped plugin (a damaged or edited state directory)."""
+    node.driver.close()
+    phantom = ClaimRecord(uid=uid, namespace="default", name=name, state=PREPARE_COMPLETED, updated=2e9,
+                          devices=(PreparedDevice(device=device, pool="node-a", requests=("gpu",),
+                                                  cdi_device_ids=(f"k8s.gpu.dra-driver.io/claim={uid}-{device}",)),))
+    journal = node.state / "checkpoint.json.journal"
+    with open(journal, "a") as out:
+        out.write(json.dumps({"put": phantom.model_dump(mode="json", by_alias=True)}) + "\n")
+
+
+def conflict_lines(logs: list[dict]) -> list[dict]:
+    return [e for e in logs if "both hold exclusive device" in e["event"]]
+
+
+def test_a_planted_booking_never_wins_over_the_claim_the_api_server_allocates(tmp_path):
+    """A phantom record written after the real one books its device: the API server allocates the device to the
+    real claim only, so the real claim keeps it and the phantom's booking is dropped, in one log line."""
+    from structlog.testing import capture_logs
+
+    node = Node(tmp_path, {"default": {"wholeGpu": True}})
+    real = node.add_claim("real", [{"request": "gpu", "device": "gpu-0"}])
+    before = ok(node.driver, real).devices
+    phantom_uid = "0badc0de-0000-4000-8000-000000000001"
+    planted(node, phantom_uid, "phantom", "gpu-0")
+    with capture_logs() as logs:
+        driver = node.new_driver()
+    node.driver = driver
+    assert driver.checkpoint.holders("node-a", "gpu-0") == {real.uid}
+    [line] = conflict_lines(logs)
+    assert line["log_level"] == "error" and real.uid in line["event"] and phantom_uid in line["event"]
+    assert f"the API server allocates it to claim {real.uid} only, which keeps it" in line["event"], line
+    assert ok(driver, real).devices == before                  # the real claim's answer is unchanged
+    assert driver.unprepare([real])[real.uid].error == ""
+    nxt = node.add_claim("next", [{"request": "gpu", "device": "gpu-0"}])
+    ok(driver, nxt)                                            # the phantom holds nothing
+
+
+@pytest.mark.parametrize("api", ["neither", "unavailable"])
+def test_a_double_booking_the_api_server_does_not_settle_keeps_the_device_out_of_use(tmp_path, monkeypatch, api):
+    """Two records book one device and the API server allocates it to neither (or cannot be asked): both
+    bookings stand, one line says so, the prepare of either claim fails naming the conflict and no other claim
+    gets the device."""
+    from structlog.testing import capture_logs
+
+    from kubeletplugin.claims import ClaimError
+
+    node = Node(tmp_path, {"default": {"wholeGpu": True}})
+    first = node.add_claim("first", [{"request": "gpu", "device": "gpu-1"}])
+    ok(node.driver, first)
+    second_uid = "0badc0de-0000-4000-8000-000000000002"
+    planted(node, second_uid, "second", "gpu-1")
+    if api == "neither":                                       # the claim was re-allocated meanwhile
+        node.add_claim("first", [{"request": "gpu", "device": "gpu-0"}], uid=first.uid)
+    else:
+        def unavailable(namespace: str, name: str, uid: str) -> dict:
+            raise ClaimError(f"reading ResourceClaim {namespace}/{name}: the API server is unavailable",
+                             reason="unavailable")
+        monkeypatch.setattr(node.claims, "get_claim", unavailable)
+    with capture_logs() as logs:
+        driver = node.new_driver()
+    node.driver = driver
+    assert driver.checkpoint.holders("node-a", "gpu-1") == {first.uid, second_uid}
+    [line] = conflict_lines(logs)
+    assert first.uid in line["event"] and second_uid in line["event"] and "both bookings stand" in line["event"]
+    assert ("allocates it to none of them" if api == "neither" else "could not be asked") in line["event"]
+    for uid, name in ((first.uid, "first"), (second_uid, "second")):
+        ref = ClaimRef("default", uid, name)
+        err = driver.prepare([ref])[uid].error
+        assert f"claims {' and '.join(sorted([first.uid, second_uid]))} both hold exclusive device gpu-1" in err, err
+    monkeypatch.undo()
+    third = node.add_claim("third", [{"request": "gpu", "device": "gpu-1"}])
+    assert "already prepared for claim" in driver.prepare([third])[third.uid].error
 
 
 # ----- device taints -----------------------------------------------------------------------------------------------

@@ -35,8 +35,11 @@ crash halfway through), is stored here:
   as unreadable. ``LoadResult.state_lost`` then tells the caller that prepared claims may exist that it no
   longer knows (the driver destroys nothing at that start and adopts claims from their CDI specs).
 * Two records that hold one exclusive device (only a damaged or edited checkpoint has them: ``put`` refuses
-  it) are resolved at load with one log line: the newer record keeps the device, the older one no longer lists
-  it (nor a MIG device created for it), so unpreparing the older claim leaves the device alone.
+  it, so one of them may be a planted phantom) are not resolved here: neither record says which is true, and a
+  rule such as "the newer wins" lets whoever plants the last line win. ``load`` reports them
+  (``LoadResult.conflicts``) and keeps both bookings, so no third claim gets the device; the caller resolves
+  each from what the API server says is allocated (``resolve``: the other records lose the device and a MIG
+  device made for it) or leaves it standing, and ``conflict_of`` tells the prepare of either claim about it.
 * A checkpoint written by a newer plugin (a higher ``schemaVersion``) is never rewritten: ``load`` raises
   ``CheckpointTooNew`` and the plugin refuses to start, because dropping the newer fields would lose undo
   information.
@@ -62,6 +65,7 @@ from typing import Any, Callable, Iterable, Iterator, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
+from api.config.errors import printable
 from dra.node.atomicfile import TEMP_SUFFIX, fsync_dir, set_aside, temp_prefix
 from dra.node.safefiles import UnsafeFile, check_owned_dir, open_regular, read_regular_file, write_regular_file
 from dra.node.bootid import DEFAULT_BOOT_ID_PATH, read_boot_id
@@ -201,12 +205,27 @@ class LoadResult:
     boot_id_stamped: bool = False                   # a file without boot ID got the current one
     corrupt: bool = False                           # the file could not be read at all (moved aside if possible)
     damage: str = ""                                # what was wrong with the journal ("" when nothing was)
+    conflicts: tuple[BookingConflict, ...] = ()     # exclusive devices more than one record holds
 
     @property
     def state_lost(self) -> bool:
         """Claims prepared on this node may be missing from the checkpoint: their MIG devices and CDI specs
         must not be mistaken for leftovers."""
         return self.corrupt or bool(self.unreadable_claims)
+
+
+@dataclass(frozen=True)
+class BookingConflict:
+    """One exclusive device that more than one record holds (a damaged or edited checkpoint)."""
+
+    pool: str
+    device: str
+    claims: tuple[str, ...]                         # UIDs, sorted
+
+    def describe(self) -> str:
+        """One printable line: the UIDs and names come from the records, which may be planted."""
+        return printable(f"claims {' and '.join(self.claims)} both hold exclusive device {self.device} "
+                         f"(pool {self.pool})")
 
 
 class CheckpointTooNew(RuntimeError):
@@ -273,6 +292,7 @@ class CheckpointStore:
         self._seen: tuple[Any, ...] = ()     # file identities after our last write (see ``refresh``)
         self._loaded = False
         self._volatile: set[str] = set()     # records kept in memory only (see ``put``)
+        self._conflicts: tuple[BookingConflict, ...] = ()   # found at load, until resolved or gone
 
     # ----- load ----------------------------------------------------------------------------------------------
     def load(self) -> LoadResult:
@@ -285,7 +305,7 @@ class CheckpointStore:
             if not self._boot_id:
                 log.warning("cannot read boot ID from %s; state from before a reboot will not be detected",
                             self.boot_id_path)
-            self._claims, self._holders, self._volatile = {}, {}, set()
+            self._claims, self._holders, self._volatile, self._conflicts = {}, {}, set(), ()
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             # Names resolved in the directory held open: it cannot be swapped between the reads.
             dir_fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -294,6 +314,7 @@ class CheckpointStore:
             finally:
                 os.close(dir_fd)
             self._claims = {} if result.dropped_claims else records
+            self._conflicts = result.conflicts
             self._loaded = True
             for record in self._claims.values():
                 self._index(None, record)
@@ -305,7 +326,6 @@ class CheckpointStore:
         stamped = snapshot is not None and not snapshot.node_boot_id and bool(self._boot_id)
         records: dict[str, ClaimRecord] = {}
         unreadable: list[str] = []
-        order: dict[str, int] = {}           # position of each record's last write, for "newer"
         if snapshot is not None:
             for key in sorted(snapshot.claims):
                 record = self._parse_record(snapshot.claims[key], key)
@@ -334,7 +354,7 @@ class CheckpointStore:
             elif journal.exists:
                 self._journal_id, self._journal_on_disk = journal.journal_id, True
                 if snapshot is not None and (not snapshot.journal_id or journal.journal_id == snapshot.journal_id):
-                    self._replay(journal.ops, records, unreadable, order)
+                    self._replay(journal.ops, records, unreadable)
                 # else: the journal this snapshot already holds (a crash during compaction): nothing to replay
         if rebooted and snapshot is not None:
             dropped = tuple(records[uid] for uid in sorted(records))
@@ -342,9 +362,9 @@ class CheckpointStore:
                         "prepared claim(s): %s", self.path, snapshot.node_boot_id, self._boot_id, len(dropped),
                         ", ".join(c.uid for c in dropped) or "none")
             return LoadResult(claims=0, dropped_claims=dropped, unreadable_claims=tuple(unreadable)), records
-        self._single_holders(records, order)
         return LoadResult(claims=len(records), corrupt_file=corrupt_file, unreadable_claims=tuple(unreadable),
-                          boot_id_stamped=stamped, corrupt=corrupt, damage=damage), records
+                          boot_id_stamped=stamped, corrupt=corrupt, damage=damage,
+                          conflicts=_conflicts(records.values())), records
 
     def _read_snapshot(self, dir_fd: int) -> tuple[CheckpointFile | None, Path | None]:
         """(snapshot, where a corrupt one was moved). Sets ``_unreadable_snapshot`` when it could not be read."""
@@ -405,10 +425,9 @@ class CheckpointStore:
         return (f"is journal {journal.journal_id or '(without ID)'}, but the snapshot beside it is continued by "
                 f"journal {snapshot.journal_id}")
 
-    def _replay(self, ops: Iterable[dict[str, Any]], records: dict[str, ClaimRecord], unreadable: list[str],
-                order: dict[str, int]) -> None:
+    def _replay(self, ops: Iterable[dict[str, Any]], records: dict[str, ClaimRecord], unreadable: list[str]) -> None:
         """Apply the journal's changes in order."""
-        for seq, op in enumerate(ops, 1):
+        for op in ops:
             if "schemaVersion" in op:
                 continue
             if "remove" in op:
@@ -424,25 +443,8 @@ class CheckpointStore:
                     unreadable.append(str(uid))
             else:
                 records[record.uid] = record
-                order[record.uid] = seq
                 if record.uid in unreadable:
                     unreadable.remove(record.uid)
-
-    def _single_holders(self, records: dict[str, ClaimRecord], order: dict[str, int]) -> None:
-        """Two records holding one exclusive device: the newer keeps it, the older's booking is dropped (module
-        docstring). Oldest first, so each newer record takes the device from the one before."""
-        holder: dict[tuple[str, str], str] = {}
-        for uid in sorted(records, key=lambda u: (records[u].updated, order.get(u, 0), u)):
-            for pool, device in records[uid].exclusive_devices():
-                older = holder.get((pool, device))
-                holder[(pool, device)] = uid
-                if older is None or older == uid:
-                    continue
-                records[older] = records[older].without_device(pool, device)
-                log.error("checkpoint %s: claims %s and %s both hold exclusive device %s (pool %s); the newer "
-                          "record (%s) keeps it and claim %s's booking of it is dropped: its record no longer "
-                          "lists the device or a MIG device made for it, so unpreparing %s leaves them alone",
-                          self.path, older, uid, device, pool, uid, older, older)
 
     def _parse_record(self, raw: Any, key: str) -> ClaimRecord | None:
         try:
@@ -538,6 +540,28 @@ class CheckpointStore:
     def holders(self, pool: str, device: str) -> set[str]:
         """Claims that hold a device (admin-access watchers do not hold)."""
         return set(self._holders.get((pool, device), ()))
+
+    def conflicts(self) -> tuple[BookingConflict, ...]:
+        """The double bookings found at load that still stand (more than one of their records still holds the
+        device)."""
+        with self._lock:
+            standing = _conflicts(self._claims[uid] for c in self._conflicts for uid in c.claims
+                                  if uid in self._claims)
+            keys = {(c.pool, c.device) for c in self._conflicts}
+            return tuple(c for c in standing if (c.pool, c.device) in keys)
+
+    def conflict_of(self, claim_uid: str) -> BookingConflict | None:
+        """A standing double booking that involves ``claim_uid``, or None."""
+        if not self._conflicts:
+            return None
+        return next((c for c in self.conflicts() if claim_uid in c.claims), None)
+
+    def resolve(self, conflict: BookingConflict, keeper: str) -> None:
+        """``keeper`` keeps the device; every other record of the conflict loses its booking of it and any MIG
+        device made for it (so unpreparing that claim leaves them alone). Durable, like every change."""
+        for uid in conflict.claims:
+            if uid != keeper and uid in self._claims:
+                self.update(uid, lambda r: r.without_device(conflict.pool, conflict.device))
 
     # ----- writes --------------------------------------------------------------------------------------------
     def put(self, record: ClaimRecord, *, exclusive: Iterable[tuple[str, str]] = (),
@@ -810,6 +834,15 @@ class CheckpointStore:
                     log.warning("checkpoint %s: could not fold the journal in at close (%s); the next start "
                                 "replays it", self.path, err)
                 self._close_journal()
+
+
+def _conflicts(records: Iterable[ClaimRecord]) -> tuple[BookingConflict, ...]:
+    holders: dict[tuple[str, str], set[str]] = {}
+    for record in records:
+        for key in record.exclusive_devices():
+            holders.setdefault(key, set()).add(record.uid)
+    return tuple(BookingConflict(pool, device, tuple(sorted(uids)))
+                 for (pool, device), uids in sorted(holders.items()) if len(uids) > 1)
 
 
 def _problem(err: OSError) -> str:
