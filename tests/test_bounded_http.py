@@ -1,7 +1,8 @@
 """Servers on ports any pod can reach (kube.httpserver.BoundedHTTPServer): the probe/metrics server of the plugin and
-the controller, and the admission webhook over TLS. Idle connections hold no threads, slow clients are cut, a body
-the API server could not send is refused before it is read, and the webhook's memory stays bounded. Loopback only;
-every wait is bounded."""
+the controller, and the admission webhook over TLS. Idle connections hold no threads, requests reach workers only
+whole, slow clients are cut, one client address cannot take the others' connections, probes are answered while
+every worker is busy, a body the API server could not send is refused before it is read, and memory stays bounded.
+Loopback only; every wait is bounded."""
 from __future__ import annotations
 
 import json
