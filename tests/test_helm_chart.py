@@ -84,8 +84,8 @@ def test_chart_defaults_name_the_image_make_image_builds() -> None:
 def test_default_render_has_every_object_once(default: list[dict[str, Any]]) -> None:
     kinds = Counter(o["kind"] for o in default)
     assert kinds == {"DaemonSet": 1, "Deployment": 2, "ServiceAccount": 2, "ClusterRole": 2, "ClusterRoleBinding": 2,
-                     "ConfigMap": 1, "DeviceClass": 8, "ValidatingAdmissionPolicy": 3,
-                     "ValidatingAdmissionPolicyBinding": 3, "Secret": 1, "Service": 1, "PodDisruptionBudget": 1,
+                     "ConfigMap": 1, "DeviceClass": 8, "ValidatingAdmissionPolicy": 4,
+                     "ValidatingAdmissionPolicyBinding": 4, "Secret": 1, "Service": 1, "PodDisruptionBudget": 1,
                      "ValidatingWebhookConfiguration": 1, "NetworkPolicy": 3}, kinds
     for o in default:
         if o["kind"] != "DeviceClass":  # named after the driver
@@ -195,13 +195,21 @@ def test_device_classes_and_admission_policy(default: list[dict[str, Any]]) -> N
         assert "'authentication.kubernetes.io/node-name' in request.userInfo.extra" in variables["userNodeName"]
         assert p["spec"]["matchConditions"][0]["expression"] == \
             "request.userInfo.username == 'system:serviceaccount:gpu-dra:gpu-dra-gpu-dra-driver-kubelet-plugin'"
-    # The labels the controller puts on the classes it makes (controller.cluster) are the ones its deletes need.
-    classes_policy = policy(default, "-deviceclass-deletes")
-    rule = classes_policy["spec"]["validations"][0]["expression"]
-    assert f"['{MANAGED_BY_LABEL}'] == '{MANAGED_BY}'" in rule
-    assert f"['{DRIVER_LABEL}'] == '{DEFAULT_DRIVER_NAME}'" in rule
-    assert classes_policy["spec"]["matchConditions"][0]["expression"] == \
-        "request.userInfo.username == 'system:serviceaccount:gpu-dra:gpu-dra-gpu-dra-driver-controller'"
+    # The controller's writes: its classes (the names its RBAC has, the labels controller.cluster puts on the
+    # classes it makes) and this driver's slices. What they admit: e2e/test_least_privilege.py.
+    classes_policy = policy(default, "-controller-deviceclasses")
+    slices_policy = policy(default, "-controller-slice-deletes")
+    for p, operations in ((classes_policy, ["CREATE", "UPDATE", "DELETE"]), (slices_policy, ["DELETE"])):
+        assert p["spec"]["matchConditions"][0]["expression"] == \
+            "request.userInfo.username == 'system:serviceaccount:gpu-dra:gpu-dra-gpu-dra-driver-controller'"
+        assert p["spec"]["matchConstraints"]["resourceRules"][0]["operations"] == operations
+        assert {v["name"]: v["expression"] for v in p["spec"]["variables"]}["driverName"] == f"'{DEFAULT_DRIVER_NAME}'"
+    variables = {v["name"]: v["expression"] for v in classes_policy["spec"]["variables"]}
+    assert yaml.safe_load(variables["classNames"]) == [c["metadata"]["name"] for c in device_classes(DEFAULT_DRIVER_NAME)]
+    assert f"'{MANAGED_BY_LABEL}' in variables.labels" in variables["managedBy"]
+    assert f"'{DRIVER_LABEL}' in variables.labels" in variables["driverLabel"]
+    assert any(f"variables.managedBy == '{MANAGED_BY}'" in v["expression"]
+               for v in classes_policy["spec"]["validations"])
 
 
 def test_webhook_deployment_service_and_certificate(default: list[dict[str, Any]], tmp_path: Path) -> None:

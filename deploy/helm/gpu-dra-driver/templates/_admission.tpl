@@ -5,6 +5,11 @@
 request.userInfo.username == 'system:serviceaccount:{{ .Release.Namespace }}:{{ include "gpu-dra-driver.kubeletPluginServiceAccount" . }}'
 {{- end }}
 
+{{/* The request comes from the cluster controller: the chart's controller service account. */}}
+{{- define "gpu-dra-driver.cel.isController" -}}
+request.userInfo.username == 'system:serviceaccount:{{ .Release.Namespace }}:{{ include "gpu-dra-driver.controllerServiceAccount" . }}'
+{{- end }}
+
 {{/* The node the plugin runs on, from its pod-bound service-account token (extra
 "authentication.kubernetes.io/node-name"); '' when the token names none. */}}
 {{- define "gpu-dra-driver.cel.userNodeName" -}}

@@ -45,6 +45,22 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{ include "gpu-dra-driver.fullname" . }}-controller
 {{- end }}
 
+{{/* The names of the DeviceClasses the controller keeps, as a JSON list: those of the chart's class files
+(generated from api/deviceclasses.py, as the controller's own list is), with this release's driver name. Its RBAC
+names them, and its admission policy holds its class writes to them. */}}
+{{- define "gpu-dra-driver.deviceClassNames" -}}
+{{- $classFile := ternary "files/deviceclasses-nvidia-compat.yaml" "files/deviceclasses.yaml" (.Values.compatNvidia | default false) }}
+{{- $classes := .Files.Get $classFile | replace "driver-name.placeholder.invalid" (include "gpu-dra-driver.driverName" .) }}
+{{- $classNames := list }}
+{{- range $doc := splitList "\n---" $classes }}
+{{- $obj := fromYaml $doc }}
+{{- if and $obj $obj.metadata }}
+{{- $classNames = append $classNames $obj.metadata.name }}
+{{- end }}
+{{- end }}
+{{- $classNames | toJson }}
+{{- end }}
+
 {{/* envFrom of the processes that talk to the API server: the explicit endpoint, when k8sServiceHost is set. */}}
 {{- define "gpu-dra-driver.kubernetesApiEnvFrom" -}}
 {{- if .Values.k8sServiceHost }}
