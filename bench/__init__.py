@@ -18,7 +18,10 @@ BENCHMARKS: dict[str, str] = {
     "reconcile": "bench.reconcile",
     "publish": "bench.publish",
     "status": "bench.status",
+    "tenancy": "bench.tenancy",
 }
+# Benchmarks that run a real node (root, the node binaries): their smoke test is an end-to-end test.
+REAL_NODE = frozenset({"tenancy"})
 
 
 def load(name: str) -> ModuleType:

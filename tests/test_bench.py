@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import BENCHMARKS, load
+from bench import BENCHMARKS, REAL_NODE, load
 from bench.__main__ import main
 from bench.core import (Figure, Target, TargetsError, budget_ratio, check, load_targets, parse_targets,
                         render_table)
@@ -23,7 +23,8 @@ COUNT_UNITS = {"writes", "problems", "creates"}
 
 # --------------------------------------------------------------------------------------------------- smoke runs
 
-@pytest.mark.parametrize("name", list(BENCHMARKS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.e2e) if n in REAL_NODE else n
+                                  for n in BENCHMARKS])
 def test_each_benchmark_runs_tiny_and_answers_its_targets(name: str) -> None:
     module = load(name)
     assert module.NAME == name and module.DESCRIPTION

@@ -86,7 +86,8 @@ def test_default_render_has_every_object_once(default: list[dict[str, Any]]) -> 
     assert kinds == {"DaemonSet": 1, "Deployment": 2, "ServiceAccount": 2, "ClusterRole": 2, "ClusterRoleBinding": 2,
                      "ConfigMap": 1, "DeviceClass": 8, "ValidatingAdmissionPolicy": 4,
                      "ValidatingAdmissionPolicyBinding": 4, "Secret": 1, "Service": 1, "PodDisruptionBudget": 1,
-                     "ValidatingWebhookConfiguration": 1, "NetworkPolicy": 3}, kinds
+                     "ValidatingWebhookConfiguration": 1, "NetworkPolicy": 3, "MutatingAdmissionPolicy": 1,
+                     "MutatingAdmissionPolicyBinding": 1}, kinds
     for o in default:
         if o["kind"] != "DeviceClass":  # named after the driver
             assert o["metadata"]["name"].startswith("gpu-dra-gpu-dra-driver"), o["metadata"]["name"]
@@ -359,7 +360,8 @@ def test_webhook_certificate_modes(tmp_path: Path) -> None:
 
 def test_components_can_be_turned_off() -> None:
     objects = render("--set", "webhook.enabled=false", "--set", "controller.enabled=false",
-                     "--set", "deviceClasses.create=false", "--set", "validatingAdmissionPolicy.enabled=false")
+                     "--set", "deviceClasses.create=false", "--set", "validatingAdmissionPolicy.enabled=false",
+                     "--set", "mps.tenancyTolerations=false")
     assert Counter(o["kind"] for o in objects) == {"DaemonSet": 1, "ServiceAccount": 1, "ClusterRole": 1,
                                                    "ClusterRoleBinding": 1, "ConfigMap": 1, "NetworkPolicy": 1}
     single = render("--set", "webhook.replicas=1")
@@ -404,3 +406,14 @@ def test_values_file_and_schema_agree() -> None:
             assert not missing, f"{path}: {missing} described by the schema but not in values.yaml"
 
     walk(values, schema, "")
+
+
+@pytest.mark.parametrize("version, rendered", [("v1.35.3", False), ("v1.36.0", True), ("v1.37.2", True)])
+def test_the_mps_tenancy_policy_is_rendered_where_the_cluster_has_it(version: str, rendered: bool) -> None:
+    """MutatingAdmissionPolicy and device taints are on by default from 1.36: before, neither is used."""
+    proc = helm("template", "r", str(CHART), "--kube-version", version)
+    assert proc.returncode == 0, proc.stderr
+    kinds = [d["kind"] for d in yaml.safe_load_all(proc.stdout) if d]
+    assert ("MutatingAdmissionPolicy" in kinds) is rendered
+    off = helm("template", "r", str(CHART), "--kube-version", version, "--set", "mps.tenancyTolerations=false")
+    assert "MutatingAdmissionPolicy" not in off.stdout
