@@ -320,3 +320,50 @@ def test_pod_probe_reports_what_cuda_probe_saw(standin: Path, tmp_path: Path) ->
     assert view.cuda_summary().startswith("cuda: 0 devices (dlopen libcuda.so.1: ")
     one = ContainerView(cuda=[SeenDevice(G1, 81559, "x")], probed=True)
     assert one.cuda_summary() == f"cuda: 1 device {G1}, 81559 MiB"
+
+
+def test_cuda_init_is_an_mps_client_of_any_user(standin: Path, tmp_path: Path) -> None:
+    """cuInit connects to the MPS control daemon of CUDA_MPS_PIPE_DIRECTORY, as CUDA does: a process running as
+    UID 65534 is served by a server of its own user (the simulated daemon logs each client); with no daemon to
+    reach, CUDA runs without MPS."""
+    import shutil
+    import tempfile
+
+    from dra.node.processes import send_signal
+    from dra.node.sharingtools import MpsDaemonSpec, NvidiaSmiSharingControl
+    from dra.sim.mpscontrol import write_simulated_mps_control
+
+    base = Path(tempfile.mkdtemp(prefix="standin-mps-"))   # every user reaches it; pytest's directories do not
+    daemon = None
+    try:
+        base.chmod(0o755)
+        tree = base / "standin"
+        shutil.copytree(standin, tree, symlinks=True)
+        for directory in (tree, *(d for d in tree.rglob("*") if d.is_dir() and not d.is_symlink())):
+            directory.chmod(0o755)
+        gpus = listing(base)
+        gpus.chmod(0o644)
+        pipe, logs = base / "pipe", tmp_path / "log"
+        pipe.mkdir(mode=0o755)
+        logs.mkdir()
+        tools = NvidiaSmiSharingControl(mps_control=str(write_simulated_mps_control(tmp_path / "tools")),
+                                        timeout_s=10, isolate_shm=False)
+        env = {"PATH": os.environ["PATH"], "GPU_DRA_SIM_GPUS": str(gpus), "LD_LIBRARY_PATH": str(tree / "lib"),
+               "CUDA_MPS_PIPE_DIRECTORY": str(pipe)}
+
+        def probe() -> subprocess.CompletedProcess[str]:
+            return subprocess.run([str(tree / "bin" / "cuda-probe"), "--once"], env=env, user=65534, group=65534,
+                                  capture_output=True, text=True, timeout=30)
+
+        alone = probe()                                    # no daemon yet: CUDA without MPS
+        assert alone.returncode == 0 and "cuda: 2 devices" in alone.stdout, alone
+        daemon = tools.start_mps_daemon(MpsDaemonSpec(str(pipe), str(logs), (G1,)))
+        served = probe()
+        assert served.returncode == 0 and "cuda: 2 devices" in served.stdout, served
+        log = (logs / "control.log").read_text()
+        assert re.search(r"New client \d+ of user ID 65534 served by the MPS server of user ID 65534", log), log
+        tools.stop_mps_daemon(str(pipe), daemon)
+    finally:
+        if daemon is not None:
+            send_signal(daemon, 9)
+        shutil.rmtree(base, ignore_errors=True)

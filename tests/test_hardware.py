@@ -470,6 +470,73 @@ def test_the_simulated_program_refuses_what_the_real_one_refuses(programs, tmp_p
             send_signal(daemon, signal.SIGKILL)
 
 
+_CLIENT = """
+import socket, sys
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.connect(sys.argv[1])
+sock.sendall(b"new_client\\n")
+print(sock.recv(100).decode().strip(), flush=True)
+sys.stdin.read()          # a client holds its connection while it lives
+"""
+
+
+def test_the_simulated_daemon_has_nvidias_pipe_files_and_serves_clients_of_any_user(programs, tmp_path):
+    """The pipe directory's files carry the permissions NVIDIA's daemon gives them (measured on an H200), whatever
+    the umask of the plugin that started it: ``control`` is 0666, so a client of any user ID connects. One MPS
+    server, of one user, at a time: a client of another user waits until the server's clients have gone."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    tools = real_tools(programs, tmp_path)
+    # The system's Python: the project's may lie where other users cannot reach it.
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    assert python, "no python3 in /usr/bin or /bin for the clients of other users"
+    # Reachable by every user: pytest's own temporary directory is its owner's alone.
+    base = Path(tempfile.mkdtemp(prefix="mps-any-user-"))
+    base.chmod(0o755)
+    pipe, logs = base / "pipe", tmp_path / "log"
+    pipe.mkdir(mode=0o755)
+    logs.mkdir()
+    daemon = None
+    clients: list[subprocess.Popen] = []
+    old_umask = os.umask(0o022)                 # the plugin's
+    try:
+        daemon = tools.start_mps_daemon(MpsDaemonSpec(str(pipe), str(logs), (H100,)))
+        modes = {e.name: (e.lstat().st_mode & 0o7777, e.lstat().st_mode & 0o170000) for e in pipe.iterdir()}
+        assert modes == {"control": (0o666, 0o140000), "control_privileged": (0o755, 0o140000),
+                         "control_lock": (0o666, 0o100000), "log": (0o777, 0o010000),
+                         "nvidia-cuda-mps-control.pid": (0o666, 0o100000)}, modes
+
+        def client(uid: int) -> subprocess.Popen:
+            proc = subprocess.Popen([python, "-c", _CLIENT, str(pipe / "control")], user=uid, group=uid,
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            clients.append(proc)
+            return proc
+
+        nobody = client(65534)
+        assert nobody.stdout.readline().strip() == "OK server 65534"
+        same = client(65534)
+        assert same.stdout.readline().strip() == "OK server 65534"         # served beside it, at once
+        other = client(65533)
+        for proc in (nobody, same):                # the server's clients go: the other user's server comes
+            proc.stdin.close()
+            proc.wait(timeout=10)
+        assert other.stdout.readline().strip() == "OK server 65533"
+        served = (logs / "control.log").read_text()
+        assert served.count("of user ID 65534 served by the MPS server of user ID 65534") == 2, served
+        assert "of user ID 65533 served by the MPS server of user ID 65533" in served
+        tools.stop_mps_daemon(str(pipe), daemon)
+    finally:
+        os.umask(old_umask)
+        for proc in clients:
+            proc.kill()
+            proc.wait()
+        if daemon is not None:
+            send_signal(daemon, signal.SIGKILL)
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def test_the_control_program_is_never_pointed_at_a_planted_socket(programs, tmp_path):
     tools = real_tools(programs, tmp_path)
     pipe, logs = tmp_path / "pipe", tmp_path / "log"

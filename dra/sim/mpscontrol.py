@@ -9,6 +9,17 @@ process that started it.
     nvidia-cuda-mps-control             read commands from stdin, one per line, send each to the daemon,
                                         print its reply; exit 1 on a refused command or without a daemon
 
+Its pipe directory holds what NVIDIA's holds, with the same permissions (measured on an H200): ``control``, the
+socket every client connects to (0666: the daemon serves clients of any user ID), ``control_privileged`` (0755:
+its owner only), ``control_lock`` (0666), ``log`` (a FIFO, 0777) and ``nvidia-cuda-mps-control.pid`` (0666), all
+whatever the umask of whoever started it.
+
+CUDA clients (the CUDA stand-in, hack/cuda-standin/libcuda.c) connect to ``control`` when CUDA initialises and
+send ``new_client``; the daemon reads the client's user ID from the socket (SO_PEERCRED) and answers
+``OK server <uid>`` once an MPS server of that user serves it: at once when no server runs or the server runs as
+the same user, else after every client of the running server has gone (MPS runs one server, of one user, at a
+time). A client holds its connection for its life; each client is logged in ``control.log``.
+
 It refuses what the real one refuses, so a design the hardware would reject fails here too: a second daemon
 for a pipe directory; a daemon for a GPU that another daemon serves while the GPU is in EXCLUSIVE_PROCESS
 compute mode (one process may hold the GPU); a device this node does not have; a thread percentage outside
@@ -21,15 +32,22 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
 import signal
 import socket
+import struct
 import sys
 from pathlib import Path
 from typing import Any
 
 STATE_ENV = "GPU_DRA_SIM_STATE"
 CONTROL_SOCKET = "control"
+PRIVILEGED_SOCKET = "control_privileged"
+LOCK_FILE = "control_lock"
 PID_FILE = "nvidia-cuda-mps-control.pid"
+NEW_CLIENT = "new_client"
+# The permissions of what NVIDIA's daemon leaves in its pipe directory (measured on an H200).
+PIPE_MODES = {CONTROL_SOCKET: 0o666, PRIVILEGED_SOCKET: 0o755, LOCK_FILE: 0o666, "log": 0o777, PID_FILE: 0o666}
 COMPUTEMODE_EXCLUSIVE_PROCESS = 3            # NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
 
 
@@ -156,14 +174,14 @@ def _write_pipe_files(pipe_dir: str, line: str) -> None:
     (measured on an H200): its PID over the start of ``nvidia-cuda-mps-control.pid`` (no truncation), and its
     log lines into ``log``, a FIFO it creates where none exists. Both are opened following links, as root: a
     link planted there is written through."""
-    fd = os.open(os.path.join(pipe_dir, PID_FILE), os.O_WRONLY | os.O_CREAT, 0o666)
+    fd = os.open(os.path.join(pipe_dir, PID_FILE), os.O_WRONLY | os.O_CREAT, PIPE_MODES[PID_FILE])
     try:
         os.write(fd, str(os.getpid()).encode())
     finally:
         os.close(fd)
     log = os.path.join(pipe_dir, "log")
     if not os.path.exists(log):
-        os.mkfifo(log, 0o777)
+        os.mkfifo(log, PIPE_MODES["log"])
         return
     try:
         fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
@@ -215,51 +233,141 @@ def _daemon_main() -> int:
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
-    try:
-        os.unlink(control)
-    except FileNotFoundError:
-        pass
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(control)
-    server.listen(16)
     registry = _registry()
     if registry is not None:
         registry.mkdir(parents=True, exist_ok=True)
         for uuid in visible:
             (registry / uuid).write_text(json.dumps({"pid": os.getpid(), "pipe": pipe_dir}))
+    # The pipe directory's files get exactly the modes they are created with, whoever started the daemon (a
+    # plugin's umask of 022 would leave the control socket to its owner alone); files already there keep theirs.
+    umask = os.umask(0)
+    # Bound by names relative to the pipe directory: a socket address holds 108 bytes, and a long pipe directory
+    # (a test's temporary one) would leave no room for "control_privileged".
+    os.chdir(pipe_dir)
+    listeners = [_listen(name) for name in (CONTROL_SOCKET, PRIVILEGED_SOCKET)]
+    os.chdir("/")
+    os.close(os.open(os.path.join(pipe_dir, LOCK_FILE), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, PIPE_MODES[LOCK_FILE]))
     daemon = _Daemon(pipe_dir, log_dir, visible)
     _write_pipe_files(pipe_dir, f"[{os.getpid()}] Starting control daemon for {','.join(visible)}")
+    os.umask(umask)
     _log(log_dir, f"[{os.getpid()}] Starting control daemon for {','.join(visible)}")
-    signal.signal(signal.SIGTERM, lambda *_: _shutdown(server, control, registry, visible, pipe_dir))
+    signal.signal(signal.SIGTERM, lambda *_: _shutdown(listeners, registry, visible, pipe_dir))
     os.write(write_end, b"1")
     os.close(write_end)
-    while True:
-        conn, _ = server.accept()
-        with conn:
-            data = b""
-            try:
-                while not data.endswith(b"\n") and len(data) < 65536:
-                    chunk = conn.recv(4096)
-                    if not chunk:
-                        break
-                    data += chunk
-                if not data.strip():
-                    continue                            # a client that only connected (a liveness probe)
-                ok, reply = daemon.command(data.decode(errors="replace"))
-                conn.sendall((("OK " if ok else "ERR ") + reply + "\n").encode())
-            except OSError:
-                continue                                # a client gone mid-way does not end the daemon
-            _log(log_dir, f"[{os.getpid()}] {data.decode(errors='replace').strip()} -> {reply}")
-            if ok and data.split() == [b"quit"]:
-                _shutdown(server, control, registry, visible, pipe_dir)
+    _serve(daemon, listeners, registry, visible)
 
 
-def _shutdown(server: socket.socket, control: str, registry: Path | None, visible: list[str], pipe_dir: str) -> None:
-    server.close()
+def _listen(name: str) -> socket.socket:
+    """A socket listening at ``name`` in the working directory."""
     try:
-        os.unlink(control)
-    except OSError:
+        os.unlink(name)
+    except FileNotFoundError:
         pass
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(name)
+    os.chmod(name, PIPE_MODES[name])                    # who may connect: write permission on the socket
+    server.listen(64)
+    return server
+
+
+class _Servers:
+    """MPS runs one server at a time, of one user ID: a client of that user is served at once, a client of
+    another waits until every client of the running server has gone."""
+
+    def __init__(self, log_dir: str) -> None:
+        self.log_dir = log_dir
+        self.uid: int | None = None
+        self.clients: dict[socket.socket, int] = {}
+        self.waiting: list[tuple[socket.socket, int, int]] = []
+
+    def arrive(self, conn: socket.socket) -> None:
+        pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                          struct.calcsize("3i")))
+        self.waiting.append((conn, pid, uid))
+        self._admit()
+
+    def leave(self, conn: socket.socket) -> None:
+        self.clients.pop(conn, None)
+        self.waiting = [w for w in self.waiting if w[0] is not conn]
+        if not self.clients:
+            self.uid = None
+        self._admit()
+
+    def _admit(self) -> None:
+        for conn, pid, uid in list(self.waiting):
+            if self.uid is None:
+                self.uid = uid
+            if uid != self.uid:
+                continue
+            self.waiting.remove((conn, pid, uid))
+            try:
+                conn.sendall(f"OK server {uid}\n".encode())
+            except OSError:
+                continue
+            self.clients[conn] = uid
+            _log(self.log_dir, f"[{os.getpid()}] New client {pid} of user ID {uid} served by the MPS server of "
+                               f"user ID {uid}")
+
+
+def _serve(daemon: _Daemon, listeners: list[socket.socket], registry: Path | None, visible: list[str]) -> None:
+    """Commands arrive one a connection (a line, answered, closed); a CUDA client's connection stays open while
+    the client lives."""
+    events = selectors.DefaultSelector()
+    for listener in listeners:
+        events.register(listener, selectors.EVENT_READ, "listen")
+    servers = _Servers(daemon.log_dir)
+    pending: dict[socket.socket, bytes] = {}
+    while True:
+        for key, _ in events.select():
+            sock = key.fileobj
+            assert isinstance(sock, socket.socket)
+            if key.data == "listen":
+                conn, _ = sock.accept()
+                pending[conn] = b""
+                events.register(conn, selectors.EVENT_READ, "conn")
+                continue
+            try:
+                chunk = sock.recv(4096)
+            except OSError:
+                chunk = b""
+            if sock in servers.clients or any(w[0] is sock for w in servers.waiting):
+                if not chunk:                           # the client has gone
+                    events.unregister(sock)
+                    servers.leave(sock)
+                    sock.close()
+                continue
+            data = pending[sock] + chunk
+            if chunk and not data.endswith(b"\n") and len(data) < 65536:
+                pending[sock] = data
+                continue
+            del pending[sock]
+            line = data.decode(errors="replace").strip()
+            if line == NEW_CLIENT:
+                servers.arrive(sock)
+                continue
+            events.unregister(sock)
+            if not line:                                # a client that only connected (a liveness probe)
+                sock.close()
+                continue
+            ok, reply = daemon.command(line)
+            try:
+                sock.sendall((("OK " if ok else "ERR ") + reply + "\n").encode())
+            except OSError:
+                pass                                    # a client gone mid-way does not end the daemon
+            sock.close()
+            _log(daemon.log_dir, f"[{os.getpid()}] {line} -> {reply}")
+            if ok and line.split() == ["quit"]:
+                _shutdown(listeners, registry, visible, daemon.pipe_dir)
+
+
+def _shutdown(listeners: list[socket.socket], registry: Path | None, visible: list[str], pipe_dir: str) -> None:
+    for listener in listeners:
+        listener.close()
+    for name in (CONTROL_SOCKET, PRIVILEGED_SOCKET):
+        try:
+            os.unlink(os.path.join(pipe_dir, name))
+        except OSError:
+            pass
     for uuid in visible if registry is not None else ():
         entry = registry / uuid
         try:

@@ -8,7 +8,12 @@
  * context, naming this process the way the host can find it again: its PID namespace's inode, its PID in that
  * namespace and its start time (both read in /proc/<host pid> on the host). The simulated NVML answers
  * nvmlDeviceGetComputeRunningProcesses from these files (dra/sim/processes.py). No device memory exists:
- * allocations are counted, never backed. */
+ * allocations are counted, never backed.
+ *
+ * MPS: cuInit connects to the control daemon's socket in CUDA_MPS_PIPE_DIRECTORY (default /tmp/nvidia-mps), as
+ * CUDA does, and asks for a server of this process's user ("new_client", dra/sim/mpscontrol.py), waiting while a
+ * server of another user runs; the connection is held for the process's life. Where no daemon can be reached
+ * (no socket, no permission), CUDA runs without MPS, and so does the stand-in. */
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -17,7 +22,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include "listing.h"
@@ -53,6 +60,8 @@ static int ndevices;
 static CUresult init_result = CUDA_ERROR_NOT_INITIALIZED;
 static int initialised;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
+static pthread_once_t mps_once = PTHREAD_ONCE_INIT;
+static int mps_fd = -1;   /* the connection to the MPS control daemon, held while the process lives */
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 
 static void load(void) {
@@ -82,9 +91,29 @@ static const struct cu_device *device(CUdevice dev) {
   return dev >= 0 && dev < ndevices ? &devices[dev] : NULL;
 }
 
+static void mps_connect(void) {
+  static const char hello[] = "new_client\n";
+  const char *dir = getenv("CUDA_MPS_PIPE_DIRECTORY");
+  struct sockaddr_un addr = {.sun_family = AF_UNIX};
+  char reply[64];
+  ssize_t n = -1;
+  if (!dir || !*dir) dir = "/tmp/nvidia-mps";
+  if ((size_t)snprintf(addr.sun_path, sizeof addr.sun_path, "%s/control", dir) >= sizeof addr.sun_path) return;
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return;
+  if (connect(fd, (struct sockaddr *)&addr, sizeof addr) == 0 &&
+      write(fd, hello, sizeof hello - 1) == (ssize_t)(sizeof hello - 1))
+    n = read(fd, reply, sizeof reply - 1);   /* blocks while a server of another user runs */
+  if (n >= 3 && memcmp(reply, "OK ", 3) == 0)
+    mps_fd = fd;
+  else
+    close(fd);
+}
+
 API CUresult cuInit(unsigned int flags) {
   if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
   pthread_once(&once, load);
+  if (init_result == CUDA_SUCCESS) pthread_once(&mps_once, mps_connect);
   pthread_mutex_lock(&lock);
   initialised = init_result == CUDA_SUCCESS;
   pthread_mutex_unlock(&lock);
