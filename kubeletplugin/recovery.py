@@ -3,10 +3,10 @@ when the checkpoint was lost.
 
 At start (``recover_at_start``): claims of an earlier boot are forgotten (their CDI specs deleted); an exclusive
 device that two records hold (a damaged or edited checkpoint) goes to the claim the API server allocates it to,
-or to neither (``resolve_double_bookings``); completed claims are adopted (their time-slice settings, MPS daemons and MIG devices registered again, before any
-rollback releases a GPU setting they share); half-done prepares are rolled back; MIG devices and CDI specs
-nobody owns are removed — unless state was lost, in which case nothing is destroyed and claims are adopted
-from their CDI specs instead.
+or to neither (``resolve_double_bookings``); completed claims are adopted (their time-slice settings, MPS daemons
+and MIG devices registered again, before any rollback releases a GPU setting they share); half-done prepares are
+rolled back; MIG devices and CDI specs nobody owns are removed — unless state was lost, in which case nothing is
+destroyed and claims are adopted from their CDI specs instead.
 
 Rebuilding from CDI specs (``recover_claims``) — for when the checkpoint was moved aside as unreadable:
 
