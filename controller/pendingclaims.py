@@ -14,8 +14,8 @@ Each pass (every ``interval`` seconds, default 5: a pending pod is a person wait
 - the unallocated ones that ask for one of this driver's DeviceClasses, grouped by the Pod that owns them (a pod's
   claims are allocated together, so they are judged together); a group is due once its oldest claim is
   ``min_age_s`` old (the scheduler has had its try) and then again every ``recheck_s``;
-- bounded work: at most ``max_per_pass`` groups are evaluated per pass (the longest-waiting first); the rest wait
-  for the next pass. Nothing more is read unless a group is due; then the cluster state is read once for the
+- bounded work: at most ``max_per_pass`` groups are evaluated per pass (those never judged first, longest-waiting
+  first, then those judged longest ago); the rest wait for the next pass. Nothing more is read unless a group is due; then the cluster state is read once for the
   pass (kube.explainreads.read_cluster_state with the claims already listed) and each group is judged by
   ``gpu-dra explain``'s model (dra.model.explain), which decides as kube-scheduler does;
 - a verdict "not allocatable" with matching devices kept for another namespace's MPS daemon posts one Event per
@@ -177,7 +177,10 @@ class PendingClaimEvents:
             del self._seen[key]
         now, wall = self._clock(), self._wall()
         due = [g for g in groups if wall - g.since >= self.min_age_s and
-               (g.key not in self._seen or now - self._seen[g.key].checked >= self.recheck_s)][:self.max_per_pass]
+               (g.key not in self._seen or now - self._seen[g.key].checked >= self.recheck_s)]
+        # New claims are not starved by many long-pending ones: never judged first (sorted is stable).
+        due = sorted(due, key=lambda g: self._seen[g.key].checked if g.key in self._seen else float("-inf"))
+        due = due[:self.max_per_pass]
         if not due:
             return 0
         state = read_cluster_state(self.kube, claims=claims)

@@ -228,6 +228,13 @@ def test_a_pass_evaluates_at_most_max_per_pass_groups_longest_waiting_first() ->
     assert api.lists.count(SLICES) == 1                             # the cluster state is read once per pass
     assert loop.pass_once() == 1                                    # the third one's turn
     assert [e["regarding"]["name"] for e in writer.created if e["regarding"]["kind"] == "Pod"][-1] == "p2"
+    # All three are due again, and a new claim: it is not starved by them, it goes first.
+    api.claims.append(slot_claim("c3", pod="p3", created="2026-01-01T00:00:50Z"))
+    clock.now += 30
+    seen = {k: v.checked for k, v in loop._seen.items()}
+    assert loop.pass_once() == 2
+    assert loop._seen["uid-pod-p3"].checked == clock.now and loop._seen["uid-pod-p0"].checked == clock.now
+    assert loop._seen["uid-pod-p1"].checked == seen["uid-pod-p1"]
 
 
 def test_an_allocatable_claim_gets_no_event() -> None:
