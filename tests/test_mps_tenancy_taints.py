@@ -104,3 +104,60 @@ def test_a_malformed_toleration_list_fails_that_claim_naming_the_field(tmp_path:
                          namespace="team-a")
     error = node.driver.prepare([ref])[ref.uid].error
     assert "results[0].tolerations[0]: must be an object" in error
+
+
+# ----- the plugin: what it publishes and reports ---------------------------------------------------------------------
+def _plugin(base: Path, claims: object, features: object) -> object:
+    import yaml
+
+    from kubeletplugin.plugin import KubeletPlugin, PluginOptions
+
+    fleet = base / "fleet.yaml"
+    fleet.write_text(yaml.safe_dump({"nodes": [{"name": "node-a", "gpus": [{"model": "H100-80GB", "count": 2}],
+                                                "policy": {"default": SLOTS}}]}))
+    (base / "boot_id").write_text("b1\n")
+    opts = PluginOptions(node_name="node-a", registry_dir=str(base / "reg"), plugin_dir=str(base / "plug"),
+                         cdi_root=str(base / "cdi"), driver_root=str(base / "noroot"), proc_root=str(base / "noproc"),
+                         dev_root=str(base / "nodev"), fleet=str(fleet), boot_id_path=str(base / "boot_id"),
+                         health_wait_ms=100)
+    return KubeletPlugin(opts, claim_source=claims, features=features, publish=False)
+
+
+@pytest.mark.parametrize("device_taints", [True, False], ids=["1.36+", "no-device-taints"])
+def test_the_plugin_taints_its_tenants_gpu_and_keeps_it_healthy(device_taints: bool) -> None:
+    """With device taints on the server the tenant's GPU's slots carry the taint (and stay healthy in the
+    kubelet's health stream); without (1.34/1.35, even with partitionable devices gated on) none do."""
+    import shutil
+    import tempfile
+
+    from dra.model.slices import ApiFeatures
+    from kubeletplugin.claims import ClaimRef, DictClaimSource
+
+    base = Path(tempfile.mkdtemp(prefix="tnt-", dir="/tmp"))   # short: unix socket paths are limited
+    claims = DictClaimSource()
+    uid = "0b6f7a49-3c2d-4b7e-9a51-7f00c0ffee01"
+    claims.put({"metadata": {"name": "a", "namespace": "team-a", "uid": uid}, "status": {"allocation": {"devices": {
+        "results": [{"request": "s", "driver": DRIVER, "pool": "node-a", "device": "gpu-0-slot-0",
+                     "tolerations": tolerating("team-a")}]}}}})
+    plugin = _plugin(base, claims, ApiFeatures(partitionable=True, consumable_capacity=True,
+                                               device_taints=device_taints))
+    try:
+        plugin.start()
+        result = plugin.driver.prepare([ClaimRef("team-a", uid, "a")])
+        plugin._after_call()              # what the driver calls after every kubelet call
+        assert result[uid].error == ""
+        taints = {d.name: d.taints for d in plugin.published if d.taints}
+        want = {f"gpu-0-slot-{i}": (tenancy_taint(DRIVER, "team-a"),) for i in range(4)} if device_taints else {}
+        assert taints == want
+        _, health = plugin.health_board.snapshot()
+        assert {h.status for h in health} == {"Healthy"}            # a tenancy taint says nothing of health
+        assert plugin.metrics.devices.labels(state="unhealthy")._value.get() == 0
+        plugin.driver.unprepare([ClaimRef("team-a", uid, "a")])
+        plugin._after_call()
+        assert not any(d.taints for d in plugin.published)          # the daemon serves nobody: no taint
+    finally:
+        plugin.stop()
+        from standin.node import kill_mps_daemons_under
+
+        kill_mps_daemons_under(base)
+        shutil.rmtree(base, ignore_errors=True)
