@@ -1,6 +1,7 @@
 """Per-claim GPU metrics from the chart's plugin pod on the real node: the chart's mount of the kubelet's
-pod-resources directory, its hostPID and its RBAC (list pods, with the plugin's own service account) are what
-the plugin works with, in a container of its own cgroup namespace. Same scenario as test_claim_metrics_realnode: two pods
+pod-resources directory, its hostPID and its RBAC (the plugin's own service account, which may read no pods: the
+claims' reservedFor and the processes' cgroups place them) are what the plugin works with, in a container of its
+own cgroup namespace. Same scenario as test_claim_metrics_realnode: two pods
 on MPS slots of one GPU allocating different amounts are two series with those amounts."""
 from __future__ import annotations
 

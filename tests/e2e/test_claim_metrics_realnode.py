@@ -2,8 +2,13 @@
 allocate different amounts through the CUDA stand-in (cuda-probe --alloc-mib); the plugin's /metrics shows two
 series, one per pod, with those amounts and the labels of each pod's container, claim and device.
 
+A claim shared by two pods, one of them with two containers using it: the two containers' processes cannot be
+told apart, so their pod has one series naming both (container "cuda|side"); the pod that joined the claim after
+it was prepared (the kubelet prepares a claim once, so the plugin's record does not name it) is found by reading
+the claim's reservedFor again.
+
 The path is the production one: the kubelet's PodResources socket (which container holds which claim device),
-the node's pods from the API server (container IDs), each process's cgroup, and NVML's process lists, here the
+the claims' reservedFor (pod UID to pod), each process's cgroup (its pod UID), and NVML's process lists, here the
 simulated NVML answering from what the stand-in's cuMemAlloc registered in the containers.
 """
 from __future__ import annotations
@@ -55,6 +60,25 @@ def mps_template(name: str, parent_uuid: str) -> dict[str, Any]:
                 "config": [{"requests": ["gpu"], "opaque": {"driver": DEFAULT_DRIVER_NAME, "parameters": {
                     "apiVersion": f"{DEFAULT_DRIVER_NAME}/v1alpha1", "kind": "GpuConfig",
                     "sharing": {"strategy": "MPS"}}}}]}}}}
+
+
+def mps_claim(name: str, parent_uuid: str) -> dict[str, Any]:
+    """A ResourceClaim of one MPS slot on the GPU `parent_uuid`, for pods to share."""
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
+            "spec": mps_template(name, parent_uuid)["spec"]["spec"]}
+
+
+def sharing_pod(name: str, claim: str, allocs: dict[str, int], node_name: str) -> dict[str, Any]:
+    """A pod whose containers (name → MiB) each use claim `claim` and allocate and hold that much on its GPU."""
+    pod = for_local_node({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+                          "spec": {"restartPolicy": "Never",
+                                   "containers": [{"name": c, "image": "unused",
+                                                   "resources": {"claims": [{"name": "gpu"}]}} for c in allocs],
+                                   "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}]}},
+                         cuda_probe_image(), node_name)
+    for c in pod["spec"]["containers"]:
+        c["command"] = ["cuda-probe", "--alloc-mib", str(allocs[c["name"]])]
+    return pod
 
 
 def allocating_pod(name: str, template: str, mib: int, node_name: str) -> dict[str, Any]:
@@ -131,10 +155,53 @@ def two_pods_on_mps_slots_are_two_series(real: RealNode, plugin: LocalNodePlugin
     real.delete_pod(namespace, "metrics-b")
 
 
-def _log(real: RealNode, namespace: str, pod: str) -> str:
+def test_a_claim_shared_by_two_pods_one_with_two_containers(real: RealNode, ours: LocalNodePlugin) -> None:
+    assert real.node is not None and real.kube is not None
+    namespace = "claim-metrics-shared"
+    slots = [a for a in real.devices(ours).values() if a["type"] == "slot" and a.get("sharing") == "mps"]
+    parent = slots[0]["parentUUID"]
+    real.namespace(namespace)
+    create(real.kube, namespace, mps_claim("shared", parent))
+    pods = {"metrics-c": {"cuda": 100, "side": 50}, "metrics-d": {"cuda": 60}}
+    for pod, allocs in pods.items():      # metrics-d only once the claim is prepared for metrics-c
+        create(real.kube, namespace, sharing_pod(pod, "shared", allocs, real.node.name))
+        for container, mib in allocs.items():
+            wait_until(lambda: f"alloc: {mib} MiB on device 0" in _log(real, namespace, pod, container), 90,
+                       f"container {namespace}/{pod}/{container} to allocate {mib} MiB")
+    claim = real.claim_of(namespace, real.pod(namespace, "metrics-d"), "gpu")
+    assert {r["name"] for r in claim["status"]["reservedFor"]} == set(pods)
+    result, = claim["status"]["allocation"]["devices"]["results"]
+
+    def labels(pod: str, container: str) -> tuple[tuple[str, str], ...]:
+        return tuple(sorted({"namespace": namespace, "pod": pod, "container": container, "claim": "shared",
+                             "request": "gpu", "device": result["device"], "gpu_uuid": parent, "mig_profile": "",
+                             "sharing": "mps"}.items()))
+
+    expected = {labels("metrics-c", "cuda|side"): 150 * MiB, labels("metrics-d", "cuda"): 60 * MiB}
+
+    def of_namespace(name: str) -> dict[tuple[tuple[str, str], ...], float]:
+        series = claim_series(ours).get(name, {})
+        return {k: v for k, v in series.items() if ("namespace", namespace) in k}
+
+    try:
+        wait_until(lambda: of_namespace("gpu_dra_claim_gpu_memory_used_bytes") == expected, 30,
+                   "one series per pod of the shared claim, with the pods' allocations")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\nexpected {expected}\ngot {claim_series(ours)}\n--- plugin ---\n"
+                             f"{ours.log_tail(20)}") from None
+    assert of_namespace("gpu_dra_claim_gpu_processes") == {labels("metrics-c", "cuda|side"): 2,
+                                                            labels("metrics-d", "cuda"): 1}
+    series = claim_series(ours)
+    assert series.get("gpu_dra_gpu_unattributed_processes", {}).get((("gpu_uuid", parent),), 0) == 0
+    assert series["gpu_dra_claim_metrics_errors_total"][(("source", "apiserver"),)] == 0
+    for pod in pods:
+        real.delete_pod(namespace, pod)
+
+
+def _log(real: RealNode, namespace: str, pod: str, container: str = "cuda") -> str:
     assert real.node is not None
     try:
-        return real.node.container_log(namespace, pod, "cuda")
+        return real.node.container_log(namespace, pod, container)
     except Exception:  # noqa: BLE001 - no log file yet
         return ""
 

@@ -6,7 +6,9 @@ are. Requests are then sent as the plugin's service account on a node (the admin
 name in the extra a pod-bound token carries) and as the controller's service account, and they are the driver's
 own code paths: the plugin reads a claim, publishes its node's slices (watching them) and writes the claim's
 status.devices; the controller keeps its DeviceClasses and removes the slices of a node that is gone. Each of
-those must pass with the chart's grants alone, and what the identities must not do is refused."""
+those must pass with the chart's grants alone, and what the identities must not do is refused: the plugin reads no
+pods (the per-claim metrics need none), the controller creates, changes and deletes no other driver's DeviceClass
+and deletes no other driver's ResourceSlice (the chart's controller policies, on both releases)."""
 from __future__ import annotations
 
 import itertools
@@ -116,7 +118,9 @@ class Release:
         self.controller_client = impersonating(cluster, controller_sa)
         self.controller = KubeApi(self.controller_client)
         self.claims_policy = f"{self.fullname}-resourceclaim-status"
-        self.classes_policy = f"{self.fullname}-deviceclass-deletes"
+        self.classes_policy = f"{self.fullname}-controller-deviceclasses"
+        self.slices_policy = f"{self.fullname}-controller-slice-deletes"
+        self.foreign_slice = f"{self.release}-{OTHER_DRIVER}"
 
     def install(self) -> None:
         for name in (self.node_a, self.node_b):
@@ -139,12 +143,13 @@ class Release:
 
     def wait_until_enforced(self, own: dict[str, Any], timeout: float = 30.0) -> None:
         """RBAC and policies take effect asynchronously. Waits until the plugin may read its node's claim `own`
-        but not drop its allocation, and the controller's delete of a DeviceClass it did not make is refused by
-        the policy. (A probe that gets through is undone.)"""
+        but not drop its allocation, and the controller's deletes of a DeviceClass it did not make and of another
+        driver's ResourceSlice are refused by the policies. (A probe that gets through is undone.)"""
         ns, name = own["metadata"]["namespace"], own["metadata"]["name"]
         probe = {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
                  "metadata": {"name": f"probe.{self.driver}"}, "spec": {}}
         self.kube.create(DEVICE_CLASSES, probe)
+        self.kube.create(SLICES, self.slice_of(OTHER_DRIVER, self.foreign_slice))
 
         def plugin_held() -> bool:
             try:
@@ -166,10 +171,24 @@ class Release:
             self.kube.create(DEVICE_CLASSES, probe)
             return False
 
+        def slices_held() -> bool:
+            try:
+                self.controller.delete(SLICES, self.foreign_slice)
+            except ApiError as exc:
+                return exc.status == 422 and self.slices_policy in exc.message
+            self.kube.create(SLICES, self.slice_of(OTHER_DRIVER, self.foreign_slice))
+            return False
+
         deadline = time.monotonic() + timeout
-        while not (plugin_held() and controller_held()):
+        while not (plugin_held() and controller_held() and slices_held()):
             assert time.monotonic() < deadline, "the chart's RBAC and admission policies were not enforced in time"
             time.sleep(0.3)
+
+    def slice_of(self, driver: str, name: str) -> dict[str, Any]:
+        """A slice of `driver` on a node that does not exist."""
+        return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": name},
+                "spec": {"driver": driver, "nodeName": f"{self.release}-gone", "devices": [],
+                         "pool": {"name": "gone", "generation": 1, "resourceSliceCount": 1}}}
 
     def remove(self) -> None:
         def quietly(method: str, path: str) -> None:
@@ -180,6 +199,8 @@ class Release:
 
         for obj in self.kube.list(SLICES, field_selector=f"spec.driver={self.driver}")["items"]:
             quietly("DELETE", f"{SLICES}/{obj['metadata']['name']}")
+        quietly("DELETE", f"{SLICES}/{self.foreign_slice}")
+        quietly("DELETE", f"{DEVICE_CLASSES}/foreign-{self.release}.example.com")
         for obj in self.kube.list(DEVICE_CLASSES)["items"]:
             if obj["metadata"]["name"].endswith(self.driver):
                 quietly("DELETE", f"{DEVICE_CLASSES}/{obj['metadata']['name']}")
@@ -290,6 +311,9 @@ def test_the_plugins_and_the_controllers_own_calls_pass_with_the_chart_rbac_alon
     events.patch(r.ns_a, event["metadata"]["name"], {"series": {"count": 2, "lastObservedTime": micro_time(time.time())}})
     for what, call in (("list claims", lambda: r.plugin_a.list(claim_path(r.ns_a))),
                        ("list nodes", lambda: r.plugin_a.list(NODES)),
+                       ("list pods", lambda: r.plugin_a.list("/api/v1/pods",
+                                                             field_selector=f"spec.nodeName={r.node_a}")),
+                       ("get a pod", lambda: r.plugin_a.get(f"/api/v1/namespaces/{r.ns_a}/pods/any")),
                        ("patch slices", lambda: r.plugin_a.request("PATCH", f"{SLICES}/x", body={},
                                                                    content_type="application/merge-patch+json"))):
         assert refused(call, also=(403,)).status == 403, what
@@ -300,10 +324,7 @@ def test_the_plugins_and_the_controllers_own_calls_pass_with_the_chart_rbac_alon
              "metadata": {"name": f"retired.{driver}", "labels": {MANAGED_BY_LABEL: MANAGED_BY, DRIVER_LABEL: driver}},
              "spec": {}}
     r.kube.create(DEVICE_CLASSES, stale)
-    r.kube.create(SLICES, {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
-                           "metadata": {"name": f"gone-{driver}"},
-                           "spec": {"driver": driver, "nodeName": f"{r.release}-gone", "devices": [],
-                                    "pool": {"name": "gone", "generation": 1, "resourceSliceCount": 1}}})
+    r.kube.create(SLICES, r.slice_of(driver, f"gone-{driver}"))
     controller = ClusterController(r.controller_client, driver, device_classes(driver))
     controller.reconcile_once()
     wanted = {c["metadata"]["name"] for c in device_classes(driver)}
@@ -322,6 +343,7 @@ def test_the_plugins_and_the_controllers_own_calls_pass_with_the_chart_rbac_alon
     refused(lambda: r.controller.get(f"{DEVICE_CLASSES}/probe.{driver}"), also=(403,))
     message = refused(lambda: r.controller.delete(DEVICE_CLASSES, f"probe.{driver}"), by_policy=r.classes_policy).message
     assert f"may only delete DeviceClasses it made for that driver, not DeviceClass probe.{driver}" in message
+
     # Its pass over pending claims: the claims listed, the cluster state read to judge a waiting one (the
     # DeviceTaintRules, on servers that have them), and a Warning Event on a claim and its pod.
     waiting = r.claim(r.ns_b, "waiting")
@@ -338,3 +360,34 @@ def test_the_plugins_and_the_controllers_own_calls_pass_with_the_chart_rbac_alon
     refused(lambda: r.controller.get(claim_path(r.ns_b, "waiting")), also=(403,))
     refused(lambda: merge_status(r.controller, r.ns_b, "waiting", {"allocation": None}), also=(403,))
     refused(lambda: r.controller.list(f"/api/v1/namespaces/{r.ns_b}/pods"), also=(403,))
+
+    # Nor create or change a DeviceClass that is not its own, nor delete another driver's slice: refused by the
+    # chart's controller policies (RBAC cannot name what a create makes, nor whose slice a delete removes).
+    foreign = {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
+               "metadata": {"name": f"foreign-{r.release}.example.com",
+                            "labels": {MANAGED_BY_LABEL: MANAGED_BY, DRIVER_LABEL: driver}}, "spec": {}}
+    message = refused(lambda: r.controller.create(DEVICE_CLASSES, foreign), by_policy=r.classes_policy).message
+    assert (f"the controller of driver {driver} may only create or change the DeviceClasses of that driver, not "
+            f"DeviceClass foreign-{r.release}.example.com") in message
+    # One of its class names, but labelled as another driver's (as NVIDIA's class names are in compatibility
+    # mode): neither its own writes nor its pass take it over.
+    mig = r.kube.get(f"{DEVICE_CLASSES}/mig.{driver}")
+    mig["metadata"]["labels"][DRIVER_LABEL] = OTHER_DRIVER
+    mig = r.kube.replace(DEVICE_CLASSES, mig)
+    edit = {**mig, "spec": {"selectors": []}}
+    message = refused(lambda: r.controller.replace(DEVICE_CLASSES, edit), by_policy=r.classes_policy).message
+    assert f"may not change or delete DeviceClass mig.{driver} of driver {OTHER_DRIVER}" in message
+    refused(controller.reconcile_once, by_policy=r.classes_policy)
+    assert r.kube.get(f"{DEVICE_CLASSES}/mig.{driver}")["metadata"]["labels"][DRIVER_LABEL] == OTHER_DRIVER
+    # Created again without the labels that make it the controller's: refused; the controller's own create passes.
+    r.kube.delete(DEVICE_CLASSES, f"mig.{driver}")
+    bare = {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": f"mig.{driver}"},
+            "spec": {}}
+    message = refused(lambda: r.controller.create(DEVICE_CLASSES, bare), by_policy=r.classes_policy).message
+    assert f"may only write DeviceClasses labelled {DRIVER_LABEL}={driver}" in message
+    controller.reconcile_once()
+    assert r.kube.get(f"{DEVICE_CLASSES}/mig.{driver}")["metadata"]["labels"][DRIVER_LABEL] == driver
+    message = refused(lambda: r.controller.delete(SLICES, r.foreign_slice), by_policy=r.slices_policy).message
+    assert (f"the controller of driver {driver} may only delete ResourceSlices of that driver, not ResourceSlice "
+            f"{r.foreign_slice} of driver {OTHER_DRIVER}") in message
+    assert r.kube.get(f"{SLICES}/{r.foreign_slice}")["spec"]["driver"] == OTHER_DRIVER
