@@ -361,6 +361,27 @@ def test_two_pods_on_mps_slots_of_one_gpu_are_clients_of_one_daemon(real: RealNo
     finish(real, ours, namespace, pods, checked)
 
 
+def test_an_mps_client_running_as_another_user_is_served(real: RealNode, ours: LocalNodePlugin) -> None:
+    """A pod running as UID 65534 (runAsUser) on an MPS slot is a client of the daemon like a root one: the
+    daemon's control socket accepts every user (0666, as NVIDIA's), and CUDA's initialisation in the container is
+    served by an MPS server of the client's own user, as the daemon's log on the host says."""
+    slots = [a for a in real.devices(ours).values() if a["type"] == "slot" and a.get("sharing") == "mps"]
+    assert slots, "the node publishes no MPS slot"
+    namespace = "mps-other-user"
+    pod = pod_with("nobody", "nobody", ["cuda"])
+    pod["spec"]["securityContext"] = {"runAsUser": 65534, "runAsGroup": 65534}
+    pods, checked = run_and_check(real, ours, namespace, [
+        mps_template("nobody", slots[0]["parentUUID"], 20, "4Gi"), pod])
+    [pipe] = {c.mps_dirs[0] for c in checked}
+    assert oct((pipe / "control").stat().st_mode & 0o777) == oct(0o666)
+    log = (pipe.parent / "log" / "control.log").read_text()
+    assert re.search(r"New client \d+ of user ID 65534 served by the MPS server of user ID 65534", log), log
+    view = real.view(namespace, "nobody", "cuda")
+    assert {"control", "control_privileged", "control_lock", "log",
+            "nvidia-cuda-mps-control.pid"} <= set(view.pipe_entries), view.pipe_entries
+    finish(real, ours, namespace, pods, checked)
+
+
 # ---- the driver root's layouts ------------------------------------------------------------------
 
 LIBRARY_FOLDER = {"host": f"/usr/lib/{triplet()}", "operator": f"/usr/lib/{triplet()}", "single-folder": "/lib64"}
