@@ -8,18 +8,10 @@ from typing import Any
 
 from api.quantity import quantity_value
 from dra.model.devicecel import split_qualified
+from dra.model.tolerations import tolerates
 
 # Taint effects that keep a device from being allocated; None and unknown effects do not.
 _BLOCKING_EFFECTS = ("NoSchedule", "NoExecute")
-
-
-def tolerates(toleration: dict[str, Any], taint: dict[str, Any]) -> bool:
-    """Kubernetes toleration matching: empty effect matches every effect; Exists with empty key every key."""
-    if toleration.get("effect") and toleration["effect"] != taint.get("effect"):
-        return False
-    if toleration.get("operator", "Equal") == "Exists":
-        return not toleration.get("key") or toleration["key"] == taint.get("key")
-    return toleration.get("key") == taint.get("key") and (toleration.get("value") or "") == (taint.get("value") or "")
 
 
 def untolerated(taints: list[dict[str, Any]], tolerations: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:

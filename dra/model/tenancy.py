@@ -24,8 +24,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dra.model.devicefit import tolerates
 from dra.model.devices import KIND_SHARED, KIND_SLOT, Device
+from dra.model.tolerations import tolerates
 
 TENANCY_TAINT = "mps-namespace"
 TENANCY_EFFECT = "NoExecute"
