@@ -28,7 +28,7 @@ class _Registration(reg_grpc.RegistrationServicer):
 
 
 async def serve(path: str) -> None:
-    """The same server as the plugin's (grpc.aio, kubeletplugin.unixserver), with nothing else around it."""
+    """The same server as the plugin's (grpc.aio, kubeletplugin.transport.unixserver), with nothing else around it."""
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)   # a wake-up fd: no polling
     with contextlib.suppress(FileNotFoundError):

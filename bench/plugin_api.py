@@ -50,7 +50,7 @@ from bench.params import Params
 from testbed.localcluster import LocalCluster, free_port
 from dra.node.atomicfile import remove_file, write_atomic
 from kube.client import RESOURCE_V1, KubeApi
-from kubeletplugin.sockets import socket_paths
+from kubeletplugin.transport.sockets import socket_paths
 
 NAME = "plugin"
 DESCRIPTION = "gpu-dra kubelet-plugin over its DRA socket on a real API server: prepare/unprepare against floors"

@@ -9,7 +9,7 @@ claims' allocations and reservations are written through their status, as the sc
 
 Then, interleaved run by run: the floor, one unpaginated GET of the driver's slices decoded from JSON (the least
 any reader of them does), and the status (``cli.status_cmd.collect`` + the table: the LISTs of slices and claims
-side by side, pods only where a claim is allocated but unreserved, the computation of ``dra.model.occupancy``,
+side by side, pods only where a claim is allocated but unreserved, the computation of ``dra.scheduling.occupancy``,
 the text). Figures: the status median (target in
 bench/targets.yaml), its ratio to the floor's median, and for context the floor, the computation alone and the
 fleet's size.
@@ -118,7 +118,7 @@ def _progress(line: str) -> None:
 
 def run(params: Params) -> list[Figure]:
     from cli.status_cmd import collect, render
-    from dra.model.occupancy import fleet_status
+    from dra.scheduling.occupancy import fleet_status
     from kube.statusreads import read_status_objects
 
     nodes = params.status_nodes
@@ -177,6 +177,6 @@ def run(params: Params) -> list[Figure]:
                "×", f"status {median(status_s):.2f} s, floor {median(floor_s):.2f} s, {runs} runs each, interleaved"),
         Figure("status.floor.seconds", f"{label}: one GET of the driver's slices, decoded", median(floor_s), "s",
                spread(floor_s, 1.0, "s"), "median"),
-        Figure("status.compute_ms", f"{label}: dra.model.occupancy over the objects read", compute_s * 1000, "ms",
+        Figure("status.compute_ms", f"{label}: dra.scheduling.occupancy over the objects read", compute_s * 1000, "ms",
                "one run"),
     ]

@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dra.model.claimrequests import ClaimSpecError
+    from dra.scheduling.claimrequests import ClaimSpecError
     from dra.model.explain import CANNOT_EVALUATE, format_text
     from kube.client import ApiError, ApiUnavailable, KubeApi
     from kube.connect import ConnectError, api_client_from

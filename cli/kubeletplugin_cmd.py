@@ -129,7 +129,7 @@ def _cgroup_path(path: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kubeletplugin.sockets import SocketPathError
+    from kubeletplugin.transport.sockets import SocketPathError
 
     # The sockets first, with nothing slow imported yet: the kubelet registers the plugin at once and its calls
     # wait for the driver, instead of finding no plugin for as long as imports, discovery and recovery take.
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         if not options.node_name:
             print("gpu-dra kubelet-plugin: --node-name (or NODE_NAME) is required", file=sys.stderr)
             return 2
-        from kubeletplugin.endpoints import start_endpoints
+        from kubeletplugin.transport.endpoints import start_endpoints
 
         endpoints = start_endpoints(options)
     except (SocketPathError, ValueError, OSError) as exc:

@@ -1,7 +1,7 @@
 """`gpu-dra status [NODE]` (also `kubectl gpu`): who holds which GPU device, what is still free, and each MIG
 GPU's memory slices drawn in one row, from the API server alone (ResourceSlices, ResourceClaims, Pods).
 
-The computation is ``dra.model.occupancy``; the reads are ``kube.statusreads``. The table lists every device
+The computation is ``dra.scheduling.occupancy``; the reads are ``kube.statusreads``. The table lists every device
 except the dynamic MIG placements nobody holds (``--all`` lists those too): they overlap each other, so the
 free ones are summed up as the profiles still placeable instead.
 """
@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def collect(api_client: Any, driver: str, node: str | None = None) -> list[Any]:
     """The NodeStatus of every node of ``driver`` (or of ``node``), read from the API server."""
-    from dra.model.occupancy import fleet_status
+    from dra.scheduling.occupancy import fleet_status
     from kube.client import KubeApi
     from kube.statusreads import read_status_objects
 
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def render(nodes: Sequence[Any], output: str = "table", *, all_devices: bool = False) -> str:
-    from dra.model.occupancy import fleet_summary
+    from dra.scheduling.occupancy import fleet_summary
 
     if output in ("json", "yaml"):
         doc = {"summary": fleet_summary(nodes), "nodes": [n.to_dict() for n in nodes]}

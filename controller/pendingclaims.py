@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from dra.model.claimrequests import ClaimSpecError, read_claim_spec
+from dra.scheduling.claimrequests import ClaimSpecError, read_claim_spec
 from dra.model.explain import NOT_ALLOCATABLE, Explanation, Target, explain
 from dra.model.tenancy import tenancy_reason
 from kube.backoff import Backoff

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from api.names import DEFAULT_DRIVER_NAME
 from dra.node.bootid import DEFAULT_BOOT_ID_PATH
-from kubeletplugin.sockets import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
+from kubeletplugin.transport.sockets import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
 
 SIMULATED_STATE_FILE = "simulated-gpus.json"
 # Claims of one call prepared side by side. They are I/O-bound and wait only for the GPUs they share, so the

@@ -51,13 +51,13 @@ from kubeletplugin.claims import ClaimSource, KubernetesClaimSource
 from kubeletplugin.claimstatus import ClaimStatusWriter, KubernetesClaimStatusWriter
 from kubeletplugin.driver import Driver
 from kubeletplugin.recovery import StartupReport
-from kubeletplugin.health import HealthBoard, health_from_taints
 from kubeletplugin.metrics import PluginMetrics
-from kubeletplugin.registration import RegistrationServer, supported_services
-from kubeletplugin.server import DRAServer
-from kubeletplugin.endpoints import Endpoints
 from kubeletplugin.options import PluginOptions
-from kubeletplugin.sockets import SocketPaths, socket_paths
+from kubeletplugin.transport.endpoints import Endpoints
+from kubeletplugin.transport.health import HealthBoard, health_from_taints
+from kubeletplugin.transport.registration import RegistrationServer, supported_services
+from kubeletplugin.transport.server import DRAServer
+from kubeletplugin.transport.sockets import SocketPaths, socket_paths
 
 log = structlog.get_logger("kubelet-plugin")
 
@@ -164,7 +164,7 @@ class KubeletPlugin:
         self._status_writer = status_writer
         self.publish = publish
         self.metrics = metrics or PluginMetrics()
-        # Sockets already served by the command (kubeletplugin.endpoints) are taken over, not opened again.
+        # Sockets already served by the command (kubeletplugin.transport.endpoints) are taken over, not opened again.
         self.endpoints = endpoints
         self.paths: SocketPaths = endpoints.paths if endpoints else socket_paths(
             options.driver_name, options.registry_dir, options.plugin_directory, options.pod_uid)

@@ -10,9 +10,9 @@ import pytest
 
 import dra.model.explain as explain_mod
 from api.deviceclasses import device_classes
-from dra.model.claimrequests import ClaimSpecError, read_claim_spec
-from dra.model.devicecel import CelRuntimeError, CelUnsupported, compile_selector, device_variable
-from dra.model.devicefit import capacity_needs, untolerated_taints
+from dra.scheduling.claimrequests import ClaimSpecError, read_claim_spec
+from dra.scheduling.devicecel import CelRuntimeError, CelUnsupported, compile_selector, device_variable
+from dra.scheduling.devicefit import capacity_needs, untolerated_taints
 from dra.model.explain import (ALLOCATABLE, ALLOCATED, CANNOT_EVALUATE, NOT_ALLOCATABLE, Target, explain,
                                format_text)
 from dra.model.tolerations import tolerates

@@ -1,4 +1,4 @@
-"""`gpu-dra status`: who holds which device and what is free (dra.model.occupancy), over wire-format slices,
+"""`gpu-dra status`: who holds which device and what is free (dra.scheduling.occupancy), over wire-format slices,
 claims and pods as the API server returns them; the table and JSON output; the kubectl plugin's arguments."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from cli.status_cmd import render
 from dra.model.catalog import get_model
 from dra.model.devices import mig_device_name
 from dra.model.mig import placement_problem
-from dra.model.occupancy import BLOCKED, FREE, HELD, TAINTED, draw_slices, fleet_status, fleet_summary
+from dra.scheduling.occupancy import BLOCKED, FREE, HELD, TAINTED, draw_slices, fleet_status, fleet_summary
 from dra.model.policy import parse_node_policy
 from dra.model.slices import ApiFeatures, plan_pool
 from dra.node.inventory import discover_once

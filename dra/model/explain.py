@@ -18,11 +18,11 @@ from fractions import Fraction
 from typing import Any
 
 from api.quantity import quantity_value
-from dra.model.claimrequests import ALL, Alternative, ClaimSpec, Constraint, read_claim_spec
-from dra.model.devicecel import (CelRuntimeError, CelUnsupported, attribute_value, compile_selector,
+from dra.scheduling.claimrequests import ALL, Alternative, ClaimSpec, Constraint, read_claim_spec
+from dra.scheduling.devicecel import (CelRuntimeError, CelUnsupported, attribute_value, compile_selector,
                                  device_variable, split_qualified)
-from dra.model.devicefit import capacity_needs, format_amount, taint_text, untolerated
-from dra.model.poolview import (CounterKey, DeviceKey, Pool, PoolDevice, Usage, allocated_node,
+from dra.scheduling.devicefit import capacity_needs, format_amount, taint_text, untolerated
+from dra.scheduling.poolview import (CounterKey, DeviceKey, Pool, PoolDevice, Usage, allocated_node,
                                 allocation_results, build_pools, claim_id, counter_holders, counters_in_use,
                                 usage_of)
 from dra.model.tenancy import tenancy_namespace, tenancy_reason

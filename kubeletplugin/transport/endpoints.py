@@ -2,7 +2,7 @@
 
 The kubelet finds a starting plugin through its registration socket and then talks to its DRA socket; both
 listen within a fraction of a second of the process starting, while discovery, the API server and start-up
-recovery are still to come. Calls that arrive meanwhile wait for the driver (``kubeletplugin.server``); slices
+recovery are still to come. Calls that arrive meanwhile wait for the driver (``kubeletplugin.transport.server``); slices
 are published only once the kubelet has confirmed the registration. Only grpc, the generated stubs and small
 modules of this package are imported here.
 """
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kubeletplugin.health import HealthBoard
+from kubeletplugin.transport.health import HealthBoard
 from kubeletplugin.options import PluginOptions
-from kubeletplugin.registration import RegistrationServer, supported_services
-from kubeletplugin.server import DRAServer
-from kubeletplugin.sockets import SocketPaths, socket_paths
+from kubeletplugin.transport.registration import RegistrationServer, supported_services
+from kubeletplugin.transport.server import DRAServer
+from kubeletplugin.transport.sockets import SocketPaths, socket_paths
 
 
 @dataclass

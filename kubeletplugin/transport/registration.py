@@ -15,7 +15,7 @@ import grpc
 
 from api.generated.pluginregistration.v1 import api_pb2 as reg_pb
 from api.generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
-from kubeletplugin.unixserver import UnixGrpcServer
+from kubeletplugin.transport.unixserver import UnixGrpcServer
 
 PLUGIN_TYPE = "DRAPlugin"
 
@@ -103,7 +103,7 @@ class RegistrationServicer(reg_grpc.RegistrationServicer):
 
 
 class RegistrationServer:
-    """Serves the registration service on ``<registry dir>/<driver>-reg.sock`` (see kubeletplugin.sockets).
+    """Serves the registration service on ``<registry dir>/<driver>-reg.sock`` (see kubeletplugin.transport.sockets).
 
     Start it only after the DRA socket listens: the kubelet dials the endpoint as soon as it registers."""
 

@@ -2,7 +2,7 @@
 ``…v1beta1.DRAPlugin`` (one handler; the versions differ only in v1's ``Device.share_id``), plus the
 ``DRAResourceHealth`` stream in ``v1`` and ``v1alpha1``.
 
-Prepare and unprepare are plain functions, run in the server's thread pool (kubeletplugin.unixserver); the
+Prepare and unprepare are plain functions, run in the server's thread pool (kubeletplugin.transport.unixserver); the
 health streams are coroutines that sleep between changes.
 
 Per-claim failures travel in the response's ``error`` field; a gRPC error is reserved for a call that
@@ -31,8 +31,8 @@ from api.generated.dra_health.v1 import api_pb2 as health_v1_pb
 from api.generated.dra_health.v1 import api_pb2_grpc as health_v1_grpc
 from api.generated.dra_health.v1alpha1 import api_pb2 as health_v1alpha1_pb
 from api.generated.dra_health.v1alpha1 import api_pb2_grpc as health_v1alpha1_grpc
-from kubeletplugin.health import MAX_MESSAGE, HealthBoard
-from kubeletplugin.unixserver import UnixGrpcServer
+from kubeletplugin.transport.health import MAX_MESSAGE, HealthBoard
+from kubeletplugin.transport.unixserver import UnixGrpcServer
 
 if TYPE_CHECKING:
     from kubeletplugin.claims import ClaimRef, NodeDriver

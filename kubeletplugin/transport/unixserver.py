@@ -5,7 +5,7 @@ Every server of the process runs on one asyncio event loop in one thread (``grpc
 server would poll its completion queue every 200 ms per server, so an idle plugin woke ten times a second; the
 asyncio server waits on its completion queue without a timeout and an idle plugin's servers use no CPU.
 Handlers written as plain functions run in the server's thread pool (so a slow prepare never blocks the loop);
-streams that wait for events are coroutines (kubeletplugin.server).
+streams that wait for events are coroutines (kubeletplugin.transport.server).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any, Callable, Coroutine, TypeVar
 
 import grpc
 
-from kubeletplugin.sockets import prepare_socket_path, remove_socket, restrict_socket
+from kubeletplugin.transport.sockets import prepare_socket_path, remove_socket, restrict_socket
 
 T = TypeVar("T")
 

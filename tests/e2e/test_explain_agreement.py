@@ -23,7 +23,7 @@ import yaml
 from allocation_helpers import EXAMPLES, FLEETS, PublishedFleet, renamed_fleet
 from testbed.demo_examples import apply_objects, collection, delete_namespace, load_example, load_examples
 from dra.model.explain import ALLOCATABLE, NOT_ALLOCATABLE, Explanation
-from dra.model.poolview import allocation_results
+from dra.scheduling.poolview import allocation_results
 from kube.client import RESOURCE_V1, ApiError, KubeApi
 from kube.explainreads import explain_target
 

@@ -38,7 +38,7 @@ from testbed.localnode import cgroup_dirs, install_driver_root
 from testbed.nodeplugin import LocalNodePlugin, NodePluginError
 from testbed.helmchart import CHART, helm
 from kube.client import DEVICE_CLASSES, SLICES, ApiError, KubeApi
-from kubeletplugin.sockets import socket_paths
+from kubeletplugin.transport.sockets import socket_paths
 from realnode_helpers import EXAMPLES, RealNode, fleet_node, load_objects
 from standin.workloads import wait_until
 from test_realnode_examples import Checked, check_pod, finish

@@ -7,7 +7,7 @@ from fractions import Fraction
 from typing import Any
 
 from api.quantity import quantity_value
-from dra.model.devicefit import format_amount
+from dra.scheduling.devicefit import format_amount
 
 ALL = "All"
 EXACT_COUNT = "ExactCount"

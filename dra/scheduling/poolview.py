@@ -12,7 +12,7 @@ from fractions import Fraction
 from typing import Any
 
 from api.quantity import quantity_value
-from dra.model.occupancy import consumed_counters, current_pools
+from dra.scheduling.occupancy import consumed_counters, current_pools
 
 DeviceKey = tuple[str, str, str]     # (driver, pool, device)
 CounterKey = tuple[str, str, str]    # (driver, pool, counter set) -> counters by name
@@ -117,7 +117,7 @@ def _rule_matches(rule: dict[str, Any], key: DeviceKey) -> bool:
 
 
 def build_pools(slices: Sequence[dict[str, Any]], taint_rules: Sequence[dict[str, Any]] = ()) -> list[Pool]:
-    """Pools of the slices at their highest generation, slices in name order (dra.model.occupancy's rule); a pool
+    """Pools of the slices at their highest generation, slices in name order (dra.scheduling.occupancy's rule); a pool
     missing slices of that generation is marked incomplete (the scheduler refuses to allocate from it)."""
     pools = []
     for driver in sorted({(s.get("spec") or {}).get("driver", "") for s in slices}):

@@ -7,7 +7,7 @@ from fractions import Fraction
 from typing import Any
 
 from api.quantity import quantity_value
-from dra.model.devicecel import split_qualified
+from dra.scheduling.devicecel import split_qualified
 from dra.model.tolerations import tolerates
 
 # Taint effects that keep a device from being allocated; None and unknown effects do not.
