@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from dra.scheduling.claimrequests import ClaimSpecError, read_claim_spec
 from dra.model.explain import NOT_ALLOCATABLE, Explanation, Target, explain
 from dra.model.tenancy import tenancy_reason
+from dra.scheduling.claimrequests import ClaimSpecError, read_claim_spec
 from kube.backoff import Backoff
 from kube.client import ApiError, ApiUnavailable, KubeApi
 from kube.events import EventWriter, KubernetesEventWriter, ObjectRef, claim_ref, event_body

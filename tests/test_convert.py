@@ -14,8 +14,8 @@ from cli.main import main
 from dra.model.convert import gfdselectors as gfd
 from dra.model.convert.conversion import Options, convert, output_files
 from dra.model.convert.deviceplugin import ConvertError
-from dra.scheduling.devicecel import compile_selector, device_variable
 from dra.model.policy import parse_node_policy
+from dra.scheduling.devicecel import compile_selector, device_variable
 
 REPO = Path(__file__).resolve().parents[1]
 A = f"device.attributes['{D}']"

@@ -10,12 +10,12 @@ import pytest
 
 import dra.model.explain as explain_mod
 from api.deviceclasses import device_classes
-from dra.scheduling.claimrequests import ClaimSpecError, read_claim_spec
-from dra.scheduling.devicecel import CelRuntimeError, CelUnsupported, compile_selector, device_variable
-from dra.scheduling.devicefit import capacity_needs, untolerated_taints
 from dra.model.explain import (ALLOCATABLE, ALLOCATED, CANNOT_EVALUATE, NOT_ALLOCATABLE, Target, explain,
                                format_text)
 from dra.model.tolerations import tolerates
+from dra.scheduling.claimrequests import ClaimSpecError, read_claim_spec
+from dra.scheduling.devicecel import CelRuntimeError, CelUnsupported, compile_selector, device_variable
+from dra.scheduling.devicefit import capacity_needs, untolerated_taints
 
 D = "gpu.example.com"
 CLASSES = device_classes(D)

@@ -16,10 +16,10 @@ from cli.status_cmd import render
 from dra.model.catalog import get_model
 from dra.model.devices import mig_device_name
 from dra.model.mig import placement_problem
-from dra.scheduling.occupancy import BLOCKED, FREE, HELD, TAINTED, draw_slices, fleet_status, fleet_summary
 from dra.model.policy import parse_node_policy
 from dra.model.slices import ApiFeatures, plan_pool
 from dra.node.inventory import discover_once
+from dra.scheduling.occupancy import BLOCKED, FREE, HELD, TAINTED, draw_slices, fleet_status, fleet_summary
 from dra.sim.fleet import nvml_for_node, parse_fleet
 
 DRIVER = "gpu.dra-driver.io"

@@ -18,6 +18,7 @@ from fractions import Fraction
 from typing import Any
 
 from api.quantity import quantity_value
+from dra.model.tenancy import tenancy_namespace, tenancy_reason
 from dra.scheduling.claimrequests import ALL, Alternative, ClaimSpec, Constraint, read_claim_spec
 from dra.scheduling.devicecel import (CelRuntimeError, CelUnsupported, attribute_value, compile_selector,
                                  device_variable, split_qualified)
@@ -25,7 +26,6 @@ from dra.scheduling.devicefit import capacity_needs, format_amount, taint_text, 
 from dra.scheduling.poolview import (CounterKey, DeviceKey, Pool, PoolDevice, Usage, allocated_node,
                                 allocation_results, build_pools, claim_id, counter_holders, counters_in_use,
                                 usage_of)
-from dra.model.tenancy import tenancy_namespace, tenancy_reason
 
 # Bound on the devices the search tries per node; past it the node is reported as undecided, not guessed.
 SEARCH_LIMIT = 200_000

@@ -7,8 +7,8 @@ from fractions import Fraction
 from typing import Any
 
 from api.quantity import quantity_value
-from dra.scheduling.devicecel import split_qualified
 from dra.model.tolerations import tolerates
+from dra.scheduling.devicecel import split_qualified
 
 # Taint effects that keep a device from being allocated; None and unknown effects do not.
 _BLOCKING_EFFECTS = ("NoSchedule", "NoExecute")
