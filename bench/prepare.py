@@ -37,9 +37,10 @@ from dra.node.sharing import MpsDaemons, TimeSlicing
 from dra.sim.sharing import SimulatedSharingControl
 from dra.node.inventory import discover
 from dra.model.policy import parse_node_policy
-from kubeletplugin.claims import ClaimRef, DictClaimSource
+from kubeletplugin.claims import DictClaimSource
 from kubeletplugin.driver import Driver
 from kubeletplugin.metrics import PluginMetrics
+from kubeletplugin.transport.nodedriver import ClaimRef
 from dra.sim.driverroot import SimulatedDriverRoot
 
 NAME = "prepare"

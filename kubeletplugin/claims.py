@@ -1,8 +1,7 @@
-"""Claims as the driver sees them: what the kubelet names (``ClaimRef``), what the driver answers
-(``PrepareResult``, independent of the DRA API version), and where the allocation is read from.
+"""Claims as the driver sees them: where the allocation is read from and what it holds for this driver.
 
-The kubelet passes only (namespace, name, uid) over gRPC; the allocation itself is read from the API
-server. ``ClaimSource`` hides that read so the prepare/unprepare driver can be exercised with plain dicts.
+The kubelet passes only (namespace, name, uid) over gRPC (``ClaimRef``; it and the driver's answers are the
+transport's, kubeletplugin.transport.nodedriver); the allocation itself is read from the API server. ``ClaimSource`` hides that read so the prepare/unprepare driver can be exercised with plain dicts.
 Claims are handled as wire-format dicts (camelCase), as the API server returns them.
 """
 from __future__ import annotations
@@ -13,7 +12,8 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from api.k8snames import is_dns_label, is_dns_subdomain, is_uid
+from api.k8snames import is_dns_subdomain, is_uid
+from kubeletplugin.transport.nodedriver import ClaimRef
 
 
 class ClaimError(Exception):
@@ -24,30 +24,6 @@ class ClaimError(Exception):
     def __init__(self, message: str, reason: str = "claim") -> None:
         super().__init__(message)
         self.reason = reason
-
-
-@dataclass(frozen=True)
-class ClaimRef:
-    """What the kubelet sends for each claim."""
-
-    namespace: str
-    uid: str
-    name: str
-
-    def describe(self) -> str:
-        return f"{self.namespace}/{self.name} ({self.uid})"
-
-
-def claim_ref_problem(ref: ClaimRef) -> str | None:
-    """Why a claim named by the kubelet is not a valid Kubernetes claim reference (it goes into API paths and
-    file names), or None."""
-    if not is_uid(ref.uid):
-        return f"claim uid {ref.uid[:80]!r}: not a Kubernetes UID"
-    if not is_dns_label(ref.namespace):
-        return f"claim {ref.uid}: namespace {ref.namespace[:80]!r} is not a Kubernetes namespace name"
-    if not is_dns_subdomain(ref.name):
-        return f"claim {ref.uid}: name {ref.name[:260]!r} is not a Kubernetes object name"
-    return None
 
 
 class ClaimSource(Protocol):
@@ -275,49 +251,3 @@ def _field(obj: dict[str, Any], key: str, kind: type, where: str) -> Any:
         raise ClaimError(f"{where}.{key}: must be {'a list' if kind is list else 'an object'}, "
                          f"got {type(value).__name__}")
     return value
-
-
-# ----- what prepare/unprepare hand back to the gRPC layer -----------------------------------------------------
-@dataclass(frozen=True)
-class PreparedDevice:
-    """One device of a prepared claim, as the kubelet needs it (kubelet Device message)."""
-
-    request_names: tuple[str, ...]     # base request names (sub-request suffix stripped)
-    pool_name: str
-    device_name: str
-    cdi_device_ids: tuple[str, ...]
-    share_id: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"requestNames": list(self.request_names), "poolName": self.pool_name,
-                             "deviceName": self.device_name, "cdiDeviceIDs": list(self.cdi_device_ids)}
-        if self.share_id:
-            d["shareID"] = self.share_id
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "PreparedDevice":
-        return cls(request_names=tuple(d.get("requestNames") or ()), pool_name=d["poolName"],
-                   device_name=d["deviceName"], cdi_device_ids=tuple(d.get("cdiDeviceIDs") or ()),
-                   share_id=d.get("shareID") or None)
-
-
-@dataclass(frozen=True)
-class PrepareResult:
-    devices: tuple[PreparedDevice, ...] = ()
-    error: str = ""
-
-
-@dataclass(frozen=True)
-class UnprepareResult:
-    error: str = ""
-
-
-class NodeDriver(Protocol):
-    """What the DRA gRPC service needs from the driver."""
-
-    def prepare(self, claims: list[ClaimRef]) -> dict[str, PrepareResult]:
-        ...
-
-    def unprepare(self, claims: list[ClaimRef]) -> dict[str, UnprepareResult]:
-        ...

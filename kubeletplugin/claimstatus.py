@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 from dra.model.devices import KIND_MIG
-from kubeletplugin.claims import ClaimRef
+from kubeletplugin.transport.nodedriver import ClaimRef
 
 READY = "Ready"
 MAX_FIELD_MANAGER = 128

@@ -20,8 +20,8 @@ from dra.node import migdevices as mig
 from dra.node.cdi import MpsMounts
 from dra.node.checkpoint import CheckpointStore, ClaimRecord, MigUndo, MpsUse, TimeSliceUndo, UndoInfo
 from dra.node.sharing import MpsDaemons, TimeSlicing
-from kubeletplugin.claims import ClaimRef
 from kubeletplugin.plan import DevicePlan
+from kubeletplugin.transport.nodedriver import ClaimRef
 
 DeviceCatalog = Callable[[], Mapping[str, Device]]
 MigIdentity = tuple[str, int, int]         # (MIG uuid, GI id, CI id)

@@ -55,7 +55,7 @@ from dra.node.checkpoint import ReservedPod
 from dra.node.checkpoint import PreparedDevice as CheckpointDevice
 from dra.node.sharing import MpsDaemons, TimeSlicing
 from dra.node.sharingtools import SharingError
-from kubeletplugin.claims import ClaimError, ClaimRef, ClaimSource, reserved_pods
+from kubeletplugin.claims import ClaimError, ClaimSource, reserved_pods
 from kubeletplugin.claimstatus import ClaimStatusReporter, ClaimStatusWriter
 from kubeletplugin.keyedlocks import KeyedLocks
 from kubeletplugin.deviceactions import Applied, ClaimActions, DeviceCatalog, MigListener, PrepareError
@@ -63,7 +63,7 @@ from kubeletplugin.metrics import PluginMetrics
 from kubeletplugin.options import MAX_PARALLEL_CLAIMS
 from kubeletplugin.plan import DevicePlan, plan_claim
 from kubeletplugin.recovery import StartupReport, recover_at_start
-from kubeletplugin.claims import PreparedDevice, PrepareResult, UnprepareResult
+from kubeletplugin.transport.nodedriver import ClaimRef, PreparedDevice, PrepareResult, UnprepareResult
 
 FAULT_ENV = "GPU_DRA_FAULT"
 CRASH_STEPS = ("checkpoint-started", "mig-created", "timeslice-applied", "mps-use-recorded", "mps-compute-mode-set",

@@ -13,8 +13,9 @@ import pytest
 from dra.sim.fleet import nvml_for_node, parse_fleet
 from dra.model.slices import ApiFeatures
 from fixtures.fake_driver_root import build_fake_driver_root
-from kubeletplugin.claims import ClaimRef, DictClaimSource
+from kubeletplugin.claims import DictClaimSource
 from kubeletplugin.plugin import KubeletPlugin, PluginOptions, UnavailableSharingControl
+from kubeletplugin.transport.nodedriver import ClaimRef
 
 DRIVER = "gpu.dra-driver.io"
 NODE = "node-a"

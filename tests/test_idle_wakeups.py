@@ -50,7 +50,7 @@ class _Writer:
 def test_idle_claim_status_workers_do_not_wake() -> None:
     import structlog
 
-    from kubeletplugin.claims import ClaimRef
+    from kubeletplugin.transport.nodedriver import ClaimRef
     from kubeletplugin.claimstatus import ClaimStatusReporter
 
     writer = _Writer()

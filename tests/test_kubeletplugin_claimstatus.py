@@ -8,7 +8,6 @@ from typing import Any, Sequence
 import pytest
 
 from kube.client import ApiError, ApiUnavailable
-from kubeletplugin.claims import ClaimRef
 from kubeletplugin.claimstatus import (
     ClaimStatusError,
     DeviceStatus,
@@ -16,6 +15,7 @@ from kubeletplugin.claimstatus import (
     field_manager,
     status_entry,
 )
+from kubeletplugin.transport.nodedriver import ClaimRef
 from test_kubeletplugin_driver import DRIVER, NODE, Node, ok
 
 REF = ClaimRef(namespace="ns", uid="3f1c6a52-0000-4000-8000-000000000001", name="claim-a")

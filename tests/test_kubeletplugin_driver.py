@@ -22,9 +22,10 @@ from dra.sim.sharing import SimulatedSharingControl
 from dra.node.inventory import discover
 from dra.model.policy import parse_node_policy
 from fixtures.fake_driver_root import build_fake_driver_root
-from kubeletplugin.claims import ClaimRef, DictClaimSource
+from kubeletplugin.claims import DictClaimSource
 from kubeletplugin.driver import Driver
 from kubeletplugin.metrics import PluginMetrics
+from kubeletplugin.transport.nodedriver import ClaimRef
 
 DRIVER = "gpu.dra-driver.io"
 NODE = "node-a"

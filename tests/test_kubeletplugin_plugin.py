@@ -130,7 +130,7 @@ def test_rolling_update_socket_names_and_file_lock(base):
         assert (base / "plug" / f"dra-{pod}.sock").exists()
         c = claim("whole", "gpu-0")
         claims.put(c)
-        from kubeletplugin.claims import ClaimRef
+        from kubeletplugin.transport.nodedriver import ClaimRef
         ref = ClaimRef("ns", c["metadata"]["uid"], "whole")
         assert plugin.driver.prepare([ref])[ref.uid].error == ""
         assert (base / "plug" / "serialize.lock").exists()

@@ -13,8 +13,9 @@ from cli.main import build_parser
 from dra.node import migdevices as mig
 from dra.sim.fleet import load_fleet, nvml_for_node
 from dra.model.slices import ApiFeatures
-from kubeletplugin.claims import ClaimRef, DictClaimSource
+from kubeletplugin.claims import DictClaimSource
 from kubeletplugin.plugin import KubeletPlugin, PluginConfigError, PluginOptions
+from kubeletplugin.transport.nodedriver import ClaimRef
 
 DRIVER = "gpu.dra-driver.io"
 NODE = "node-a"

@@ -131,7 +131,8 @@ def test_the_plugin_taints_its_tenants_gpu_and_keeps_it_healthy(device_taints: b
     import tempfile
 
     from dra.model.slices import ApiFeatures
-    from kubeletplugin.claims import ClaimRef, DictClaimSource
+    from kubeletplugin.claims import DictClaimSource
+    from kubeletplugin.transport.nodedriver import ClaimRef
 
     base = Path(tempfile.mkdtemp(prefix="tnt-", dir="/tmp"))   # short: unix socket paths are limited
     claims = DictClaimSource()

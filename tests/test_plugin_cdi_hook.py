@@ -16,8 +16,9 @@ import cdivalidate
 from dra.model.slices import ApiFeatures
 from dra.sim.fleet import nvml_for_node, parse_fleet
 from fixtures.fake_driver_root import FakeDriverTree, build_fake_driver_root
-from kubeletplugin.claims import ClaimRef, DictClaimSource
+from kubeletplugin.claims import DictClaimSource
 from kubeletplugin.plugin import KubeletPlugin, PluginConfigError, PluginOptions
+from kubeletplugin.transport.nodedriver import ClaimRef
 
 DRIVER = "gpu.dra-driver.io"
 NODE = "node-a"

@@ -27,7 +27,7 @@ from dra.node.checkpoint import (
 )
 from dra.node.safefiles import UnsafeFile, open_regular, read_regular_file, write_regular_file
 from dra.node.taintstore import SavedTaint, TaintStore
-from kubeletplugin.claims import ClaimRef
+from kubeletplugin.transport.nodedriver import ClaimRef
 from test_kubeletplugin_driver import Node, ok
 
 BOOT = "7c1f3a52-0a4e-4b55-9f43-2d1f3e6b9a01"

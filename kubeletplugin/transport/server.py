@@ -35,8 +35,7 @@ from kubeletplugin.transport.health import MAX_MESSAGE, HealthBoard
 from kubeletplugin.transport.unixserver import UnixGrpcServer
 
 if TYPE_CHECKING:
-    from kubeletplugin.claims import ClaimRef, NodeDriver
-    from kubeletplugin.metrics import PluginMetrics
+    from kubeletplugin.transport.nodedriver import ClaimRef, NodeDriver, RequestMetrics
 
 # How long a call that arrives while the plugin starts waits for its driver before its claims fail (the
 # kubelet's own deadline is 45 s).
@@ -44,11 +43,11 @@ READY_WAIT_S = 30.0
 
 
 def _claim_types() -> ModuleType:
-    """kubeletplugin.claims, loaded at the first call instead of at start: its dataclasses and name checks are
-    not needed to answer GetInfo, and by the first call the plugin has loaded it anyway."""
-    from kubeletplugin import claims
+    """kubeletplugin.transport.nodedriver, loaded at the first call instead of at start: its dataclasses and
+    name checks are not needed to answer GetInfo, and by the first call the plugin has loaded it anyway."""
+    from kubeletplugin.transport import nodedriver
 
-    return claims
+    return nodedriver
 
 
 def _logger(name: str) -> Any:
@@ -60,7 +59,7 @@ def _logger(name: str) -> Any:
 class DRAService:
     """Converts between the DRA messages of one API version and the driver's version-free calls."""
 
-    def __init__(self, driver: NodeDriver | None, metrics: PluginMetrics | None = None, log: Any = None):
+    def __init__(self, driver: NodeDriver | None, metrics: RequestMetrics | None = None, log: Any = None):
         self.driver = driver
         self.metrics = metrics
         self._log = log
@@ -74,7 +73,7 @@ class DRAService:
             self._log = _logger("dra-service")
         return self._log
 
-    def attach(self, driver: NodeDriver, metrics: PluginMetrics | None = None, log: Any = None) -> None:
+    def attach(self, driver: NodeDriver, metrics: RequestMetrics | None = None, log: Any = None) -> None:
         """The driver is ready: calls waiting for it go on."""
         self.driver, self.metrics, self._log = driver, metrics, log or self._log
         self._ready.set()
@@ -222,7 +221,7 @@ class DRAServer:
     calls wait for ``attach``."""
 
     def __init__(self, socket_path: Path, driver: NodeDriver | None, health: HealthBoard | None = None,
-                 metrics: PluginMetrics | None = None, log: Any = None, max_workers: int = 16,
+                 metrics: RequestMetrics | None = None, log: Any = None, max_workers: int = 16,
                  serve_v1: bool = True, serve_v1beta1: bool = True):
         self.service = DRAService(driver, metrics, log)
         self.health = health
@@ -239,7 +238,7 @@ class DRAServer:
         # Prepare and unprepare calls run in the server's thread pool; health streams on its event loop.
         self._server = UnixGrpcServer(socket_path, register, max_workers=max_workers, name="dra")
 
-    def attach(self, driver: NodeDriver, metrics: PluginMetrics | None = None, log: Any = None) -> None:
+    def attach(self, driver: NodeDriver, metrics: RequestMetrics | None = None, log: Any = None) -> None:
         self.service.attach(driver, metrics, log)
 
     @property

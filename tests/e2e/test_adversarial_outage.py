@@ -17,9 +17,10 @@ from dra.node.cdi import CdiSpecWriter
 from dra.node.checkpoint import CheckpointStore
 from dra.node.sharing import MpsDaemons, TimeSlicing
 from kube.client import KubeApi
-from kubeletplugin.claims import ClaimRef, KubernetesClaimSource
+from kubeletplugin.claims import KubernetesClaimSource
 from kubeletplugin.driver import Driver
 from kubeletplugin.metrics import PluginMetrics
+from kubeletplugin.transport.nodedriver import ClaimRef
 from test_kubeletplugin_driver import Node
 
 

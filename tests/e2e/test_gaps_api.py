@@ -9,7 +9,8 @@ import pytest
 
 from api.deviceclasses import device_classes
 from kube.client import KubeApi
-from kubeletplugin.claims import ClaimError, ClaimRef, KubernetesClaimSource
+from kubeletplugin.claims import ClaimError, KubernetesClaimSource
+from kubeletplugin.transport.nodedriver import ClaimRef
 from standin.workloads import create
 from test_kubeletplugin_driver import Node, ok
 

@@ -27,8 +27,9 @@ from testbed.helmchart import render
 from kube.client import DEVICE_CLASSES, NODES, RESOURCE_V1, SLICES, ApiError, KubeApi
 from kube.events import KubernetesEventWriter, ObjectRef, claim_ref, event_body, micro_time
 from kube.resourceslices import DesiredPool, Owner, ResourceSliceController
-from kubeletplugin.claims import ClaimRef, KubernetesClaimSource
+from kubeletplugin.claims import KubernetesClaimSource
 from kubeletplugin.claimstatus import DeviceStatus, KubernetesClaimStatusWriter
+from kubeletplugin.transport.nodedriver import ClaimRef
 
 pytestmark = pytest.mark.e2e
 
