@@ -141,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
         from kubeletplugin.transport.endpoints import start_endpoints
 
-        endpoints = start_endpoints(options)
+        endpoints = start_endpoints(options.driver_name, options.registry_dir, options.plugin_directory,
+                                    options.pod_uid, options.health_interval)
     except (SocketPathError, ValueError, OSError) as exc:
         print(f"gpu-dra kubelet-plugin: {exc}", file=sys.stderr)
         return 2
