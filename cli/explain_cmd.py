@@ -19,10 +19,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dra.scheduling.claimrequests import ClaimSpecError
-    from dra.model.explain import CANNOT_EVALUATE, format_text
     from kube.client import ApiError, ApiUnavailable, KubeApi
     from kube.connect import ConnectError, api_client_from
-    from kube.explainreads import ExplainTargetError, explain_target
+    from ops.explain.reads import ExplainTargetError, explain_target
+    from ops.explain.verdict import CANNOT_EVALUATE, format_text
 
     try:
         result = explain_target(KubeApi(api_client_from(args.kubeconfig)), args.target, args.namespace)

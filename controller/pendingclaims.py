@@ -16,8 +16,8 @@ Each pass (every ``interval`` seconds, default 5: a pending pod is a person wait
   ``min_age_s`` old (the scheduler has had its try) and then again every ``recheck_s``;
 - bounded work: at most ``max_per_pass`` groups are evaluated per pass (those never judged first, longest-waiting
   first, then those judged longest ago); the rest wait for the next pass. Nothing more is read unless a group is due; then the cluster state is read once for the
-  pass (kube.explainreads.read_cluster_state with the claims already listed) and each group is judged by
-  ``gpu-dra explain``'s model (dra.model.explain), which decides as kube-scheduler does;
+  pass (ops.explain.reads.read_cluster_state with the claims already listed) and each group is judged by
+  ``gpu-dra explain``'s model (ops.explain.verdict), which decides as kube-scheduler does;
 - a verdict "not allocatable" with matching devices kept for another namespace's MPS daemon posts one Event per
   object; it is posted again only when its message changes. What was posted is remembered per group and
   forgotten once the group's claims are allocated or gone, so memory follows the pending claims.
@@ -39,13 +39,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from dra.model.explain import NOT_ALLOCATABLE, Explanation, Target, explain
 from dra.model.tenancy import tenancy_reason
 from dra.scheduling.claimrequests import ClaimSpecError, read_claim_spec
 from kube.backoff import Backoff
 from kube.client import ApiError, ApiUnavailable, KubeApi
 from kube.events import EventWriter, KubernetesEventWriter, ObjectRef, claim_ref, event_body
-from kube.explainreads import CLAIMS, read_cluster_state
+from ops.explain.reads import CLAIMS, read_cluster_state
+from ops.explain.verdict import NOT_ALLOCATABLE, Explanation, Target, explain
 
 log = logging.getLogger(__name__)
 

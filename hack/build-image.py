@@ -77,7 +77,7 @@ ENTRYPOINT = "/usr/local/bin/gpu-dra"
 # The driver's own CDI hook, copied onto each node by the chart's init container (deploy/helm: kubelet-plugin.yaml).
 CDI_HOOK = "/usr/local/bin/nvidia-cdi-hook"
 # The project's packages and data, as pyproject.toml's [tool.setuptools] selects them.
-SOURCE_PACKAGES = ["api", "cli", "controller", "dra", "kube", "kubeletplugin"]
+SOURCE_PACKAGES = ["api", "cli", "controller", "dra", "kube", "kubeletplugin", "ops"]
 SOURCE_SUFFIXES = {".py", ".yaml", ".proto"}
 # Debian's aliased directories: bookworm systems have merged /usr, packages still ship some files in /lib etc.
 MERGED = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")

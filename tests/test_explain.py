@@ -8,14 +8,14 @@ from typing import Any
 
 import pytest
 
-import dra.model.explain as explain_mod
+import ops.explain.verdict as explain_mod
 from api.deviceclasses import device_classes
-from dra.model.explain import (ALLOCATABLE, ALLOCATED, CANNOT_EVALUATE, NOT_ALLOCATABLE, Target, explain,
-                               format_text)
 from dra.model.tolerations import tolerates
 from dra.scheduling.claimrequests import ClaimSpecError, read_claim_spec
 from dra.scheduling.devicecel import CelRuntimeError, CelUnsupported, compile_selector, device_variable
 from dra.scheduling.devicefit import capacity_needs, untolerated_taints
+from ops.explain.verdict import (ALLOCATABLE, ALLOCATED, CANNOT_EVALUATE, NOT_ALLOCATABLE, Target, explain,
+                                 format_text)
 
 D = "gpu.example.com"
 CLASSES = device_classes(D)
@@ -421,7 +421,7 @@ def test_the_readme_example_is_what_the_command_prints(tmp_path: Any, capsys: py
 ])
 def test_explain_refuses_targets_that_are_not_names_before_any_request(target: str, namespace: str,
                                                                        words: str) -> None:
-    from kube.explainreads import ExplainTargetError, find_targets
+    from ops.explain.reads import ExplainTargetError, find_targets
 
     class NoApi:
         def get(self, path: str, **query: Any) -> Any:

@@ -26,7 +26,7 @@ from testbed.localcluster import free_port
 from tlscerts import make_serving_cert
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ["api", "cli", "controller", "dra", "kube", "kubeletplugin"]
+PACKAGES = ["api", "cli", "controller", "dra", "kube", "kubeletplugin", "ops"]
 UID = 65532
 # Compressed size budget: Python, its libraries, the wheels (the CEL runtime of `gpu-dra explain` among them) and the
 # static nvidia-cdi-hook are about 60 MiB today.

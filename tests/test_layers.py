@@ -1,5 +1,6 @@
 """The layer contracts of pyproject.toml ([tool.importlinter]), checked with import-linter: processes on top,
-then the Kubernetes client and the simulation, node actions, the pure model, the API types at the bottom."""
+then the operator tools, the Kubernetes client and the simulation, node actions beside the scheduler replica,
+the pure model, the API types at the bottom."""
 from __future__ import annotations
 
 import shutil
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("cli", "controller", "kubeletplugin", "kube", "dra", "api")
+PACKAGES = ("cli", "controller", "kubeletplugin", "ops", "kube", "dra", "api")
 LINT = str(Path(sys.executable).with_name("lint-imports"))
 
 
@@ -38,6 +39,11 @@ def test_the_layers_hold() -> None:
     ("dra/node/checkpoint.py", "import kubernetes"),         # the core talking to the API server
     ("kube/client.py", "import kubeletplugin.driver"),       # the client reaching up into a process
     ("kubeletplugin/plan.py", "import controller.cluster"),  # one process importing the other
+    ("dra/scheduling/poolview.py", "import kube.client"),    # the scheduler replica reading the API itself
+    ("dra/scheduling/occupancy.py", "import dra.node.inventory"),  # the replica reaching for node actions
+    ("dra/model/tenancy.py", "import dra.scheduling.devicefit"),   # the driver model on an operator tool's replica
+    ("ops/explain/verdict.py", "import kubernetes"),         # the pure verdict talking to the API server
+    ("kube/client.py", "import ops.explain.reads"),          # the client reaching up into an operator tool
 ])
 def test_a_forbidden_import_breaks_a_contract(tmp_path: Path, module: str, forbidden: str) -> None:
     tree = _copy_tree(tmp_path)

@@ -1,4 +1,4 @@
-"""Pending claims that MPS tenancy keeps off the devices (controller.pendingclaims, dra.model.explain): explain
+"""Pending claims that MPS tenancy keeps off the devices (controller.pendingclaims, ops.explain.verdict): explain
 names the namespace a tenancy-tainted device's daemon serves; the controller's pass posts one Warning Event on
 the claim and its pod with the same words, once per message, for due claims only and a bounded number per pass.
 Everything is plain dicts: the API server is a scripted list of objects, the Event writer records."""
@@ -9,10 +9,10 @@ from typing import Any
 
 from api.deviceclasses import device_classes
 from controller.pendingclaims import MPS_TENANCY, PendingClaimEvents, pending_groups, tenancy_note
-from dra.model.explain import ALLOCATABLE, NOT_ALLOCATABLE, Target, explain, format_text
 from dra.model.tenancy import tenancy_taint, tenancy_toleration
 from kube.client import DEVICE_CLASSES, NODES, SLICES
-from kube.explainreads import CLAIMS, TAINT_RULES
+from ops.explain.reads import CLAIMS, TAINT_RULES
+from ops.explain.verdict import ALLOCATABLE, NOT_ALLOCATABLE, Target, explain, format_text
 
 D = "gpu.example.com"
 CLASSES = device_classes(D)

@@ -19,11 +19,11 @@ import pytest
 from allocation_helpers import PublishedFleet
 from testbed.demo_examples import apply_objects, collection, create_namespace, delete_namespace
 from controller.pendingclaims import MPS_TENANCY
-from dra.model.explain import NOT_ALLOCATABLE
 from dra.model.tenancy import tenancy_reason, tenancy_taint, tenancy_toleration
 from kube.client import KubeApi
 from kube.events import EVENTS_V1
-from kube.explainreads import explain_target
+from ops.explain.reads import explain_target
+from ops.explain.verdict import NOT_ALLOCATABLE
 from standin.workloads import wait_until
 
 pytestmark = pytest.mark.e2e

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from api.k8snames import is_dns_label, is_dns_subdomain
-from dra.model.explain import Explanation, Target, explain
 from kube.client import DEVICE_CLASSES, NODES, RESOURCE_V1, SLICES, ApiError, KubeApi
+from ops.explain.verdict import Explanation, Target, explain
 
 CLAIMS = f"{RESOURCE_V1}/resourceclaims"
 TAINT_RULES = f"{RESOURCE_V1}/devicetaintrules"

@@ -7,7 +7,7 @@ their order, devices in slice order, matchAttribute/distinctAttribute constraint
 shared between the chosen devices — finds an allocation or shows there is none. The verdict comes first, in
 one sentence; the details follow.
 
-Everything here is plain dicts in and records out (dra.model: no API access).
+Everything here is plain dicts in and records out, with no API access: ``ops.explain.reads`` reads the cluster.
 """
 from __future__ import annotations
 

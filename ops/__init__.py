@@ -1,0 +1,8 @@
+"""The operator tools: what ``gpu-dra`` commands tell a person about a cluster or a node, none of it part of the
+driver's two processes except the pending-claims pass, which judges claims with ``explain``'s verdict.
+
+* ``explain``: why a claim is (not) allocatable, node by node, as kube-scheduler decides it (``gpu-dra explain``);
+
+Built on the Kubernetes client (``kube``), the scheduler replica (``dra.scheduling``) and the driver's model;
+used by ``cli`` and ``controller.pendingclaims`` only.
+"""
