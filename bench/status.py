@@ -119,7 +119,7 @@ def _progress(line: str) -> None:
 def run(params: Params) -> list[Figure]:
     from cli.status_cmd import collect, render
     from dra.scheduling.occupancy import fleet_status
-    from kube.statusreads import read_status_objects
+    from ops.status.reads import read_status_objects
 
     nodes = params.status_nodes
     runs = max(1, min(params.repeats, 7))

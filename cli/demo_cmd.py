@@ -398,7 +398,7 @@ def report(ctx: DemoContext, result: DemoResult) -> None:
 def _status(ctx: DemoContext) -> None:
     """`gpu-dra status` of the real node (else the fleet's first node): who holds which GPU, MIG rows drawn."""
     from cli.status_cmd import collect, render_node
-    from kube.statusreads import StatusReadError
+    from ops.status.reads import StatusReadError
 
     nodes = sorted({(s.get("spec") or {}).get("nodeName", "") for s in ctx.slices} - {""})
     node = ctx.real.name if ctx.real is not None else (nodes[0] if nodes else None)

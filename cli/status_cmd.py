@@ -1,7 +1,7 @@
 """`gpu-dra status [NODE]` (also `kubectl gpu`): who holds which GPU device, what is still free, and each MIG
 GPU's memory slices drawn in one row, from the API server alone (ResourceSlices, ResourceClaims, Pods).
 
-The computation is ``dra.scheduling.occupancy``; the reads are ``kube.statusreads``. The table lists every device
+The computation is ``dra.scheduling.occupancy``; the reads are ``ops.status.reads``. The table lists every device
 except the dynamic MIG placements nobody holds (``--all`` lists those too): they overlap each other, so the
 free ones are summed up as the profiles still placeable instead.
 """
@@ -33,7 +33,7 @@ def collect(api_client: Any, driver: str, node: str | None = None) -> list[Any]:
     """The NodeStatus of every node of ``driver`` (or of ``node``), read from the API server."""
     from dra.scheduling.occupancy import fleet_status
     from kube.client import KubeApi
-    from kube.statusreads import read_status_objects
+    from ops.status.reads import read_status_objects
 
     objects = read_status_objects(KubeApi(api_client, timeout=60.0), driver, node)
     return fleet_status(objects.slices, objects.claims, objects.pods, driver, node)
@@ -42,7 +42,7 @@ def collect(api_client: Any, driver: str, node: str | None = None) -> list[Any]:
 def run(args: argparse.Namespace) -> int:
     from api.k8snames import is_dns_subdomain
     from kube.connect import ConnectError, api_client_from
-    from kube.statusreads import StatusReadError
+    from ops.status.reads import StatusReadError
 
     # Both go into field selectors: anything but a Kubernetes name is refused before a request is made.
     for what, value in (("NODE", args.node), ("--driver-name", args.driver_name)):

@@ -2,6 +2,7 @@
 driver's two processes except the pending-claims pass, which judges claims with ``explain``'s verdict.
 
 * ``explain``: why a claim is (not) allocatable, node by node, as kube-scheduler decides it (``gpu-dra explain``);
+* ``status``: who holds which GPU device and what is free (``gpu-dra status``, ``kubectl gpu``);
 
 Built on the Kubernetes client (``kube``), the scheduler replica (``dra.scheduling``) and the driver's model;
 used by ``cli`` and ``controller.pendingclaims`` only.

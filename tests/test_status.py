@@ -197,7 +197,7 @@ def test_claims_of_other_drivers_and_pools_hold_nothing_here() -> None:
 
 
 def test_pods_are_read_only_where_an_allocated_claim_has_no_reservation() -> None:
-    from kube.statusreads import unreserved_namespaces
+    from ops.status.reads import unreserved_namespaces
 
     unreserved = {**claim("u", "gpu-0", ns="waiting"), "status": {**claim("u", "gpu-0")["status"], "reservedFor": []}}
     foreign = {**claim("f", "gpu-0", ns="other"), "status": {"allocation": {"devices": {"results": [

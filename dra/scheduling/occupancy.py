@@ -2,7 +2,7 @@
 
 Pure, over wire-format objects as the API server returns them: this driver's ResourceSlices, ResourceClaims
 (``status.allocation.devices.results`` and ``status.reservedFor``) and Pods (which claims they use). Nothing
-here reads the API; ``kube.statusreads`` does that.
+here reads the API; ``ops.status.reads`` does that.
 
 What is free is decided by the rule the scheduler applies, the published counters
 (docs/devices.md, "Counters"): a device can be allocated when nobody holds it, no NoSchedule/NoExecute taint
