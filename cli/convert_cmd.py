@@ -55,8 +55,8 @@ def _read(name: str) -> list[tuple[str, object]]:
 
 def run(args: argparse.Namespace) -> int:
     from api.deviceclasses import validate_driver_name
-    from dra.model.convert.conversion import Options, convert, output_files
-    from dra.model.convert.deviceplugin import ConvertError
+    from ops.convert.conversion import Options, convert, output_files
+    from ops.convert.deviceplugin import ConvertError
 
     driver = NVIDIA_DRIVER_NAME if args.extended_resource else args.driver_name
     try:

@@ -3,6 +3,8 @@ driver's two processes except the pending-claims pass, which judges claims with 
 
 * ``explain``: why a claim is (not) allocatable, node by node, as kube-scheduler decides it (``gpu-dra explain``);
 * ``status``: who holds which GPU device and what is free (``gpu-dra status``, ``kubectl gpu``);
+* ``convert``: from NVIDIA's device plugin, GFD labels and mig-parted configs to this driver, pure (``gpu-dra
+  convert``);
 
 Built on the Kubernetes client (``kube``), the scheduler replica (``dra.scheduling``) and the driver's model;
 used by ``cli`` and ``controller.pendingclaims`` only.

@@ -11,11 +11,11 @@ import yaml
 
 from api.names import DEFAULT_DRIVER_NAME as D
 from cli.main import main
-from dra.model.convert import gfdselectors as gfd
-from dra.model.convert.conversion import Options, convert, output_files
-from dra.model.convert.deviceplugin import ConvertError
 from dra.model.policy import parse_node_policy
 from dra.scheduling.devicecel import compile_selector, device_variable
+from ops.convert import gfdselectors as gfd
+from ops.convert.conversion import Options, convert, output_files
+from ops.convert.deviceplugin import ConvertError
 
 REPO = Path(__file__).resolve().parents[1]
 A = f"device.attributes['{D}']"

@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from api.names import DEFAULT_DRIVER_NAME
-from dra.model.convert.conversion import Options, convert, output_files
+from ops.convert.conversion import Options, convert, output_files
 from testbed.helmchart import render
 from test_convert import MIG_PARTED, TIME_SLICING
 

@@ -14,10 +14,10 @@ from itertools import product
 from typing import Any
 
 from api.k8snames import is_dns_label
-from dra.model.convert.deviceplugin import ConvertError, DevicePluginConfig, Meaning
-from dra.model.convert.findings import Findings
-from dra.model.convert.migparted import MigConfig, gpu_policy
 from dra.model.policy import PolicyError, parse_node_policy
+from ops.convert.deviceplugin import ConvertError, DevicePluginConfig, Meaning
+from ops.convert.findings import Findings
+from ops.convert.migparted import MigConfig, gpu_policy
 
 DP_LABEL = "nvidia.com/device-plugin.config"
 MIG_LABEL = "nvidia.com/mig.config"

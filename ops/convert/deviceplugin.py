@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dra.model.convert.findings import Findings
 from dra.model.policy import MAX_SLOTS
+from ops.convert.findings import Findings
 
 SHARED_SUFFIX = ".shared"
 GPU_RESOURCE = "nvidia.com/gpu"

@@ -13,11 +13,11 @@ from typing import Any
 
 import yaml
 
-from dra.model.convert.deviceplugin import ConvertError, DevicePluginConfig, parse_device_plugin_config
-from dra.model.convert.findings import Findings
-from dra.model.convert.migparted import MigConfig, parse_mig_parted_config, state
-from dra.model.convert.nodegroups import NodeGroup, build_groups
-from dra.model.convert.workloads import WorkloadOptions, convert_objects
+from ops.convert.deviceplugin import ConvertError, DevicePluginConfig, parse_device_plugin_config
+from ops.convert.findings import Findings
+from ops.convert.migparted import MigConfig, parse_mig_parted_config, state
+from ops.convert.nodegroups import NodeGroup, build_groups
+from ops.convert.workloads import WorkloadOptions, convert_objects
 
 _DP_KEYS = {"flags", "sharing", "resources", "imex"}
 

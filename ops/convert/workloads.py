@@ -16,10 +16,10 @@ from typing import Any
 from api.deviceclasses import device_classes
 from api.k8snames import is_dns_label
 from api.names import NVIDIA_DRIVER_NAME
-from dra.model.convert import gfdselectors as gfd
-from dra.model.convert.deviceplugin import GPU_RESOURCE, SHARED_SUFFIX, Meaning
-from dra.model.convert.findings import Findings
-from dra.model.convert.nodegroups import DP_LABEL, MIG_LABEL, NodeGroup
+from ops.convert import gfdselectors as gfd
+from ops.convert.deviceplugin import GPU_RESOURCE, SHARED_SUFFIX, Meaning
+from ops.convert.findings import Findings
+from ops.convert.nodegroups import DP_LABEL, MIG_LABEL, NodeGroup
 
 CLAIM_NAME = "gpus"
 _TEMPLATE_PATHS = {

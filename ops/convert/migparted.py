@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dra.model.catalog import CATALOG, GpuModel
-from dra.model.convert.deviceplugin import ConvertError
-from dra.model.convert.findings import Findings
+from ops.convert.deviceplugin import ConvertError
+from ops.convert.findings import Findings
 
 _PROFILE = re.compile(r"^(?:(?P<c>\d+)c\.)?(?P<g>\d+)g\.(?P<gb>\d+)gb(?P<attr>(?:\+[a-z.]+|-me))?$")
 
