@@ -39,6 +39,7 @@ def test_the_layers_hold() -> None:
     ("dra/node/checkpoint.py", "import kubernetes"),         # the core talking to the API server
     ("kube/client.py", "import kubeletplugin.driver"),       # the client reaching up into a process
     ("kubeletplugin/plan.py", "import controller.cluster"),  # one process importing the other
+    ("kubeletplugin/transport/server.py", "import kubeletplugin.driver"),  # the transport past its NodeDriver seam
     ("dra/scheduling/poolview.py", "import kube.client"),    # the scheduler replica reading the API itself
     ("dra/scheduling/occupancy.py", "import dra.node.inventory"),  # the replica reaching for node actions
     ("dra/model/tenancy.py", "import dra.scheduling.devicefit"),   # the driver model on an operator tool's replica
