@@ -29,8 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dra.node.doctor import DoctorOptions, exit_code, render, run_checks
     from dra.node.nodeobjects import NodeObjects, NodePaths, NodeSetupError
+    from ops.doctor.checks import DoctorOptions, exit_code, render, run_checks
 
     if bool(args.fleet) != bool(args.node):
         print("gpu-dra doctor: --fleet and --node go together", file=sys.stderr)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from cli.main import main as gpu_dra
-from dra.node.doctor import DoctorOptions, _node_problem, driver_layout, exit_code, run_checks
 from dra.node.nodeobjects import NodeObjects, NodePaths
+from ops.doctor.checks import DoctorOptions, _node_problem, driver_layout, exit_code, run_checks
 from fixtures.fake_driver_root import DRIVER_VERSION, FakeDriverTree, build_fake_driver_root
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,7 +1,7 @@
 """The container check of ``gpu-dra doctor``: a GPU container made from a CDI spec, as a runtime would make it,
 and the driver's libraries loaded in it by soname. Run as root, in a private mount namespace of its own
-(``unshare --mount --propagation private python -m dra.node.doctorcontainer REQUEST.json``); it prints one JSON
-object (``loaded``, ``gpus``, ``summary``, ``hooks``) and changes nothing outside that namespace:
+(``unshare --mount --propagation private python -m ops.doctor.container REQUEST.json``); it prints one
+JSON object (``loaded``, ``gpus``, ``summary``, ``hooks``) and changes nothing outside that namespace:
 
 * the container's root is this system's ``/etc``, ``/usr``, ``/lib*``, ``/bin``, ``/sbin``, each an overlay whose
   writable layer is a tmpfs (the lower directories are never written);
@@ -237,7 +237,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print(json.dumps({"loaded": False, "summary": "usage: python -m dra.node.doctorcontainer REQUEST.json"}))
+        print(json.dumps({"loaded": False, "summary": "usage: python -m ops.doctor.container REQUEST.json"}))
         return 2
     try:
         request = json.loads(Path(argv[0]).read_text())

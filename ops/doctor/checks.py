@@ -9,7 +9,7 @@ Checks, in order (a check that needs an earlier one's result is skipped when tha
 * ``cdi-hook``: the CDI hook program exists and runs (``--version``);
 * ``cdi-spec``: the whole-GPU CDI spec of GPU 0, written to a temporary directory, names only device nodes that
   exist with the spec's major:minor, and host paths and hooks that exist;
-* ``container``: as root with ``unshare``, a container made from that spec (``dra.node.doctorcontainer``) loads
+* ``container``: as root with ``unshare``, a container made from that spec (``ops.doctor.container``) loads
   libcuda.so.1 and libnvidia-ml.so.1 by soname and sees the GPU;
 * ``sharing-tools``: nvidia-smi (time-slicing) runs and nvidia-cuda-mps-control (MPS) is present.
 
@@ -354,7 +354,7 @@ def _check_container(objects: NodeObjects, state: _State, options: DoctorOptions
         os.makedirs(request["work"])
         request_file = os.path.join(work, "request.json")
         Path(request_file).write_text(json.dumps(request))
-        argv = [unshare, "--mount", "--propagation", "private", sys.executable, "-m", "dra.node.doctorcontainer",
+        argv = [unshare, "--mount", "--propagation", "private", sys.executable, "-m", "ops.doctor.container",
                 request_file]
         try:
             done = subprocess.run(argv, capture_output=True, text=True, timeout=CONTAINER_TIMEOUT_S, check=False,
