@@ -53,7 +53,7 @@ def _fleet(node: str) -> dict[str, Any]:
 def _template(name: str, device_class: str, expression: str) -> dict[str, Any]:
     return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": name},
             "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-                "deviceClassName": f"{device_class}.{DRIVER}", "selectors": [{"cel": {"expression": expression}}]}}]}}}}
+                "deviceClassName": device_class, "selectors": [{"cel": {"expression": expression}}]}}]}}}}
 
 
 class _Bench:
@@ -75,7 +75,9 @@ class _Bench:
             self.kube.create(DEVICE_CLASSES, cls)
         for obj in render("--set", f"driverName={DRIVER}"):
             if obj["kind"] in ("MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding"):
-                self.kube.create(f"/apis/admissionregistration.k8s.io/v1/{obj['kind'].lower()}s", obj)
+                plural = {"MutatingAdmissionPolicy": "mutatingadmissionpolicies",
+                          "MutatingAdmissionPolicyBinding": "mutatingadmissionpolicybindings"}[obj["kind"]]
+                self.kube.create(f"/apis/admissionregistration.k8s.io/v1/{plural}", obj)
         self.plugin = LocalNodePlugin(self.node, fleet, DRIVER, log_level="warning")
         install_driver_root(self.plugin.driver_root, self.node.bin_dir, "host", fleet=fleet, node_name=self.node.name)
         self.plugin.start()
@@ -85,9 +87,10 @@ class _Bench:
         for ns in ("tenant-a", "tenant-b"):
             self.kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
                                                    "metadata": {"name": ns}})
-        self._create("tenant-a", _template("gpu0-slot", "slot", f"{a}.parentUUID == '{uuids[0]}'"))
-        self._create("tenant-b", _template("whole", "gpu", f"{a}.uuid == '{uuids[2]}'"))
-        self._create("tenant-b", _template("any-slot", "slot", f"{a}.sharing == 'mps'"))
+        slot = f"slot.{DRIVER}"
+        self._create("tenant-a", _template("gpu0-slot", slot, f"{a}.parentUUID == '{uuids[0]}'"))
+        self._create("tenant-b", _template("whole", DRIVER, f"{a}.uuid == '{uuids[2]}'"))   # the whole-GPU class
+        self._create("tenant-b", _template("any-slot", slot, f"{a}.sharing == 'mps'"))
         self._wait_mutating()
         self.pod_running("tenant-a", "holder", "gpu0-slot")
 
