@@ -13,7 +13,9 @@ slot of GPU 0 throughout. Each round creates, one after the other and each delet
   that GPU's daemon (shown, not judged: a daemon start is not the tenancy's cost).
 
 Create → Running is from the create request to the pod's first Running status seen by a 10 ms poll of the API
-server; medians over the rounds. Needs root and the node binaries (``make node-binaries``), as the real-node
+server; medians over the rounds. Each pod is deleted as users delete pods and its claim unprepared before the
+next: a new claim allocated the device of a claim the node has not unprepared yet is refused at prepare until
+it has, and the kubelet's retry back-off would be measured instead. Needs root and the node binaries (``make node-binaries``), as the real-node
 tests do.
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ from api.deviceclasses import device_classes
 from api.names import DEFAULT_DRIVER_NAME
 from bench.core import Figure
 from bench.params import Params
-from kube.client import DEVICE_CLASSES, ApiError, KubeApi
+from kube.client import DEVICE_CLASSES, KubeApi
 from testbed.helmchart import render
 from testbed.localcluster import LocalCluster
 from testbed.localnode import LocalNode, cleanup_leftovers, cuda_probe_image, install_driver_root
@@ -53,7 +55,7 @@ def _fleet(node: str) -> dict[str, Any]:
 def _template(name: str, device_class: str, expression: str) -> dict[str, Any]:
     return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": name},
             "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-                "deviceClassName": f"{device_class}.{DRIVER}", "selectors": [{"cel": {"expression": expression}}]}}]}}}}
+                "deviceClassName": device_class, "selectors": [{"cel": {"expression": expression}}]}}]}}}}
 
 
 class _Bench:
@@ -75,7 +77,9 @@ class _Bench:
             self.kube.create(DEVICE_CLASSES, cls)
         for obj in render("--set", f"driverName={DRIVER}"):
             if obj["kind"] in ("MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding"):
-                self.kube.create(f"/apis/admissionregistration.k8s.io/v1/{obj['kind'].lower()}s", obj)
+                plural = {"MutatingAdmissionPolicy": "mutatingadmissionpolicies",
+                          "MutatingAdmissionPolicyBinding": "mutatingadmissionpolicybindings"}[obj["kind"]]
+                self.kube.create(f"/apis/admissionregistration.k8s.io/v1/{plural}", obj)
         self.plugin = LocalNodePlugin(self.node, fleet, DRIVER, log_level="warning")
         install_driver_root(self.plugin.driver_root, self.node.bin_dir, "host", fleet=fleet, node_name=self.node.name)
         self.plugin.start()
@@ -85,9 +89,10 @@ class _Bench:
         for ns in ("tenant-a", "tenant-b"):
             self.kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
                                                    "metadata": {"name": ns}})
-        self._create("tenant-a", _template("gpu0-slot", "slot", f"{a}.parentUUID == '{uuids[0]}'"))
-        self._create("tenant-b", _template("whole", "gpu", f"{a}.uuid == '{uuids[2]}'"))
-        self._create("tenant-b", _template("any-slot", "slot", f"{a}.sharing == 'mps'"))
+        slot = f"slot.{DRIVER}"
+        self._create("tenant-a", _template("gpu0-slot", slot, f"{a}.parentUUID == '{uuids[0]}'"))
+        self._create("tenant-b", _template("whole", DRIVER, f"{a}.uuid == '{uuids[2]}'"))   # the whole-GPU class
+        self._create("tenant-b", _template("any-slot", slot, f"{a}.sharing == 'mps'"))
         self._wait_mutating()
         self.pod_running("tenant-a", "holder", "gpu0-slot")
 
@@ -157,19 +162,20 @@ class _Bench:
         raise RuntimeError(f"pod {ns}/{name} did not run within 120 s (phase {status.get('phase')})")
 
     def delete(self, ns: str, name: str) -> None:
-        assert self.kube is not None
+        """Deletes the pod as users do (its grace period) and waits until the plugin has unprepared its claim: the
+        next round's claim may get the same device, whose prepare is refused while the old claim holds it."""
+        assert self.kube is not None and self.plugin is not None
         path = f"/api/v1/namespaces/{ns}/pods/{name}"
-        self.kube.request("DELETE", path, body={"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0})
+        pod = self.kube.get(path)
+        claim = next(s["resourceClaimName"] for s in pod["status"]["resourceClaimStatuses"])
+        uid = self.kube.get(f"/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims/{claim}")["metadata"]["uid"]
+        self.kube.request("DELETE", path)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            try:
-                self.kube.get(path)
-            except ApiError as exc:
-                if exc.not_found:
-                    return
-                raise
+            if not any(uid in p.name for p in self.plugin.cdi_dir.iterdir()):
+                return
             time.sleep(0.05)
-        raise RuntimeError(f"pod {ns}/{name} was not deleted within 60 s")
+        raise RuntimeError(f"pod {ns}/{name}: claim {claim} was not unprepared within 60 s")
 
 
 def run(params: Params) -> list[Figure]:

@@ -20,6 +20,7 @@ from typing import Any
 from api.deviceclasses import classes_for_server
 from kube.backoff import Backoff
 from kube.client import DEVICE_CLASSES, NODES, SLICES, ApiError, ApiUnavailable, KubeApi
+from controller.passloop import PassLoop
 from controller.metrics import CLUSTER_RECONCILES, DEVICECLASS_WRITES, STALE_SLICE_DELETES
 from kube.slicecompare import prune_empty
 
@@ -47,8 +48,7 @@ class ClusterController:
         self._writes: _Tally[str] = _Tally()
         self.last_success: float | None = None
         self.last_error: str | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._runner = PassLoop(f"cluster-{driver_name}", self._pass, interval, self._backoff)
 
     # ---- public API -------------------------------------------------------------------------------
 
@@ -77,17 +77,11 @@ class ClusterController:
         self.remove_stale_slices()
 
     def start(self) -> "ClusterController":
-        if self._thread is None:
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._loop, name=f"cluster-{self.driver}", daemon=True)
-            self._thread.start()
+        self._runner.start()
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+        self._runner.stop(timeout)
 
     def __enter__(self) -> "ClusterController":
         return self.start()
@@ -107,15 +101,6 @@ class ClusterController:
             time.sleep(delay)
 
     # ---- passes -----------------------------------------------------------------------------------
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            if self._pass():
-                self._backoff.success("pass")
-                delay = self.interval
-            else:
-                delay = self._backoff.failure("pass")
-            self._stop.wait(delay)
 
     def _pass(self) -> bool:
         try:

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from controller.passloop import PassLoop
 from dra.model.tenancy import tenancy_reason
 from dra.scheduling.claimrequests import ClaimSpecError, read_claim_spec
 from kube.backoff import Backoff
@@ -163,8 +163,7 @@ class PendingClaimEvents:
         self._clock, self._wall = clock, wall
         self._seen: dict[str, _Seen] = {}
         self._backoff = Backoff(initial=0.5, maximum=max(interval, 30.0))
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._runner = PassLoop(f"pending-claims-{driver}", self._pass, interval, self._backoff)
         self.events_posted = 0
         self.last_error: str | None = None
 
@@ -220,28 +219,18 @@ class PendingClaimEvents:
     # ---- the loop ---------------------------------------------------------------------------------
 
     def start(self) -> "PendingClaimEvents":
-        if self._thread is None:
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._loop, name=f"pending-claims-{self.driver}", daemon=True)
-            self._thread.start()
+        self._runner.start()
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+        self._runner.stop(timeout)
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.pass_once()
-            except (ApiUnavailable, ApiError) as exc:
-                self.last_error = str(exc)
-                log.warning("pending claims pass failed: %s", exc)
-                delay = self._backoff.failure("pass")
-            else:
-                self.last_error = None
-                self._backoff.success("pass")
-                delay = self.interval
-            self._stop.wait(delay)
+    def _pass(self) -> bool:
+        try:
+            self.pass_once()
+        except (ApiUnavailable, ApiError) as exc:
+            self.last_error = str(exc)
+            log.warning("pending claims pass failed: %s", exc)
+            return False
+        self.last_error = None
+        return True

@@ -88,8 +88,8 @@ def test_passes_back_off_while_the_api_server_is_unreachable_and_a_success_reset
     api = ScriptedApi(down={1, 2, 3, 4, 5, 7, 8})
     ctl = controller(api, interval=4.0)
     stop = CountedStop(api, passes=8)
-    ctl._stop = stop  # type: ignore[assignment]
-    ctl._loop()
+    ctl._runner._stop = stop  # type: ignore[assignment]
+    ctl._runner._loop()
     #                      failures 1..5, capped at the interval | success | failures again, from the start
     assert stop.delays == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0, 0.5, 1.0]
     assert ctl.last_error is not None and "ConnectionRefusedError" in ctl.last_error

@@ -300,13 +300,14 @@ class _Servers:
             if uid != self.uid:
                 continue
             self.waiting.remove((conn, pid, uid))
+            # Logged before the client hears it is served: whoever the client tells finds the line already there.
+            _log(self.log_dir, f"[{os.getpid()}] New client {pid} of user ID {uid} served by the MPS server of "
+                               f"user ID {uid}")
             try:
                 conn.sendall(f"OK server {uid}\n".encode())
             except OSError:
                 continue
             self.clients[conn] = uid
-            _log(self.log_dir, f"[{os.getpid()}] New client {pid} of user ID {uid} served by the MPS server of "
-                               f"user ID {uid}")
 
 
 def _serve(daemon: _Daemon, listeners: list[socket.socket], registry: Path | None, visible: list[str]) -> None:

@@ -57,6 +57,17 @@ def slot_template(gpu_uuid: str | None = None) -> dict[str, Any]:
                 "deviceClassName": f"slot.{DRIVER}", "selectors": [{"cel": {"expression": expression}}]}}]}}}}
 
 
+def preferring_template(first: str, then: str) -> dict[str, Any]:
+    """A claim template for one MPS slot on GPU `first` if any fits, else on GPU `then` (firstAvailable: the
+    scheduler tries the sub-requests in order), so that without the tenancy taint the claim lands on `first`."""
+    a = f"device.attributes['{DRIVER}']"
+    subs = [{"name": f"gpu{i}", "deviceClassName": f"slot.{DRIVER}",
+             "selectors": [{"cel": {"expression": f"{a}.sharing == 'mps' && {a}.parentUUID == '{gpu}'"}}]}
+            for i, gpu in enumerate((first, then))]
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "prefer"},
+            "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "firstAvailable": subs}]}}}}
+
+
 def pod_spec(name: str, template: str, node: str) -> dict[str, Any]:
     return for_local_node({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"app": name}},
                            "spec": {"containers": [{"name": "cuda", "image": "unused",
@@ -195,8 +206,12 @@ def test_claims_get_the_toleration_of_their_own_namespace(tenancy: Tenancy) -> N
 
 
 def test_another_namespace_runs_on_another_gpu(tenancy: Tenancy) -> None:
+    """tenant-b prefers GPU 0, where tenant-a's daemon runs and a slot is free: the taint makes the scheduler
+    take its second choice (without it the claim would land on GPU 0 and its prepare be refused)."""
     ns = tenancy.namespace("tenant-b")
-    pod = tenancy.real.wait_running(ns, tenancy.run_pod(ns, "b-runs")["metadata"]["name"])
+    create(tenancy.kube, ns, preferring_template(tenancy.gpus[0], tenancy.gpus[1]))
+    create(tenancy.kube, ns, pod_spec("b-runs", "prefer", tenancy.node))
+    pod = tenancy.real.wait_running(ns, "b-runs")
     gpu = tenancy.allocated_gpu(ns, pod)
     assert gpu == tenancy.gpus[1], f"tenant-b's claim was allocated on tenant-a's GPU {gpu}"
     seen = tenancy.real.view(ns, "b-runs", "cuda").cuda
