@@ -36,7 +36,7 @@ from dra.node.checkpoint import CheckpointStore, CheckpointTooNew, CheckpointUnu
 from dra.model.devices import Device, DeviceModel, build_devices
 from dra.node.driverroot import DriverRoot, DriverRootError, check_real_node
 from dra.node.nodeobjects import NodeObjects, NodePaths, NodeSetupError
-from dra.node.processes import ProcessIdentity
+from dra.node.processidentity import ProcessIdentity
 from dra.node.sharing import MpsDaemons, TimeSlicing
 from dra.node.sharingtools import MpsDaemonSpec, SharingControl, SharingError
 from dra.node.health import HealthDevice, HealthMonitor, TaintMap

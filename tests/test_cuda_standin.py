@@ -329,7 +329,7 @@ def test_cuda_init_is_an_mps_client_of_any_user(standin: Path, tmp_path: Path) -
     import shutil
     import tempfile
 
-    from dra.node.processes import send_signal
+    from dra.node.processidentity import send_signal
     from dra.node.sharingtools import MpsDaemonSpec, NvidiaSmiSharingControl
     from dra.sim.mpscontrol import write_simulated_mps_control
 

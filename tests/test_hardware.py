@@ -24,7 +24,7 @@ from dra.node.migdevices import (
     list_mig_devices,
 )
 from dra.node.checkpoint import TimeSliceUndo
-from dra.node.processes import send_signal
+from dra.node.processidentity import send_signal
 from dra.node.sharing import MpsDaemons, TimeSlicing
 from dra.node.sharingtools import (
     MpsDaemonSpec,

@@ -16,7 +16,7 @@ import pytest
 
 from dra.node import tmpfs
 from dra.node.cdi import CdiSpecWriter
-from dra.node.processes import ProcessIdentity, identify, is_alive, send_signal, wait_gone
+from dra.node.processidentity import ProcessIdentity, identify, is_alive, send_signal, wait_gone
 from dra.node.sharing import MpsDaemons
 from dra.node.sharingtools import NvidiaSmiSharingControl
 from dra.model.policy import MpsNodePolicy

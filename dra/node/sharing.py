@@ -16,7 +16,7 @@ Daemons live apart from the plugin: each is started in its own session by a help
 UUID>/daemon.json``, written before anything is changed), so a plugin restart or upgrade leaves them and their
 clients running and the next plugin process takes them over. Which claims use a daemon is in the checkpoint;
 the daemon goes when its last claim does. A daemon is known by the identity of its process (PID and start time,
-``dra.node.processes``) recorded when it started, and by nothing else: a record that is missing, damaged, names
+``dra.node.processidentity``) recorded when it started, and by nothing else: a record that is missing, damaged, names
 another device or names no process (a start that did not finish, an older release's record) is never trusted,
 and its daemon is stopped through its control socket and started again, never looked for by its PID file or its
 looks (a process that merely looks like the daemon could be anyone's).
@@ -45,7 +45,7 @@ from dra.model.policy import MpsNodePolicy
 from dra.node import tmpfs
 from dra.node.atomicfile import remove_file, write_atomic
 from dra.node.checkpoint import TimeSliceUndo
-from dra.node.processes import ProcessIdentity
+from dra.node.processidentity import ProcessIdentity
 from dra.node.safefiles import read_regular_file
 from dra.node.sharingtools import (
     MpsDaemonSpec,

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Sequence
 
-from dra.node.processes import ProcessIdentity, identify, is_alive, send_signal, wait_gone
+from dra.node.processidentity import ProcessIdentity, identify, is_alive, send_signal, wait_gone
 from dra.node.safefiles import read_regular_file
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from dra.node.processes import start_time
+from dra.node.processidentity import start_time
 
 log = logging.getLogger(__name__)
 

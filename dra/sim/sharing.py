@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from dra.node.processes import ProcessIdentity
+from dra.node.processidentity import ProcessIdentity
 from dra.node.sharingtools import (
     MpsDaemonSpec,
     SharingControl,
