@@ -1,5 +1,5 @@
 """GPU processes of a simulated node: the CUDA stand-in's cuCtxCreate/cuMemAlloc register the calling process and
-the simulated NVML reports it with its host PID (dra.sim.processes), as the real driver does.
+the simulated NVML reports it with its host PID (dra.sim.gpuprocesses), as the real driver does.
 
 cuda-probe --alloc-mib runs here against a listing of the simulated GPUs, in this PID namespace and (as root)
 in a PID namespace of its own, where its PID is not the host's."""
@@ -17,7 +17,7 @@ import pytest
 from dra.node.cdi import common_edits
 from dra.sim.driverroot import SimulatedDriverRoot
 from dra.sim.fleet import nvml_for_node, parse_fleet
-from dra.sim.processes import PROCESS_CONTAINER_DIR, ProcessRegistry, parse_registration, read_registrations
+from dra.sim.gpuprocesses import PROCESS_CONTAINER_DIR, ProcessRegistry, parse_registration, read_registrations
 from dra.sim.standin import GpuListing
 
 REPO = Path(__file__).resolve().parents[1]

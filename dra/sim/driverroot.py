@@ -9,7 +9,7 @@ A driver root with the CUDA stand-in installed (hack/cuda-standin, laid out by `
 discovered like a real installation. With a ``GpuListing`` every container also gets the node's GPU listing
 (``dra.sim.standin``), rewritten whenever the files are asked for, i.e. before each CDI spec is built, and the
 node's GPU process directory read-write, where the stand-in registers the processes that use a GPU
-(``dra.sim.processes``).
+(``dra.sim.gpuprocesses``).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import dataclasses
 from pathlib import Path
 
 from dra.node.driverroot import CdiHookError, DeviceNodeInfo, DriverFiles, DriverRoot, DriverRootError, RootedPath
-from dra.sim.processes import PROCESS_CONTAINER_DIR
+from dra.sim.gpuprocesses import PROCESS_CONTAINER_DIR
 from dra.sim.standin import LISTING_CONTAINER_DIR, GpuListing
 
 NVIDIA_MAJOR = 195          # /dev/nvidia<minor> and /dev/nvidiactl (minor 255)

@@ -1150,12 +1150,12 @@ class FakeNvml:
         return obj.id
 
     # -- processes ---------------------------------------------------------------------------------------------
-    # Answered from the processes the CUDA stand-in registered (dra/sim/processes.py), set as ``processes`` by
+    # Answered from the processes the CUDA stand-in registered (dra/sim/gpuprocesses.py), set as ``processes`` by
     # the simulated node's objects; without one no process uses a GPU. MPS clients are reported by the MPS
     # query, the others by the compute query, as the real driver separates them. A GPU in MIG mode reports the
     # processes of its MIG devices too, each with its GPU and compute instance.
 
-    processes: Any = None    # a ProcessRegistry (dra.sim.processes), or None
+    processes: Any = None    # a ProcessRegistry (dra.sim.gpuprocesses), or None
 
     def _processes(self, handle: Any, mps_client: bool) -> list[Any]:
         obj = self._device(handle, allow_mig=True)

@@ -7,7 +7,7 @@
  * process directory (PROCS_PATH, writable, mounted into every GPU container of a simulated node), one per
  * context, naming this process the way the host can find it again: its PID namespace's inode, its PID in that
  * namespace and its start time (both read in /proc/<host pid> on the host). The simulated NVML answers
- * nvmlDeviceGetComputeRunningProcesses from these files (dra/sim/processes.py). No device memory exists:
+ * nvmlDeviceGetComputeRunningProcesses from these files (dra/sim/gpuprocesses.py). No device memory exists:
  * allocations are counted, never backed.
  *
  * MPS: cuInit connects to the control daemon's socket in CUDA_MPS_PIPE_DIRECTORY (default /tmp/nvidia-mps), as
