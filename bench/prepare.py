@@ -34,7 +34,7 @@ from dra.node.checkpoint import CheckpointStore
 from dra.model.devices import KIND_MIG, build_devices
 from dra.sim.fleet import nvml_for_node
 from dra.node.sharing import MpsDaemons, TimeSlicing
-from dra.sim.sharing import SimulatedSharingControl
+from dra.sim.sharingtools import SimulatedSharingControl
 from dra.node.inventory import discover
 from dra.model.policy import parse_node_policy
 from kubeletplugin.claims import DictClaimSource

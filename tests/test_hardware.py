@@ -33,7 +33,7 @@ from dra.node.sharingtools import (
     SharingNotSupported,
 )
 from dra.sim.mpscontrol import write_simulated_mps_control
-from dra.sim.sharing import SimulatedSharingControl
+from dra.sim.sharingtools import SimulatedSharingControl
 
 H100 = "GPU-11111111-0000-4000-8000-000000000000"
 H100_B = "GPU-11111111-0000-4000-8000-000000000001"

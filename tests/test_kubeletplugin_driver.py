@@ -18,7 +18,7 @@ from dra.node.checkpoint import PreparedDevice as CheckpointDevice
 from dra.model.devices import build_devices
 from dra.sim.fleet import nvml_for_node, parse_fleet
 from dra.node.sharing import MpsDaemons, TimeSlicing
-from dra.sim.sharing import SimulatedSharingControl
+from dra.sim.sharingtools import SimulatedSharingControl
 from dra.node.inventory import discover
 from dra.model.policy import parse_node_policy
 from fixtures.fake_driver_root import build_fake_driver_root

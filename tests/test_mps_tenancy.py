@@ -21,7 +21,7 @@ from dra.node.sharing import MpsDaemons
 from dra.node.sharingtools import NvidiaSmiSharingControl
 from dra.model.policy import MpsNodePolicy
 from dra.sim.mpscontrol import STATE_ENV, write_simulated_mps_control
-from dra.sim.sharing import SimulatedSharingControl
+from dra.sim.sharingtools import SimulatedSharingControl
 from standin.node import kill_mps_daemons_under
 from test_kubeletplugin_driver import Node, gpu_config, ok, opaque
 

@@ -11,7 +11,7 @@ import pytest
 
 from dra.node.sharingtools import NvidiaSmiSharingControl, SharingError
 from dra.sim.mpscontrol import STATE_ENV, write_simulated_mps_control
-from dra.sim.sharing import SimulatedSharingControl
+from dra.sim.sharingtools import SimulatedSharingControl
 from standin.node import kill_mps_daemons_under, mps_daemons_under
 from test_kubeletplugin_driver import Node, gpu_config, ok, opaque
 

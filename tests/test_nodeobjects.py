@@ -14,7 +14,7 @@ from dra.node.nodeobjects import NodeObjects, NodePaths, NodeSetupError
 from dra.node.sharingtools import NvidiaSmiSharingControl, SharingError
 from dra.sim.driverroot import SimulatedDriverRoot
 from dra.sim.nodeobjects import SimulatedNodeObjects
-from dra.sim.sharing import SimulatedSharingControl
+from dra.sim.sharingtools import SimulatedSharingControl
 from fixtures.fake_driver_root import DRIVER_VERSION, LIB_DIR, build_fake_driver_root
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "fleets"

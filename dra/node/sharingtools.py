@@ -2,7 +2,7 @@
 
 ``SharingControl`` is the one small interface. ``NvidiaSmiSharingControl`` runs the driver's own programs
 (``nvidia-smi`` and ``nvidia-cuda-mps-control``, never through a shell; MPS daemons through the
-``dra.node.mpslaunch`` helper, in their own session); ``dra.sim.sharing`` enforces the same rules in memory,
+``dra.node.mpslaunch`` helper, in their own session); ``dra.sim.sharingtools`` enforces the same rules in memory,
 and ``dra.sim.mpscontrol`` is a simulated ``nvidia-cuda-mps-control`` program for simulated nodes.
 
 Rules both implementations share:
