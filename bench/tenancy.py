@@ -35,8 +35,9 @@ from bench.core import Figure
 from bench.params import Params
 from kube.client import DEVICE_CLASSES, KubeApi
 from testbed.helmchart import render
+from testbed.hostplumbing import cleanup_leftovers
 from testbed.localcluster import LocalCluster
-from testbed.localnode import LocalNode, cleanup_leftovers, cuda_probe_image, install_driver_root
+from testbed.localnode import LocalNode, cuda_probe_image, install_driver_root
 from testbed.nodeplugin import LocalNodePlugin
 from testbed.podprobe import for_local_node
 

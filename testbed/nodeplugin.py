@@ -24,8 +24,9 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from testbed.hostplumbing import processes_mentioning
 from testbed.localcluster import free_port
-from testbed.localnode import LocalNode, processes_mentioning
+from testbed.localnode import LocalNode
 
 _REPO = Path(__file__).resolve().parents[1]
 _CDI_TOOLS_SCRIPT = _REPO / "hack" / "build-cdi-tools.sh"

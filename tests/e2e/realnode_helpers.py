@@ -25,8 +25,9 @@ import yaml
 import cdivalidate
 from api.deviceclasses import device_classes
 from api.names import DEFAULT_DRIVER_NAME
+from testbed.hostplumbing import cleanup_leftovers
 from testbed.localcluster import ClusterError, LocalCluster
-from testbed.localnode import LocalNode, NodeError, cleanup_leftovers, cuda_probe_image, install_driver_root
+from testbed.localnode import LocalNode, NodeError, cuda_probe_image, install_driver_root
 from testbed.nodeplugin import LocalNodePlugin, NodePluginError
 from testbed.podprobe import ContainerView, for_local_node, parse_probe
 from kube.client import DEVICE_CLASSES, ApiError, KubeApi

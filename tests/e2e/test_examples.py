@@ -214,7 +214,7 @@ def test_demo_steps_allocate_prepare_and_report_unallocatable_claims(cluster: An
 def test_gpu_dra_demo_command_end_to_end(tmp_path: Path) -> None:
     """What `make demo` runs, with its own control plane and a real node for node-a: exit 0, every section of
     the output, the pods on node-a Running with what their containers saw, the machine left as found."""
-    from testbed.localnode import records_dir
+    from testbed.hostplumbing import records_dir
 
     proc = subprocess.run([sys.executable, "-m", "cli.main", "demo"], capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).resolve().parents[2])

@@ -33,8 +33,9 @@ from kubernetes import client as kclient
 from kubernetes import config as kconfig
 
 from api.names import DEFAULT_DRIVER_NAME
+from testbed.hostplumbing import cgroup_dirs
 from testbed.localcluster import free_port
-from testbed.localnode import cgroup_dirs, install_driver_root
+from testbed.localnode import install_driver_root
 from testbed.nodeplugin import LocalNodePlugin, NodePluginError
 from testbed.helmchart import CHART, helm
 from kube.client import DEVICE_CLASSES, SLICES, ApiError, KubeApi

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
+from testbed.hostplumbing import (cgroup_dirs, cgroup_pids, cleanup_leftovers, mounts_under, processes_mentioning,
+                                  read_sysctl, records_dir)
 from testbed.localcluster import ClusterError, LocalCluster
-from testbed.localnode import (HOST_PATHS, NODE_BINARIES, SYSCTLS, LocalNode, NodeError, cgroup_dirs, cgroup_pids,
-                           cleanup_leftovers, find_node_binaries, mounts_under, processes_mentioning, read_sysctl,
-                           records_dir)
+from testbed.localnode import HOST_PATHS, NODE_BINARIES, SYSCTLS, LocalNode, NodeError, find_node_binaries
 
 pytestmark = pytest.mark.e2e
 
