@@ -216,6 +216,31 @@ def _out_array(ref: Any) -> tuple[Any, int | None]:
     raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
 
 
+def _set_item(buf: Any, i: int, value: Any) -> None:
+    buf[i] = value
+
+
+def _set_placement(buf: Any, i: int, placement: tuple[int, int]) -> None:
+    buf[i].start = placement[0]
+    buf[i].size = placement[1]
+
+
+def _out_list(count_ref: Any, array_ref: Any, items: Sequence[Any],
+              put: Callable[[Any, int, Any], None] = _set_item) -> int:
+    """NVML's list out-parameters: ``*count_ref`` gets the number of items; a NULL array only asks for it, a
+    smaller one fails with INSUFFICIENT_SIZE (the count still set), else ``put`` writes each item into it."""
+    count = _out_scalar(count_ref)
+    buf, capacity = _out_array(array_ref)
+    if buf is not None:
+        if capacity is not None and capacity < len(items):
+            count.value = len(items)
+            raise _err(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
+        for i, item in enumerate(items):
+            put(buf, i, item)
+    count.value = len(items)
+    return pynvml.NVML_SUCCESS
+
+
 def _in_struct(ref: Any, struct_type: type) -> Any:
     """A structure passed by value, by byref() or by pointer."""
     if isinstance(ref, struct_type):
@@ -841,17 +866,8 @@ class FakeNvml:
                                                    countRef: Any) -> int:
         gpu = self._mig_gpu(device, need_enabled=False)
         spec = self._profile_for_id(gpu, profileId)
-        count = _out_scalar(countRef)
-        buf, capacity = _out_array(placementsRef)
-        if buf is not None:
-            if capacity is not None and capacity < len(spec.starts):
-                count.value = len(spec.starts)
-                raise _err(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
-            for i, start in enumerate(spec.starts):
-                buf[i].start = start
-                buf[i].size = spec.memory_slices
-        count.value = len(spec.starts)
-        return pynvml.NVML_SUCCESS
+        return _out_list(countRef, placementsRef, [(start, spec.memory_slices) for start in spec.starts],
+                         _set_placement)
 
     def _placed(self, gpu: _Gpu) -> list[tuple[MigProfile, int]]:
         return [(gi.profile, gi.start) for gi in gpu.gis.values()]
@@ -914,16 +930,7 @@ class FakeNvml:
         gpu = self._mig_gpu(device, need_enabled=True)
         self._profile_for_id(gpu, profileId)
         found = sorted((gi for gi in gpu.gis.values() if gi.profile.profile_id == profileId), key=lambda g: g.id)
-        count = _out_scalar(countRef)
-        buf, capacity = _out_array(gpuInstancesRef)
-        if buf is not None:
-            if capacity is not None and capacity < len(found):
-                count.value = len(found)
-                raise _err(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
-            for i, gi in enumerate(found):
-                buf[i] = _handle(pynvml.c_nvmlGpuInstance_t, gi.addr)
-        count.value = len(found)
-        return pynvml.NVML_SUCCESS
+        return _out_list(countRef, gpuInstancesRef, [_handle(pynvml.c_nvmlGpuInstance_t, gi.addr) for gi in found])
 
     @_api
     def nvmlDeviceGetGpuInstanceById(self, device: Any, gpuInstanceId: int) -> Any:
@@ -1013,17 +1020,7 @@ class FakeNvml:
         gi = self._gi(gpuInstance)
         slices = self._ci_slices(gi, profileId)
         starts = self._ci_starts(gi, slices)
-        count = _out_scalar(countRef)
-        buf, capacity = _out_array(placementsRef)
-        if buf is not None:
-            if capacity is not None and capacity < len(starts):
-                count.value = len(starts)
-                raise _err(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
-            for i, start in enumerate(starts):
-                buf[i].start = start
-                buf[i].size = slices
-        count.value = len(starts)
-        return pynvml.NVML_SUCCESS
+        return _out_list(countRef, placementsRef, [(start, slices) for start in starts], _set_placement)
 
     def _create_ci(self, gi: _Gi, profile: int, start: int | None) -> Any:
         slices = self._ci_slices(gi, profile)
@@ -1064,16 +1061,8 @@ class FakeNvml:
         gi = self._gi(gpuInstance)
         self._ci_slices(gi, profileId)
         found = sorted((ci for ci in gi.cis.values() if ci.profile_index == profileId), key=lambda c: c.id)
-        count = _out_scalar(countRef)
-        buf, capacity = _out_array(computeInstancesRef)
-        if buf is not None:
-            if capacity is not None and capacity < len(found):
-                count.value = len(found)
-                raise _err(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
-            for i, ci in enumerate(found):
-                buf[i] = _handle(pynvml.c_nvmlComputeInstance_t, ci.addr)
-        count.value = len(found)
-        return pynvml.NVML_SUCCESS
+        return _out_list(countRef, computeInstancesRef,
+                         [_handle(pynvml.c_nvmlComputeInstance_t, ci.addr) for ci in found])
 
     @_api
     def nvmlGpuInstanceGetComputeInstanceById(self, gpuInstance: Any, computeInstanceId: int) -> Any:
