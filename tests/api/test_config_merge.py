@@ -12,6 +12,7 @@ from dra.sim.fleet import nvml_for_node, parse_fleet
 from dra.node.inventory import discover
 from dra.model.policy import parse_node_policy
 from kubeletplugin.plan import PlanError, plan_claim
+from claims import request, resource_claim
 
 DRIVER = "gpu.nvidia.com"
 NODE = "node-a"
@@ -72,12 +73,9 @@ def _gpu_devices():
 
 
 def _claim(spec_configs: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"metadata": {"name": "c", "namespace": "ns", "uid": "u"},
-            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}],
-                                 "config": spec_configs}},
-            "status": {"allocation": {"devices": {
-                "results": [{"request": "gpu", "driver": DRIVER, "pool": NODE, "device": "gpu-0"}],
-                "config": as_allocated(spec_configs)}}}}
+    return resource_claim("c", "ns", uid="u", requests=[request("gpu", DRIVER)], config=spec_configs,
+                          results=[{"request": "gpu", "driver": DRIVER, "pool": NODE, "device": "gpu-0"}],
+                          allocation_config=as_allocated(spec_configs), typed=False)
 
 
 @pytest.mark.parametrize("parameters, words", [

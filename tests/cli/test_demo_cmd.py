@@ -20,6 +20,7 @@ from testbed.demo_node import PodRun
 from testbed.demo_report import allocation_rows, container_lines, device_index, format_table, format_writes, trim_describe
 from testbed.podprobe import BEGIN, END, ContainerView, for_local_node, parse_probe, probe_marker, probe_script
 from cli.main import build_parser
+from claims import resource_claim
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -114,11 +115,8 @@ def _pod(name: str, node: str | None = None, statuses: dict[str, str] | None = N
 
 
 def _claim(name: str, devices: list[str] | None = None, uid: str = "u") -> dict[str, Any]:
-    status = {}
-    if devices is not None:
-        status = {"allocation": {"devices": {"results": [
-            {"request": "r", "driver": "d", "pool": "n1", "device": d} for d in devices]}}}
-    return {"metadata": {"name": name, "uid": uid}, "status": status}
+    results = None if devices is None else [{"request": "r", "driver": "d", "pool": "n1", "device": d} for d in devices]
+    return resource_claim(name, None, uid=uid, results=results, typed=False)
 
 
 def test_pods_are_paired_with_generated_and_named_claims() -> None:

@@ -13,6 +13,7 @@ from dra.model.tenancy import tenancy_taint, tenancy_toleration
 from kube.client import DEVICE_CLASSES, NODES, SLICES
 from ops.explain.reads import CLAIMS, TAINT_RULES
 from ops.explain.verdict import ALLOCATABLE, NOT_ALLOCATABLE, Target, explain, format_text
+from claims import request, resource_claim
 
 D = "gpu.example.com"
 CLASSES = device_classes(D)
@@ -40,15 +41,12 @@ def slot_slices(node: str = "node-a", gpus: int = 2, slots: int = 2,
 def slot_claim(name: str, ns: str = "team-b", pod: str | None = None, created: str = "2026-01-01T00:00:00Z",
                tolerate: bool = True, cls: str = SLOT) -> dict[str, Any]:
     """A claim for one slot, with the toleration for its own namespace the chart's admission policy adds."""
-    meta: dict[str, Any] = {"namespace": ns, "name": name, "uid": f"uid-{ns}-{name}", "creationTimestamp": created}
+    meta: dict[str, Any] = {"creationTimestamp": created}
     if pod:
         meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod", "name": pod, "uid": f"uid-pod-{pod}",
                                     "controller": True, "blockOwnerDeletion": True}]
-    exactly: dict[str, Any] = {"deviceClassName": cls}
-    if tolerate:
-        exactly["tolerations"] = [tenancy_toleration(D, ns)]
-    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": meta,
-            "spec": {"devices": {"requests": [{"name": "slot", "exactly": exactly}]}}}
+    tolerations = {"tolerations": [tenancy_toleration(D, ns)]} if tolerate else {}
+    return resource_claim(name, ns, uid=f"uid-{ns}-{name}", metadata=meta, requests=[request("slot", cls, **tolerations)])
 
 
 def allocated(claim: dict[str, Any], node: str, device: str) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from api.config import ConfigError, decode_opaque_config
 from api.names import CONFIG_API_VERSION, DEFAULT_DRIVER_NAME, NVIDIA_CONFIG_API_VERSION, NVIDIA_DRIVER_NAME
 from controller.webhook import review, serve
 from tlscerts import ServingCert, make_serving_cert
+from claims import request, resource_claim
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = DEFAULT_DRIVER_NAME
@@ -29,10 +30,8 @@ GOOD_MPS = {"apiVersion": CONFIG_API_VERSION, "kind": "GpuConfig",
 
 
 def claim(*configs: tuple[str, Any], api_version: str = "resource.k8s.io/v1") -> dict[str, Any]:
-    return {"apiVersion": api_version, "kind": "ResourceClaim", "metadata": {"name": "c", "namespace": "ns"},
-            "spec": {"devices": {
-                "requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}],
-                "config": [{"requests": ["gpu"], "opaque": {"driver": d, "parameters": p}} for d, p in configs]}}}
+    return resource_claim("c", "ns", api_version=api_version, requests=[request("gpu", DRIVER)],
+                          config=[{"requests": ["gpu"], "opaque": {"driver": d, "parameters": p}} for d, p in configs])
 
 
 def template(*configs: tuple[str, Any]) -> dict[str, Any]:

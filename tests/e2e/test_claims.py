@@ -12,15 +12,15 @@ from kube.client import KubeApi
 from kubeletplugin.claims import ClaimError, KubernetesClaimSource
 from kubeletplugin.transport.nodedriver import ClaimRef
 from standin.workloads import create
+from claims import request, resource_claim
 from driver_node import Node, ok
 
 pytestmark = pytest.mark.e2e
 
 
-def resource_claim(name: str, driver: str) -> dict[str, Any]:
+def gpu_claim(name: str, driver: str) -> dict[str, Any]:
     gpu_class = device_classes(driver)[0]["metadata"]["name"]
-    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
-            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": gpu_class}}]}}}
+    return resource_claim(name, None, requests=[request("gpu", gpu_class)])
 
 
 def claims_path(namespace: str) -> str:
@@ -53,9 +53,9 @@ def test_missing_claim_is_not_found(api_client: Any, namespace: str, node: Node)
 
 def test_claim_re_created_under_the_same_name_has_another_uid(kube: KubeApi, namespace: str, driver_name: str,
                                                               node: Node) -> None:
-    old = create(kube, namespace, resource_claim("again", driver_name))["metadata"]["uid"]
+    old = create(kube, namespace, gpu_claim("again", driver_name))["metadata"]["uid"]
     kube.request("DELETE", f"{claims_path(namespace)}/again")
-    new = create(kube, namespace, resource_claim("again", driver_name))["metadata"]["uid"]
+    new = create(kube, namespace, gpu_claim("again", driver_name))["metadata"]["uid"]
     assert new != old
 
     ref = ClaimRef(namespace, old, "again")          # what the kubelet still asks for
@@ -66,10 +66,10 @@ def test_claim_re_created_under_the_same_name_has_another_uid(kube: KubeApi, nam
 
 
 def test_unallocated_claim_fails_alone(kube: KubeApi, namespace: str, driver_name: str, node: Node) -> None:
-    pending = create(kube, namespace, resource_claim("pending", driver_name))
+    pending = create(kube, namespace, gpu_claim("pending", driver_name))
     ref = ClaimRef(namespace, pending["metadata"]["uid"], "pending")
     # A claim the kubelet may prepare: allocated to this node's gpu-1 (status written as the scheduler would).
-    ready = create(kube, namespace, resource_claim("ready", driver_name))
+    ready = create(kube, namespace, gpu_claim("ready", driver_name))
     ready["status"] = {"allocation": {"devices": {"results": [
         {"request": "gpu", "driver": node.driver.driver_name, "pool": node.driver.pool_name, "device": "gpu-1"}]}}}
     kube.request("PUT", f"{claims_path(namespace)}/ready/status", body=ready)

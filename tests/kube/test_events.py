@@ -10,6 +10,7 @@ from typing import Any
 
 from kube.events import MAX_NOTE, PREPARE_FAILED, ClaimEventRecorder, event_body, claim_ref, one_line
 from driver_node import Node, gpu_config, opaque
+from claims import reserved, resource_claim
 
 DRIVER = "gpu.dra-driver.io"
 UID = "0f8a7c6e-1111-4222-8333-444455556666"
@@ -37,8 +38,7 @@ class FakeWriter:
 
 
 def a_claim(uid: str = UID, pods: tuple[str, ...] = ("train-0", "train-1")) -> dict[str, Any]:
-    return {"metadata": {"namespace": "team", "name": "train", "uid": uid},
-            "status": {"reservedFor": [{"resource": "pods", "name": p, "uid": f"uid-{p}"} for p in pods]}}
+    return resource_claim("train", "team", uid=uid, reserved_for=reserved(*((p, f"uid-{p}") for p in pods)), typed=False)
 
 
 class Clock:

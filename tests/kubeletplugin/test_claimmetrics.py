@@ -21,6 +21,7 @@ from dra.node.containers import ContainerCgroup, parse_cgroup
 from kube.podresources import ContainerDevice, PodResourcesClient, PodResourcesError, container_devices
 from kubeletplugin.claimmetrics import ClaimMetricsCollector, claim_devices, joined_labels
 from kubeletplugin.claims import ClaimError
+from claims import reserved, resource_claim
 
 DRIVER = "gpu.dra-driver.io"
 GPU = "GPU-11111111-2222-3333-4444-555555555555"
@@ -216,8 +217,7 @@ def _labels(namespace: str, pod: str, claim: str, device: str, sharing: str = "m
 
 
 def _claim(namespace: str, name: str, uid: str, pods: list[tuple[str, str]]) -> dict[str, Any]:
-    return {"metadata": {"namespace": namespace, "name": name, "uid": uid},
-            "status": {"reservedFor": [{"resource": "pods", "name": n, "uid": u} for n, u in pods]}}
+    return resource_claim(name, namespace, uid=uid, reserved_for=reserved(*pods), typed=False)
 
 
 UID_C, UID_X, UID_E = ("c0c0c0c0-1111-2222-3333-444455556666", "d0d0d0d0-1111-2222-3333-444455556666",

@@ -31,6 +31,7 @@ from dra.sim.fleet import nvml_for_node, parse_fleet
 from fixtures.fake_driver_root import build_fake_driver_root
 from kubeletplugin.plugin import UnavailableSharingControl
 from kubeletplugin.transport.nodedriver import ClaimRef
+from claims import resource_claim
 
 DRIVER = "gpu.dra-driver.io"
 NODE = "node-a"
@@ -63,9 +64,8 @@ def make_plugin(base: Path, claims: DictClaimSource, pod_uid: str | None = None,
 
 
 def claim(name: str, device: str, uid: str | None = None) -> dict:
-    return {"metadata": {"name": name, "namespace": "ns", "uid": uid or str(uuidlib.uuid4())},
-            "status": {"allocation": {"devices": {"results": [
-                {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": device}]}}}}
+    return resource_claim(name, "ns", uid=uid or str(uuidlib.uuid4()), typed=False,
+                          results=[{"request": "gpu", "driver": DRIVER, "pool": NODE, "device": device}])
 
 
 def test_plugin_serves_kubelet_and_leaves_claims_prepared_on_shutdown(base):
@@ -402,10 +402,8 @@ def test_mps_supervisor_waits_for_a_call_while_no_daemon_is_in_use(base, monkeyp
 def put_claim(claims: DictClaimSource, name: str, device: str, config: dict[str, Any] | None = None) -> ClaimRef:
     uid = str(uuidlib.uuid4())
     opaque = [{"source": "FromClaim", "opaque": {"driver": DRIVER, "parameters": config}}] if config else []
-    claims.put({"metadata": {"name": name, "namespace": "ns", "uid": uid},
-                "status": {"allocation": {"devices": {
-                    "results": [{"request": "gpu", "driver": DRIVER, "pool": NODE, "device": device}],
-                    "config": opaque}}}})
+    claims.put(resource_claim(name, "ns", uid=uid, typed=False, allocation_config=opaque,
+                              results=[{"request": "gpu", "driver": DRIVER, "pool": NODE, "device": device}]))
     return ClaimRef("ns", uid, name)
 
 

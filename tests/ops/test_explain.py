@@ -16,6 +16,7 @@ from dra.scheduling.devicecel import CelRuntimeError, CelUnsupported, compile_se
 from dra.scheduling.devicefit import capacity_needs, untolerated_taints
 from ops.explain.verdict import (ALLOCATABLE, ALLOCATED, CANNOT_EVALUATE, NOT_ALLOCATABLE, Target, explain,
                                  format_text)
+from claims import request, resource_claim
 
 D = "gpu.example.com"
 CLASSES = device_classes(D)
@@ -182,17 +183,11 @@ def _slices(node: str = "node-a", gpus: int = 2, taints: dict[str, list[dict[str
 
 def _claim(name: str, *requests: dict[str, Any], constraints: list[dict[str, Any]] | None = None,
            ns: str = "ml") -> dict[str, Any]:
-    devices: dict[str, Any] = {"requests": list(requests)}
-    if constraints:
-        devices["constraints"] = constraints
-    return {"metadata": {"namespace": ns, "name": name}, "spec": {"devices": devices}}
+    return resource_claim(name, ns, requests=requests, constraints=constraints, typed=False)
 
 
 def _req(name: str = "gpu", cls: str = D, cel: str | None = None, **kw: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {"deviceClassName": cls, **kw}
-    if cel:
-        body["selectors"] = [{"cel": {"expression": cel}}]
-    return {"name": name, "exactly": body}
+    return request(name, cls, cel=cel, **kw)
 
 
 def _allocated(claim: dict[str, Any], node: str, *devices: str, pod: str = "", **result: Any) -> dict[str, Any]:

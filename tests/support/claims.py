@@ -17,17 +17,16 @@ def resource_claim(name: str = "c", namespace: str | None = "ns", *, uid: str | 
                    constraints: list[dict[str, Any]] | None = None, results: list[dict[str, Any]] | None = None,
                    allocation_config: list[dict[str, Any]] | None = None,
                    reserved_for: list[dict[str, Any]] | None = None, typed: bool = True,
-                   api_version: str = API_VERSION, labels: dict[str, str] | None = None) -> dict[str, Any]:
+                   api_version: str = API_VERSION, metadata: dict[str, Any] | None = None) -> dict[str, Any]:
     """A ResourceClaim. ``requests``/``config``/``constraints`` make its spec (none given: no spec, as in a claim
     read only for its status); ``results`` (with ``allocation_config``) its allocation; ``reserved_for`` its
-    reservedFor. ``typed=False`` leaves out apiVersion and kind, as code that reads claims never looks at them."""
+    reservedFor; ``metadata`` adds to its metadata. ``typed=False`` leaves out apiVersion and kind, as code that reads claims never looks at them."""
     meta: dict[str, Any] = {"name": name}
     if namespace is not None:
         meta["namespace"] = namespace
     if uid is not None:
         meta["uid"] = uid
-    if labels:
-        meta["labels"] = dict(labels)
+    meta.update(metadata or {})
     claim: dict[str, Any] = {"apiVersion": api_version, "kind": "ResourceClaim"} if typed else {}
     claim["metadata"] = meta
     if requests is not None or config is not None or constraints is not None:

@@ -21,6 +21,7 @@ from dra.model.slices import ApiFeatures, plan_pool
 from dra.node.inventory import discover_once
 from dra.scheduling.occupancy import BLOCKED, FREE, HELD, TAINTED, draw_slices, fleet_status, fleet_summary
 from dra.sim.fleet import nvml_for_node, parse_fleet
+from claims import reserved, resource_claim
 
 DRIVER = "gpu.dra-driver.io"
 H100 = get_model("H100-80GB")
@@ -66,9 +67,8 @@ def claim(name: str, *devices: str, ns: str = "team", pool: str = "node-a", pods
         if memory:
             r["consumedCapacity"] = {"memory": memory}
         results.append(r)
-    return {"metadata": {"namespace": ns, "name": name, "uid": f"uid-{name}"},
-            "status": {"allocation": {"devices": {"results": results}},
-                       "reservedFor": [{"resource": "pods", "name": p, "uid": f"uid-{p}"} for p in pods]}}
+    return resource_claim(name, ns, uid=f"uid-{name}", results=results, reserved_for=reserved(*((p, f"uid-{p}") for p in pods)),
+                          typed=False)
 
 
 def gpu(status: list[Any], minor: int, node: str = "node-a") -> Any:
