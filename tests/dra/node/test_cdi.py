@@ -1,5 +1,5 @@
 """CDI spec building, validation and atomic writing, against a fake driver root. Every spec a test here builds
-is also loaded by the CDI reference library (tests/cdivalidate.py) when the test ends."""
+is also loaded by the CDI reference library (tests/support/cdivalidate.py) when the test ends."""
 from __future__ import annotations
 
 import json
