@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import ssl
+import stat
 import subprocess
 import sys
 import tarfile
@@ -23,8 +24,8 @@ from typing import Any
 import pytest
 
 from testbed.localcluster import free_port
+
 from tlscerts import make_serving_cert
-import stat
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ["api", "cli", "controller", "dra", "kube", "kubeletplugin", "ops"]

@@ -1,26 +1,24 @@
 """Pure parts of the ResourceSlice controller: names, pool validation, spec comparison, back-off, version rule."""
 from __future__ import annotations
 
+import copy
 import logging
 import re
 from fractions import Fraction
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kube.serverversion as serverversion
-from bench.memapi import InMemorySliceApi
+from bench.memapi import InMemorySliceApi, _status
 from kube.client import SLICES
 from kube.backoff import Backoff
 from kube.resourceslices import (MAX_POOL_SLICES, DesiredPool, InvalidPoolError, Owner, ResourceSliceController,
-                                 check_desired_pool, slice_name)
+                                 check_desired_pool, slice_name, PoolSyncError)
 from kube.slicecompare import normalize_spec
 from api.quantity import quantity_value
-from typing import Any
-from bench.memapi import _status
-from kube.resourceslices import PoolSyncError
-import copy
 
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 

@@ -5,32 +5,24 @@ from __future__ import annotations
 
 import json
 import threading
-import uuid as uuidlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import pynvml
 import pytest
 
 from dra.node import migdevices as mig
-from dra.node.cdi import CdiSpecWriter, load_spec
-from dra.node.checkpoint import PREPARE_STARTED, CheckpointStore, ClaimRecord, MigUndo, UndoInfo
+from dra.node.checkpoint import PREPARE_STARTED, ClaimRecord, MigUndo, UndoInfo
 from dra.node.checkpoint import PreparedDevice as CheckpointDevice
 from dra.model.devices import build_devices
 from dra.sim.fleet import nvml_for_node, parse_fleet
-from dra.node.sharing import MpsDaemons, TimeSlicing
-from dra.sim.sharing import SimulatedSharingControl
 from dra.node.inventory import discover
 from dra.model.policy import parse_node_policy
-from fixtures.fake_driver_root import build_fake_driver_root
-from kubeletplugin.claims import DictClaimSource
 from kubeletplugin.driver import Driver
-from kubeletplugin.metrics import PluginMetrics
 from kubeletplugin.transport.nodedriver import ClaimRef
+from dra.node.cdi import ClaimDevice
 
 from driver_node import CDI_KIND, DRIVER, NODE, Node, gpu_config, ok, opaque
-from typing import Callable
-import pynvml
-from dra.node.cdi import ClaimDevice
 
 @pytest.fixture
 def whole(tmp_path):

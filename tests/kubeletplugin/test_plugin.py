@@ -9,6 +9,7 @@ import threading
 import time
 import uuid as uuidlib
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -25,12 +26,12 @@ from cli.kubeletplugin_cmd import options_from_args
 from dra.node.cdi import load_spec
 from dra.model.slices import ApiFeatures
 from kubeletplugin.claims import DictClaimSource
-from kubeletplugin.plugin import KubeletPlugin, PluginConfigError, PluginOptions, load_node_policy
-from typing import Any, Iterator
+from kubeletplugin.plugin import (KubeletPlugin, PluginConfigError, PluginOptions, load_node_policy,
+                                  UnavailableSharingControl)
 from dra.sim.fleet import nvml_for_node, parse_fleet
-from fixtures.fake_driver_root import build_fake_driver_root
-from kubeletplugin.plugin import UnavailableSharingControl
 from kubeletplugin.transport.nodedriver import ClaimRef
+
+from fixtures.fake_driver_root import build_fake_driver_root
 from claims import resource_claim
 
 DRIVER = "gpu.dra-driver.io"

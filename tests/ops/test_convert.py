@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
+from api.names import DEFAULT_DRIVER_NAME
 from api.names import DEFAULT_DRIVER_NAME as D
 from cli.main import main
 from dra.model.policy import parse_node_policy
@@ -16,7 +17,6 @@ from dra.scheduling.devicecel import compile_selector, device_variable
 from ops.convert import gfdselectors as gfd
 from ops.convert.conversion import Options, convert, output_files
 from ops.convert.deviceplugin import ConvertError
-from api.names import DEFAULT_DRIVER_NAME
 from testbed.helmchart import render
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ from dra.model.tenancy import (
     tenancy_toleration,
     tolerates_tenancy,
 )
-from driver_node import DRIVER, SLOTS, Node, ok, slot_claim
+from driver_node import DRIVER, SLOTS, Node, ok
 
 
 def tolerating(namespace: str) -> list[dict]:
