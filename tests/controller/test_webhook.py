@@ -19,7 +19,7 @@ from api.config import ConfigError, decode_opaque_config
 from api.names import CONFIG_API_VERSION, DEFAULT_DRIVER_NAME, NVIDIA_CONFIG_API_VERSION, NVIDIA_DRIVER_NAME
 from controller.webhook import review, serve
 from tlscerts import ServingCert, make_serving_cert
-from claims import request, resource_claim
+from claims import admission_review, request, resource_claim
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = DEFAULT_DRIVER_NAME
@@ -39,23 +39,8 @@ def template(*configs: tuple[str, Any]) -> dict[str, Any]:
             "metadata": {"name": "t", "namespace": "ns"}, "spec": {"spec": claim(*configs)["spec"]}}
 
 
-def admission(obj: dict[str, Any], *, operation: str = "CREATE", version: str = "v1",
-              sub_resource: str | None = None) -> dict[str, Any]:
-    resource = "resourceclaims" if obj["kind"] == "ResourceClaim" else "resourceclaimtemplates"
-    request: dict[str, Any] = {
-        "uid": "0b8a0d6e-2f5e-4c1e-9f0e-1b2c3d4e5f60",
-        "kind": {"group": "resource.k8s.io", "version": version, "kind": obj["kind"]},
-        "resource": {"group": "resource.k8s.io", "version": version, "resource": resource},
-        "operation": operation, "namespace": "ns", "object": obj,
-        "userInfo": {"username": "alice"},
-    }
-    if sub_resource:
-        request["subResource"] = sub_resource
-    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": request}
-
-
 def answer(obj: dict[str, Any], *, compat_nvidia: bool = False, driver: str = DRIVER, **kw: Any) -> dict[str, Any]:
-    out = review(admission(obj, **kw), driver_name=driver, compat_nvidia=compat_nvidia)
+    out = review(admission_review(obj, **kw), driver_name=driver, compat_nvidia=compat_nvidia)
     assert out["apiVersion"] == "admission.k8s.io/v1" and out["kind"] == "AdmissionReview"
     assert out["response"]["uid"] == "0b8a0d6e-2f5e-4c1e-9f0e-1b2c3d4e5f60"
     return out["response"]
@@ -200,7 +185,7 @@ def _call(url: str, ca: Path, body: bytes | None = None) -> tuple[int, bytes]:
 
 
 def test_the_server_answers_reviews_and_health_over_tls(server: str, certs: ServingCert) -> None:
-    status, body = _call(f"{server}/validate", certs.ca, json.dumps(admission(claim((DRIVER, BAD_MPS)))).encode())
+    status, body = _call(f"{server}/validate", certs.ca, json.dumps(admission_review(claim((DRIVER, BAD_MPS)))).encode())
     assert status == 200
     response = json.loads(body)["response"]
     assert response["allowed"] is False and "activeThreadPercentage" in response["status"]["message"]
@@ -304,9 +289,9 @@ def test_the_webhooks_json_bound_leaves_every_config_the_decoder_reads_intact() 
 
     assert MAX_JSON_DEPTH >= 10 + MAX_PARAMETERS_DEPTH + 1
     deepest = template((DRIVER, {**GOOD_MPS, "sharing": {"strategy": "MPS", "mps": _nested(MAX_PARAMETERS_DEPTH - 2)}}))
-    review_ = admission(deepest)
+    review_ = admission_review(deepest)
     assert loads_bounded(json.dumps(review_).encode(), MAX_JSON_DEPTH) == review_
-    too_deep = json.dumps(admission(claim((DRIVER, "DEEP")))).replace('"DEEP"', "[" * 2000 + "]" * 2000)
+    too_deep = json.dumps(admission_review(claim((DRIVER, "DEEP")))).replace('"DEEP"', "[" * 2000 + "]" * 2000)
     decoded = loads_bounded(too_deep.encode(), MAX_JSON_DEPTH)
     params = decoded["request"]["object"]["spec"]["devices"]["config"][0]["opaque"]["parameters"]
     depth = 0
@@ -338,7 +323,7 @@ def test_loads_bounded_refuses_what_is_no_json(text: str | bytes) -> None:
 def test_reviews_of_other_resources_add_no_metric_series() -> None:
     from prometheus_client import REGISTRY
 
-    body = admission(claim((DRIVER, GOOD_MPS)))
+    body = admission_review(claim((DRIVER, GOOD_MPS)))
     body["request"]["resource"]["resource"] = "made-up-resource-7f3a"
     assert review(body, driver_name=DRIVER, compat_nvidia=False)["response"]["allowed"]
     assert REGISTRY.get_sample_value("gpu_dra_webhook_reviews_total",

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from api.names import DEFAULT_DRIVER_NAME
+from api.names import CONFIG_API_VERSION, DEFAULT_DRIVER_NAME
 from controller.webhook import MAX_BODY, serve
 from kube.httpserver import BoundedHTTPServer, ConnectionLimits, ProbeHandler, serve_health_and_metrics, start
+from claims import admission_review, request, resource_claim
 from tlscerts import ServingCert, make_serving_cert
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -253,9 +254,9 @@ def test_memory_stays_bounded_under_concurrent_oversized_posts(webhook_process: 
 
 
 def test_a_review_nested_3000_deep_gets_a_denial_not_a_dropped_connection(certs: ServingCert) -> None:
-    from test_webhook import GOOD_MPS, admission, claim
-
-    review = admission(claim((DEFAULT_DRIVER_NAME, {**GOOD_MPS, "sharing": {"strategy": "MPS", "mps": "DEEP"}})))
+    deep = {"apiVersion": CONFIG_API_VERSION, "kind": "GpuConfig", "sharing": {"strategy": "MPS", "mps": "DEEP"}}
+    review = admission_review(resource_claim("c", "ns", requests=[request("gpu", DEFAULT_DRIVER_NAME)], config=[
+        {"requests": ["gpu"], "opaque": {"driver": DEFAULT_DRIVER_NAME, "parameters": deep}}]))
     # Written as text: json.dumps itself cannot nest that deep.
     body = json.dumps(review).replace('"DEEP"', '{"a": ' * 3000 + "1" + "}" * 3000).encode()
     srv = serve("127.0.0.1", 0, str(certs.cert), str(certs.key), driver_name=DEFAULT_DRIVER_NAME, compat_nvidia=False)

@@ -20,6 +20,8 @@ from kube.resourceslices import (MAX_POOL_SLICES, DesiredPool, InvalidPoolError,
 from kube.slicecompare import normalize_spec
 from api.quantity import quantity_value
 
+from slice_servers import OldSliceApi
+
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
@@ -254,22 +256,6 @@ def test_old_api_servers_get_one_clear_line(monkeypatch: pytest.MonkeyPatch, cap
 # each pool's slices are picked out of the driver's slices, so no pool mistakes another's slices for its own.
 
 NODES = ("node-a", "node-b")
-
-
-class OldSliceApi(InMemorySliceApi):
-    """Answers a spec.pool.name selector as 1.34 does: 400 BadRequest."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.rejected = 0
-
-    def list(self, collection: str, field_selector: str | None = None,
-             label_selector: str | None = None) -> dict[str, Any]:
-        if "spec.pool.name" in (field_selector or ""):
-            self.rejected += 1
-            raise _status("GET", collection, 400, "BadRequest",
-                          "field label not supported for resource.k8s.io/v1, Kind=ResourceSlice: spec.pool.name")
-        return super().list(collection, field_selector, label_selector)
 
 
 def _pools(gpus: int = 2) -> dict[str, DesiredPool]:

@@ -18,6 +18,8 @@ from kube.client import NODES, SLICES
 from kube.resourceslices import (SPEC_ANNOTATION, DesiredPool, InvalidPoolError, Owner,
                                  ResourceSliceController, slice_name)
 
+from slice_servers import OldSliceApi
+
 DRIVER = "gpu.example.com"
 
 
@@ -426,7 +428,6 @@ def api_size(api: InMemorySliceApi) -> int:
 # ---- old servers at scale ------------------------------------------------------------------------------------
 
 def test_a_bulk_pass_on_a_server_without_the_pool_selector_never_needs_it_until_a_conflict() -> None:
-    from test_slice_controller_old_servers import OldSliceApi
 
     class OldServerWithAnotherWriter(OldSliceApi):
         """Someone changes the slice just before our update of it arrives (once)."""

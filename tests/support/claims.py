@@ -65,3 +65,19 @@ def allocated(claim: dict[str, Any], results: list[dict[str, Any]], **allocation
     out = copy.deepcopy(claim)
     out.setdefault("status", {})["allocation"] = {"devices": {"results": results}, **allocation}
     return out
+
+
+def admission_review(obj: dict[str, Any], *, operation: str = "CREATE", version: str = "v1",
+              sub_resource: str | None = None) -> dict[str, Any]:
+    """The AdmissionReview the API server sends a validating webhook for a claim or claim template."""
+    resource = "resourceclaims" if obj["kind"] == "ResourceClaim" else "resourceclaimtemplates"
+    req: dict[str, Any] = {
+        "uid": "0b8a0d6e-2f5e-4c1e-9f0e-1b2c3d4e5f60",
+        "kind": {"group": "resource.k8s.io", "version": version, "kind": obj["kind"]},
+        "resource": {"group": "resource.k8s.io", "version": version, "resource": resource},
+        "operation": operation, "namespace": "ns", "object": obj,
+        "userInfo": {"username": "alice"},
+    }
+    if sub_resource:
+        req["subResource"] = sub_resource
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": req}
