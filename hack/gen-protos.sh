@@ -6,7 +6,7 @@
 # The output is a Python package: every directory gets an __init__.py and the imports protoc writes
 # ("from dra.v1 import api_pb2") are rewritten to absolute ones ("from api.generated.dra.v1 import
 # api_pb2"), so the stubs import the same way wherever OUT_DIR is. Re-running on unchanged inputs
-# gives byte-identical files; tests/test_protos.py relies on that to detect drift.
+# gives byte-identical files; tests/api/test_protos.py relies on that to detect drift.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -21,7 +21,7 @@ from kubeletplugin.claims import KubernetesClaimSource
 from kubeletplugin.driver import Driver
 from kubeletplugin.metrics import PluginMetrics
 from kubeletplugin.transport.nodedriver import ClaimRef
-from test_kubeletplugin_driver import Node
+from driver_node import Node
 
 
 def test_an_api_server_outage_in_a_prepare_loop_fails_claims_cleanly_and_recovers(tmp_path, caplog) -> None:
