@@ -360,7 +360,7 @@ class Driver:
             log.info("rolling back an earlier half-done prepare before retrying")
             try:
                 self._rollback(record)
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:
                 raise PrepareError(f"claim {ref.describe()}: rolling back an earlier incomplete prepare failed: "
                                    f"{err}") from err
         if not plans:

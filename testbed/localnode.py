@@ -313,8 +313,7 @@ def _records_lock() -> Iterator[Path]:
     d = records_dir()
     while True:
         d.mkdir(parents=True, exist_ok=True)
-        fh = open(d / ".lock", "a")
-        try:
+        with open(d / ".lock", "a") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
             try:
                 same = os.fstat(fh.fileno()).st_ino == os.stat(d / ".lock").st_ino
@@ -331,8 +330,6 @@ def _records_lock() -> Iterator[Path]:
                         except OSError:
                             pass
                 return
-        finally:
-            fh.close()
 
 
 def _read_record(path: Path) -> dict[str, Any] | None:
@@ -1019,7 +1016,6 @@ temp = {q(str(d / 'containerd' / 'tmp'))}
                 raise NodeError(f"importing {archive} did not create image {ref} (images: {names})")
 
     def _kubelet_config(self) -> dict[str, Any]:
-        d = self._dir
         cfg: dict[str, Any] = {
             "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",
             # The API server reaches the kubelet (logs, exec) through the node's Hostname address: serve on
