@@ -18,7 +18,7 @@ def pinned_version() -> str:
     return match.group(1)
 
 
-def test_the_image_has_the_pinned_static_hook(rootfs: Path) -> None:  # noqa: F811
+def test_the_image_has_the_pinned_static_hook(rootfs: Path) -> None:  # noqa: F811 - the fixture imported above
     hook = rootfs / HOOK
     assert stat.S_IMODE(hook.stat().st_mode) == 0o755
     head = hook.read_bytes()[:4096]
@@ -30,7 +30,7 @@ def test_the_image_has_the_pinned_static_hook(rootfs: Path) -> None:  # noqa: F8
         assert subprocess.run([str(hook), sub, "--help"], capture_output=True, timeout=30).returncode == 0, sub
 
 
-def test_the_init_containers_command_installs_it(rootfs: Path) -> None:  # noqa: F811
+def test_the_init_containers_command_installs_it(rootfs: Path) -> None:  # noqa: F811 - the fixture imported above
     target = "/tmp/plugins/gpu.dra-driver.io/bin/nvidia-cdi-hook"
     proc = image_run(rootfs, "/usr/bin/python3", "-m", "dra.node.hookinstall", "/" + HOOK, target)
     assert isinstance(proc, subprocess.CompletedProcess)
