@@ -89,7 +89,7 @@ def _is_quantity(text: str) -> bool:
 
 
 def _cmp(a: Any, b: Any) -> int:
-    return (a > b) - (a < b)
+    return int(a > b) - int(a < b)
 
 
 def semver(text: str) -> Any:
