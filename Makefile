@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # K8S_VERSION (the target release), K8S_SKEW_VERSION (the oldest supported one), ETCD_VERSION.
 include hack/versions.env
 
-.PHONY: demo test unit e2e bench control-plane control-plane-target control-plane-skew node-binaries helm cdi-tools cdi-hook cdi-validate image image-lock protos clean
+.PHONY: demo test lint unit e2e bench control-plane control-plane-target control-plane-skew node-binaries helm cdi-tools cdi-hook cdi-validate image image-lock protos clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -67,7 +67,16 @@ demo: $(STAMP) control-plane-target
 	$(VENV)/bin/gpu-dra demo
 
 test: $(STAMP) control-plane node-binaries helm cdi-tools image
+	$(MAKE) --no-print-directory lint
 	$(PY) -m pytest
+
+# ruff (pyflakes, import order, the rules the noqa comments name) and mypy (strict; pyproject.toml says where not
+# and why), both configured in pyproject.toml; and every noqa says why after " - ".
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+	@! grep -rnP --include='*.py' --exclude-dir=.venv --exclude-dir=build --exclude-dir=generated \
+	  '# noqa(?!: [A-Z]+[0-9]+(, [A-Z]+[0-9]+)* - \S)' . || { echo 'a noqa without its reason: # noqa: CODE - why'; exit 1; }
 
 unit: $(STAMP) cdi-validate
 	$(PY) -m pytest -m 'not e2e'

@@ -23,7 +23,7 @@ class _Registration(reg_grpc.RegistrationServicer):
     def __init__(self, info: reg_pb.PluginInfo) -> None:
         self._info = info
 
-    def GetInfo(self, request: reg_pb.InfoRequest, context: grpc.ServicerContext) -> reg_pb.PluginInfo:
+    def GetInfo(self, request: reg_pb.InfoRequest, context: grpc.ServicerContext) -> reg_pb.PluginInfo:  # noqa: N802 - gRPC name
         return self._info
 
 

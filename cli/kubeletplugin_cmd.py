@@ -9,8 +9,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
+
+if TYPE_CHECKING:                       # loaded when the plugin starts, not when the parsers are built
+    from kubeletplugin.options import PluginOptions
 
 # flag -> (environment variable, default, help)
 _STRING_FLAGS: dict[str, tuple[str, str | None, str]] = {
@@ -58,7 +63,7 @@ def _env_bool(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _env_number(name: str, default: float, kind: type) -> float:
+def _env_number(name: str, default: float, kind: Callable[[str], float]) -> float:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -95,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="log format [env LOG_FORMAT]")
 
 
-def options_from_args(args: argparse.Namespace) -> "PluginOptions":  # noqa: F821 - imported lazily
+def options_from_args(args: argparse.Namespace) -> PluginOptions:
     from kubeletplugin.options import PluginOptions
 
     driver = args.driver_name

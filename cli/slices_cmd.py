@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from typing import Any
 
 import yaml
 
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
 
-    objects: list[dict] = []
+    objects: list[dict[str, Any]] = []
     failed = False
     for node in nodes:
         try:

@@ -83,7 +83,9 @@ def review(body: Any, *, driver_name: str, compat_nvidia: bool) -> dict[str, Any
     request = body.get("request") if isinstance(body, Mapping) else None
     if not isinstance(request, Mapping) or not isinstance(request.get("uid"), str):
         raise ValueError("not an AdmissionReview request (admission.k8s.io/v1): no request.uid")
-    resource = request.get("resource") if isinstance(request.get("resource"), Mapping) else {}
+    resource = request.get("resource")
+    if not isinstance(resource, Mapping):
+        resource = {}
     name = resource.get("resource", "")
     problems: list[str] = []
     if request.get("operation") in ("CREATE", "UPDATE") and resource.get("group") == "resource.k8s.io" \
@@ -92,8 +94,10 @@ def review(body: Any, *, driver_name: str, compat_nvidia: bool) -> dict[str, Any
     response: dict[str, Any] = {"uid": request["uid"], "allowed": not problems}
     if problems:
         response["status"] = {"code": 422, "reason": "Invalid", "message": "; ".join(problems)}
-        obj = request.get("object") if isinstance(request.get("object"), Mapping) else {}
-        meta = obj.get("metadata") if isinstance(obj.get("metadata"), Mapping) else {}
+        obj = request.get("object")
+        meta = obj.get("metadata") if isinstance(obj, Mapping) else None
+        if not isinstance(meta, Mapping):
+            meta = {}
         # Names as sent: the API server has validated them, anyone else who reaches the port has not.
         who = f"{name} {request.get('namespace', '')}/{meta.get('name') or meta.get('generateName', '')}"
         log.info("denied %s: %s", printable(who), response["status"]["message"])

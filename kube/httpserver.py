@@ -230,7 +230,7 @@ class BoundedHTTPServer(HTTPServer):
         except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return False
 
-    def _body_length(self, head: bytes) -> int:
+    def _body_length(self, head: bytes | bytearray) -> int:
         """The body to read before a worker takes the request: its Content-Length, as the handler will read it
         (http.server's own header parser), when that is 1 to max_body bytes; else none."""
         if self.limits.max_body <= 0:

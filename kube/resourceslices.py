@@ -570,30 +570,33 @@ class ResourceSliceController:
                         if deadline is not None and time.monotonic() > deadline:
                             raise PoolSyncError(f"not all pools synced before the deadline: {self._errors}")
                         self._cond.wait(0.5)
-                    previous = self._desired.get(name)
-                    self._desired[name] = prepared
-                    self._streamed.add(name)
+                    desired, streamed = self._streaming_locked()
+                    previous = desired.get(name)
+                    desired[name] = prepared
+                    streamed.add(name)
                     waiting = self._deferred.pop(name, None)
                     if waiting is not None:
                         self._enqueue_locked(name, waiting[0] - time.monotonic(), waiting[1])
                     if not prepared.same_as(previous) or name in self._errors:
                         self._enqueue_locked(name, 0.0, urgent=True)
-                    SLICE_POOLS.labels(self.driver).set(len(self._desired))
+                    SLICE_POOLS.labels(self.driver).set(len(desired))
                     self._cond.notify_all()
             completed = True
         finally:
             with self._cond:
                 streamed, self._streamed = self._streamed or set(), None
+                assert self._desired is not None            # from _begin_stream on
+                desired = self._desired
                 deferred, self._deferred = self._deferred, {}
                 if completed:
-                    for name in set(self._desired) - streamed:
-                        del self._desired[name]
+                    for name in set(desired) - streamed:
+                        del desired[name]
                         self._enqueue_locked(name, 0.0, urgent=True)
                 for name, (due, urgent) in deferred.items():
                     # After an abort, pools found in the cluster and never yielded would look unwanted: left be.
-                    if completed or name in self._desired:
+                    if completed or name in desired:
                         self._enqueue_locked(name, due - time.monotonic(), urgent)
-                SLICE_POOLS.labels(self.driver).set(len(self._desired))
+                SLICE_POOLS.labels(self.driver).set(len(desired))
                 if self._threads:
                     self._node_uids = None    # a running controller looks owners up when it needs them
                 self._cond.notify_all()
@@ -609,6 +612,12 @@ class ResourceSliceController:
                 self._desired = {}
             if self.owner.node_name is None and self._node_uids is None:
                 self._node_uids = {}
+
+    def _streaming_locked(self) -> tuple[dict[str, PreparedPool], set[str]]:
+        """The desired pools and those the running stream has given so far; both exist from _begin_stream on,
+        the second until the stream ends."""
+        assert self._desired is not None and self._streamed is not None
+        return self._desired, self._streamed
 
     def _prepare_streamed(self, name: str, pool: DesiredPool | PreparedPool) -> PreparedPool:
         """A pool the server already holds exactly is not validated again (it was before it was written);
@@ -1103,10 +1112,10 @@ class ResourceSliceController:
                 body = _encode(meta, spec)
                 stored = self._write("create", lambda b=body: self.kube.create(SLICES, b))
             self._check_stored(pool_name, desired, i, stored, part)
-            rec = self._record(stored, ours=True)
-            if rec is not None:
+            written = self._record(stored, ours=True)
+            if written is not None:
                 with self._cond:
-                    self._cache_put_locked(rec)
+                    self._cache_put_locked(written)
 
     @staticmethod
     def _annotation(pool_name: str, desired: PreparedPool, index: int, pool_generation: int, generation: int) -> str:

@@ -46,7 +46,7 @@ def describe_api_failure(err: BaseException) -> str:
     same way (no object addresses, no ports)."""
     if isinstance(err, ApiError):
         return f"HTTP {err.status} {err.reason}".strip()
-    texts = []
+    texts: list[str] = []
     cause: BaseException | None = err
     while cause is not None and len(texts) < 6:
         texts.append(f"{type(cause).__name__}: {cause}".lower())

@@ -184,7 +184,9 @@ def allocation_for(claim: dict[str, Any], driver_name: str, pool_name: str) -> C
     A claim may hold results of other drivers (handled by their plugins) and, for network-attached pools,
     of other pools; those are skipped. A claim with no allocation is an error: the kubelet only asks for
     allocated, reserved claims, so this means the claim was deallocated meanwhile."""
-    meta = claim.get("metadata") if isinstance(claim.get("metadata"), dict) else {}
+    meta = claim.get("metadata")
+    if not isinstance(meta, dict):
+        meta = {}
     where = f"ResourceClaim {meta.get('namespace', '?')}/{meta.get('name', '?')}"
     status = claim.get("status")
     allocation = status.get("allocation") if isinstance(status, dict) else None

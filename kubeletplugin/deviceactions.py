@@ -286,19 +286,19 @@ def mps_client_env(ref: ClaimRef, plans: list[DevicePlan], mig_ids: dict[int, Mi
     """The claim's MPS limits as CUDA client environment: they bind only its own processes, whatever other
     claims share the daemon. Device ordinals are in PCI bus order (``CUDA_DEVICE_ORDER=PCI_BUS_ID``) of the
     claim's MPS devices, MIG devices after their GPU in placement order."""
-    mps = [(i, p) for i, p in enumerate(plans) if p.mps is not None]
+    mps = [(i, p, p.mps) for i, p in enumerate(plans) if p.mps is not None]
     if not mps:
         return ()
-    threads = {p.mps.thread_percentage for _, p in mps if p.mps.thread_percentage is not None}
+    threads = {m.thread_percentage for _, _, m in mps if m.thread_percentage is not None}
     if len(threads) > 1:
         raise PrepareError(f"claim {ref.describe()}: its MPS devices ask for different active thread percentages "
                            f"({', '.join(map(str, sorted(threads)))}); one process cannot have two, use one value")
     # Several slots or shares of one GPU in a claim are one CUDA device: their limits add up.
     keyed: dict[str, tuple[tuple[str, int], int | None]] = {}
-    for i, p in mps:
+    for i, p, m in mps:
         uuid = mig_ids[i][0] if i in mig_ids else p.device.gpu_uuid
         order = (p.device.gpu_pci_bus_id, p.device.mig_start if p.device.mig_start is not None else -1)
-        limit = max(1, p.mps.pinned_memory_limit_bytes // MIB) if p.mps.pinned_memory_limit_bytes else None
+        limit = max(1, m.pinned_memory_limit_bytes // MIB) if m.pinned_memory_limit_bytes else None
         _, before = keyed.get(uuid, (order, None))
         keyed[uuid] = (order, limit if before is None else before + (limit or 0))
     ordered = sorted(keyed.items(), key=lambda kv: (kv[1][0], kv[0]))

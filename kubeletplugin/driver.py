@@ -204,7 +204,7 @@ class Driver:
     def unprepare(self, claims: list[ClaimRef]) -> dict[str, UnprepareResult]:
         return self._call(claims, self._unprepare_timed, UnprepareResult)
 
-    def _call(self, claims: list[ClaimRef], work: Callable[[ClaimRef], Any], result: Callable[..., Any]) -> dict:
+    def _call(self, claims: list[ClaimRef], work: Callable[[ClaimRef], Any], result: Callable[..., Any]) -> dict[str, Any]:
         """One kubelet call: its claims side by side. A claim not started within ``call_budget_s`` is not
         started at all and answered with an error the kubelet retries, so that a call of any size is answered
         before the kubelet's 45 s deadline (an answer that comes too late is lost, and its work with it)."""
@@ -360,7 +360,7 @@ class Driver:
             log.info("rolling back an earlier half-done prepare before retrying")
             try:
                 self._rollback(record)
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:
                 raise PrepareError(f"claim {ref.describe()}: rolling back an earlier incomplete prepare failed: "
                                    f"{err}") from err
         if not plans:

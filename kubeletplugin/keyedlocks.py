@@ -11,12 +11,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
+from typing import Any
 
 
 class KeyedLocks:
     def __init__(self) -> None:
         self._guard = threading.Lock()
-        self._entries: dict[str, list] = {}     # name -> [lock, holders and waiters]
+        self._entries: dict[str, list[Any]] = {}     # name -> [lock, holders and waiters]
 
     @contextmanager
     def hold(self, name: str) -> Iterator[None]:

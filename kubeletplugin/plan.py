@@ -176,11 +176,11 @@ def plan_claim(claim: dict[str, Any], *, driver_name: str, pool_name: str, devic
     raw_configs = restore_claim_request_scopes(raw_configs, spec_configs)
     # Every entry for this driver must decode, whether or not it ends up applying to a device: an entry for all
     # requests with a misspelt kind would otherwise be skipped in silence and the defaults used instead.
-    for entry in alloc.configs:
+    for given in alloc.configs:
         try:
-            decode_opaque_config(entry.parameters, compat_nvidia=compat_nvidia)
+            decode_opaque_config(given.parameters, compat_nvidia=compat_nvidia)
         except ConfigError as exc:
-            raise PlanError(exc.with_prefix(f"status.allocation.devices.config[{entry.index}].opaque.parameters")
+            raise PlanError(exc.with_prefix(f"status.allocation.devices.config[{given.index}].opaque.parameters")
                             ) from None
     plans: list[DevicePlan] = []
     seen: set[tuple[str, str | None]] = set()

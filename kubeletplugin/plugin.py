@@ -23,7 +23,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 import structlog
@@ -100,7 +100,7 @@ class UnavailableSharingControl(SharingControl):
     def __init__(self, reason: str) -> None:
         self.reason = reason
 
-    def _fail(self) -> Any:
+    def _fail(self) -> NoReturn:
         raise SharingError(f"GPU sharing is unavailable on this node: {self.reason}")
 
     def set_time_slice(self, gpu_uuid: str, interval: str) -> None:
@@ -204,11 +204,12 @@ class KubeletPlugin:
             from dra.sim.nodeobjects import SimulatedNodeObjects
 
             try:
-                objects: NodeObjects = SimulatedNodeObjects.from_fleet(o.fleet, o.node_name, paths,
-                                                                       state_file=o.simulated_state_file)
+                simulated = SimulatedNodeObjects.from_fleet(o.fleet, o.node_name, paths,
+                                                            state_file=o.simulated_state_file)
             except NodeSetupError as err:
                 raise PluginConfigError(str(err)) from None
-            self.fleet_node = objects.node
+            self.fleet_node = simulated.node
+            objects: NodeObjects = simulated
         else:
             objects = NodeObjects(paths)
         self.node_objects = objects
@@ -371,7 +372,7 @@ class KubeletPlugin:
         state = o.state_directory
         state.mkdir(parents=True, exist_ok=True)
         sharing = self._sharing_control(driver_root)
-        self.monitor = HealthMonitor(self.nvml, o.driver_name, self._health_devices(), on_change=self._on_taints,
+        self.monitor = HealthMonitor(self.nvml, o.driver_name, _health_devices(self.model), on_change=self._on_taints,
                                      wait_timeout_ms=o.health_wait_ms,
                                      quiet_period_s=o.health_quiet_period if o.health_quiet_period > 0 else None,
                                      # simulated GPUs: `gpu-dra simulate recover` declares a GPU healthy again
@@ -523,10 +524,6 @@ class KubeletPlugin:
                     return False, f"publishing ResourceSlices of pool {pool} has failed for {seconds:.0f} s: {error}"
         return True, "ok"
 
-    def _health_devices(self) -> list[HealthDevice]:
-        # Static MIG devices carry their GI/CI; dynamic ones get theirs when prepared (Driver → bind_mig).
-        return [HealthDevice(d.name, d.gpu_uuid, d.mig_gi_id, d.mig_ci_id) for d in self.model.devices]
-
     def _spawn(self, target: Any, name: str) -> None:
         t = threading.Thread(target=target, name=name, daemon=True)
         t.start()
@@ -634,3 +631,8 @@ class KubeletPlugin:
         finally:
             self.stop()  # also after a failed start: no socket or thread is left behind
         return 0
+
+
+def _health_devices(model: DeviceModel) -> list[HealthDevice]:
+    # Static MIG devices carry their GI/CI; dynamic ones get theirs when prepared (Driver → bind_mig).
+    return [HealthDevice(d.name, d.gpu_uuid, d.mig_gi_id, d.mig_ci_id) for d in model.devices]

@@ -91,13 +91,13 @@ def recover_at_start(*, checkpoint: CheckpointStore, cdi: CdiSpecWriter, actions
             failed.append(uid)
     destroyed: list[mig.MigLive] = []
     cdi_removed: list[str] = []
-    claims = checkpoint.claims()
+    prepared = checkpoint.claims()
     if loaded.state_lost:
         _log_conservative_start(loaded, adopted_from_cdi, checkpoint, cdi, actions, nvml, log)
     else:
         destroyed = _destroy_unowned_mig(checkpoint, actions, nvml, log)
         for uid in cdi.list_claim_specs():
-            if uid not in claims:
+            if uid not in prepared:
                 cdi.delete_claim_spec(uid)
                 cdi_removed.append(uid)
     cdi.remove_leftover_temp_files()
@@ -111,7 +111,7 @@ def recover_at_start(*, checkpoint: CheckpointStore, cdi: CdiSpecWriter, actions
     report = StartupReport(loaded, tuple(rolled_back), tuple(failed),
                            tuple(f"{d.parent_uuid}/gi{d.gi_id}/ci{d.ci_id}" for d in destroyed),
                            tuple(cdi_removed), adopted, tuple(adopted_from_cdi), loaded.state_lost)
-    log.info("driver state recovered", prepared_claims=len(claims), rolled_back=list(rolled_back),
+    log.info("driver state recovered", prepared_claims=len(prepared), rolled_back=list(rolled_back),
              rollback_failed=list(failed), mig_destroyed=list(report.mig_destroyed),
              cdi_removed=cdi_removed, mps_daemons=adopted,
              dropped_after_reboot=[r.uid for r in loaded.dropped_claims], adopted_from_cdi=adopted_from_cdi,

@@ -42,7 +42,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from api.names import DEFAULT_DRIVER_NAME
 from dra.model.catalog import CATALOG, family_of, model_for_product_name
@@ -259,8 +259,8 @@ def catalog_model_name(gpu: GpuInfo) -> str | None:
     for model in CATALOG.values():
         if model.nvml_pci_device_id == gpu.pci_device_id:
             return model.name
-    model = model_for_product_name(gpu.product_name)
-    return model.name if model else None
+    named = model_for_product_name(gpu.product_name)
+    return named.name if named else None
 
 
 def pcie_root(gpu: GpuInfo) -> str | None:
@@ -425,12 +425,21 @@ def _consumes(cs: CounterSet | None, counters: dict[str, int]) -> tuple[dict[str
     return ({"counterSet": cs.name, "counters": used},)
 
 
+class _GpuFields(TypedDict):
+    """The fields every device of one GPU shares."""
+
+    gpu_uuid: str
+    gpu_index: int
+    gpu_minor: int
+    gpu_pci_bus_id: str
+
+
 def _gpu_devices(gpu: GpuInfo, inv: NodeInventory, plan: _GpuPlan) -> tuple[list[Device], CounterSet | None]:
     cs = _counter_set(gpu, plan)
     slices = [k for k in (cs.counters if cs else {}) if k.startswith("memory-slice-")]
     s = max(plan.slots, 1)
     common = common_attributes(gpu, inv)
-    base = dict(gpu_uuid=gpu.uuid, gpu_index=gpu.index, gpu_minor=gpu.minor, gpu_pci_bus_id=gpu.pci_bus_id)
+    base = _GpuFields(gpu_uuid=gpu.uuid, gpu_index=gpu.index, gpu_minor=gpu.minor, gpu_pci_bus_id=gpu.pci_bus_id)
     devices: list[Device] = []
 
     if plan.whole:

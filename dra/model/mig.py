@@ -139,13 +139,13 @@ def fits(
         key=lambda pid: (-by_id[pid].memory_slices, -by_id[pid].compute_slices, len(by_id[pid].starts), pid),
     )
     chosen: list[Placement] = []
-    deepest: list[object] = [-1, []]  # depth of the furthest failure and its reasons, for the message
+    deepest: list[tuple[int, list[str]]] = [(-1, [])]  # depth of the furthest failure and its reasons
 
     def search(i: int) -> bool:
         if i == len(order):
             return True
         pid = order[i]
-        reasons = []
+        reasons: list[str] = []
         for start in by_id[pid].starts:
             reason = can_place(profiles, [*state, *chosen], pid, start)
             if reason is None:
@@ -155,8 +155,8 @@ def fits(
                 chosen.pop()
             else:
                 reasons.append(reason)
-        if reasons and i >= deepest[0]:
-            deepest[:] = [i, reasons]
+        if reasons and i >= deepest[0][0]:
+            deepest[0] = (i, reasons)
         return False
 
     if search(0):
@@ -171,7 +171,7 @@ def fits(
                     break
         return out
     names = ", ".join(by_id[pid].name for pid in wanted_profile_ids)
-    depth, reasons = deepest
+    depth, reasons = deepest[0]
     if not reasons:
         return f"{names} do not fit together"
     blocked = by_id[order[depth]]

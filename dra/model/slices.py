@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from typing import Any
 
 from api.k8snames import is_dns_label, is_dns_subdomain, is_label_key, is_label_value, is_qualified_name
@@ -218,7 +219,7 @@ def resource_slice_objects(specs: Sequence[Mapping[str, Any]], names: Sequence[s
         body["pool"] = {"name": spec["pool"]["name"], "generation": generation,
                         **{k: v for k, v in spec["pool"].items() if k not in ("name", "generation")}}
         # wire order: driver, pool, nodeName, then devices or sharedCounters
-        ordered = {k: body[k] for k in ("driver", "pool", "nodeName") if k in body}
+        ordered: dict[str, Any] = {k: body[k] for k in ("driver", "pool", "nodeName") if k in body}
         ordered.update({k: v for k, v in body.items() if k not in ordered})
         out.append({
             "apiVersion": "resource.k8s.io/v1",
@@ -455,7 +456,7 @@ def validate_pool(specs: Sequence[Mapping[str, Any]]) -> list[str]:
     in the pool, consumesCounters pointing at existing sets/counters, consistent pool fields, and no device
     consuming more of a counter than the counter holds (such a device could never be allocated)."""
     errors: list[str] = []
-    sets: dict[str, dict[str, float]] = {}
+    sets: dict[str, dict[str, Fraction]] = {}
     for i, spec in enumerate(specs):
         for cs in spec.get("sharedCounters") or []:
             if cs.get("name") in sets:

@@ -218,7 +218,7 @@ def validate_spec(spec: dict[str, Any]) -> None:
         raise CdiSpecError(problems)
 
 
-def _unknown(obj: dict, allowed: set[str], where: str, problems: list[str]) -> None:
+def _unknown(obj: dict[str, Any], allowed: set[str], where: str, problems: list[str]) -> None:
     for key in obj:
         if key not in allowed:
             problems.append(f"{where + '.' if where else ''}{key}: unknown field")
@@ -312,7 +312,8 @@ class ToolkitSpecs:
             for device in doc.get("devices") or []:
                 name = device.get("name") if isinstance(device, dict) else None
                 if isinstance(name, str) and name:
-                    names[name] = qualified_device_id(*doc["kind"].split("/", 1), name)
+                    vendor, cdi_class = doc["kind"].split("/", 1)
+                    names[name] = qualified_device_id(vendor, cdi_class, name)
         self._cache[path] = (mtime, names)
         return names
 

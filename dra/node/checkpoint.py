@@ -60,7 +60,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Literal
+from typing import Any, Callable, Iterable, Iterator, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
@@ -183,6 +183,9 @@ class ClaimRecord(_Record):
             "devices": tuple(d for d in self.devices if (d.pool, d.device) != (pool, device) or d.admin_access),
             "undo": self.undo.model_copy(update={
                 "mig_devices": tuple(m for m in self.undo.mig_devices if m.device != device)})})
+
+
+_Stored = TypeVar("_Stored", ClaimRecord, None)   # what a journal change stores, and returns
 
 
 class CheckpointFile(_Record):
@@ -608,7 +611,7 @@ class CheckpointStore:
             self._change(claim_uid, None, {"remove": claim_uid})
             return True
 
-    def _change(self, uid: str, new: ClaimRecord | None, op: dict[str, Any]) -> Any:
+    def _change(self, uid: str, new: _Stored, op: dict[str, Any]) -> _Stored:
         """Append ``op``, apply it to memory, and return ``new`` once it is durable. Called under ``_lock``,
         which it releases for the fsync and takes back, so other claims append meanwhile."""
         previous = self._claims.get(uid)

@@ -15,8 +15,10 @@ import logging
 import os
 import re
 import stat
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +108,8 @@ class DeviceNodeInfo:
     major: int | None = None
     minor: int | None = None
 
-    def to_cdi(self) -> dict:
-        node: dict = {"path": self.path}
+    def to_cdi(self) -> dict[str, Any]:
+        node: dict[str, Any] = {"path": self.path}
         if self.host_path is not None:
             node["hostPath"] = self.host_path
         if self.major is not None and self.minor is not None:
@@ -316,7 +318,9 @@ class DriverRoot:
 
     # ----- device nodes --------------------------------------------------------------------------------------
     def _control_nodes(self) -> tuple[DeviceNodeInfo, ...]:
-        nodes = [self.device_node("/dev/nvidiactl", required=True)]
+        nvidiactl = self.device_node("/dev/nvidiactl", required=True)
+        assert nvidiactl is not None
+        nodes = [nvidiactl]
         uvm_major = self.char_major("nvidia-uvm")
         for path, minor in (("/dev/nvidia-uvm", 0), ("/dev/nvidia-uvm-tools", 1)):
             node = self.device_node(path, required=False, fallback=(uvm_major, minor))
@@ -482,10 +486,10 @@ def _resolve_in_root(root: Path, relative: str) -> str | None:
 
 def _is_compute_library(name: str) -> bool:
     match = _VERSIONED.fullmatch(name)
-    return bool(match) and match.group("base") in COMPUTE_LIBRARIES
+    return match is not None and match.group("base") in COMPUTE_LIBRARIES
 
 
-def _version_from_libraries(libraries) -> str:
+def _version_from_libraries(libraries: Collection[RootedPath]) -> str:
     # The real library files carry the driver version: libnvidia-ml.so.580.95.05.
     for preferred in ("libnvidia-ml.so.", "libcuda.so."):
         for lib in libraries:

@@ -256,7 +256,8 @@ class MpsDaemons:
         paths = self.paths(device)
         record, problem = read_record(paths)
         if record is not None and record.gpu != gpu:
-            record, problem = None, f"names GPU {printable(record.gpu)}, not {gpu}"
+            problem = f"names GPU {printable(record.gpu)}, not {gpu}"
+            record = None
         elif record is not None and record.daemon is None:
             record, problem = None, ("names no daemon process (a daemon start that did not finish, or an older "
                                      "release's record)")
@@ -299,6 +300,7 @@ class MpsDaemons:
                 if isinstance(err, OSError):
                     raise SharingError(f"MPS daemon for {device}: preparing {paths.base} failed: {err}") from err
                 raise
+            assert record.daemon is not None            # _launch records it
             log.info("started MPS daemon for %s (pid %d)", device, record.daemon.pid)
             return paths
 

@@ -124,7 +124,7 @@ class SharingControl(ABC):
 
 
 # ----- real: the driver's programs --------------------------------------------------------------------------------
-Runner = Callable[..., subprocess.CompletedProcess]
+Runner = Callable[..., subprocess.CompletedProcess[str]]
 
 class NvidiaSmiSharingControl(SharingControl):
     """Runs ``nvidia-smi`` and ``nvidia-cuda-mps-control`` from the driver (no shell involved).

@@ -89,7 +89,7 @@ def _is_quantity(text: str) -> bool:
 
 
 def _cmp(a: Any, b: Any) -> int:
-    return (a > b) - (a < b)
+    return int(a > b) - int(a < b)
 
 
 def semver(text: str) -> Any:
@@ -136,7 +136,7 @@ def _semver_part(index: int) -> Any:
 
 def _functions() -> list[cel.FunctionDecl]:
     Q = S = cel.Type(OPAQUE_TYPE)
-    B, I, D, T = cel.Type.BOOL, cel.Type.INT, cel.Type.DOUBLE, cel.Type.STRING
+    B, INT, D, T = cel.Type.BOOL, cel.Type.INT, cel.Type.DOUBLE, cel.Type.STRING
 
     def fn(name: str, *overloads: tuple[str, Any, list[Any], bool, Any]) -> cel.FunctionDecl:
         return cel.FunctionDecl(name, [cel.Overload(oid, ret, params, member, impl=impl)
@@ -148,22 +148,22 @@ def _functions() -> list[cel.FunctionDecl]:
     return [
         fn("quantity", ("quantity_string", Q, [T], False, _parse_quantity)),
         fn("isQuantity", ("is_quantity_string", B, [T], False, _is_quantity)),
-        fn("sign", ("quantity_sign", I, [Q], True, lambda a: _cmp(_q(a), 0))),
+        fn("sign", ("quantity_sign", INT, [Q], True, lambda a: _cmp(_q(a), 0))),
         fn("isInteger", ("quantity_is_integer", B, [Q], True, lambda a: _q(a).denominator == 1)),
-        fn("asInteger", ("quantity_as_integer", I, [Q], True, _as_integer)),
+        fn("asInteger", ("quantity_as_integer", INT, [Q], True, _as_integer)),
         fn("asApproximateFloat", ("quantity_as_float", D, [Q], True, lambda a: float(_q(a)))),
         fn("add", ("quantity_add", Q, [Q, Q], True, lambda a, b: quantity(_q(a) + _q(b))),
-           ("quantity_add_int", Q, [Q, I], True, lambda a, b: quantity(_q(a) + b))),
+           ("quantity_add_int", Q, [Q, INT], True, lambda a, b: quantity(_q(a) + b))),
         fn("sub", ("quantity_sub", Q, [Q, Q], True, lambda a, b: quantity(_q(a) - _q(b))),
-           ("quantity_sub_int", Q, [Q, I], True, lambda a, b: quantity(_q(a) - b))),
-        fn("compareTo", ("opaque_compare", I, [Q, Q], True, _compare)),
+           ("quantity_sub_int", Q, [Q, INT], True, lambda a, b: quantity(_q(a) - b))),
+        fn("compareTo", ("opaque_compare", INT, [Q, Q], True, _compare)),
         fn("isLessThan", ("opaque_less", B, [Q, Q], True, lambda a, b: _compare(a, b) < 0)),
         fn("isGreaterThan", ("opaque_greater", B, [Q, Q], True, lambda a, b: _compare(a, b) > 0)),
         fn("semver", ("semver_string", S, [T], False, semver)),
         fn("isSemver", ("is_semver_string", B, [T], False, is_semver)),
-        fn("major", ("semver_major", I, [S], True, _semver_part(1))),
-        fn("minor", ("semver_minor", I, [S], True, _semver_part(2))),
-        fn("patch", ("semver_patch", I, [S], True, _semver_part(3))),
+        fn("major", ("semver_major", INT, [S], True, _semver_part(1))),
+        fn("minor", ("semver_minor", INT, [S], True, _semver_part(2))),
+        fn("patch", ("semver_patch", INT, [S], True, _semver_part(3))),
     ]
 
 

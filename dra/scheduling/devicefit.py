@@ -79,9 +79,10 @@ def capacity_needs(device: dict[str, Any], driver: str,
         total = quantity_value(str(cap.get("value", "0")))
         policy = cap.get("requestPolicy") or {}
         if name in wanted:
-            amount = _rounded(policy, wanted[name]) if policy else wanted[name]
-            if amount is None:
+            rounded = _rounded(policy, wanted[name]) if policy else wanted[name]
+            if rounded is None:
                 return {}, f"outside the {name} request policy: no valid amount for {_fmt(wanted[name])}"
+            amount = rounded
         elif policy.get("default") is not None:
             amount = quantity_value(str(policy["default"]))
         else:

@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from api.k8snames import is_dns_subdomain
 from api.yamlfiles import load_yaml_file
 from dra.model.catalog import get_model
+from dra.model.gpu import MigProfile
 from dra.sim.fakenvml import FakeNvml, SimulatedGpu, auto_start, place_problem
 
 _FLEET_NAMESPACE = uuidlib.UUID("0b7d3c52-8e0a-4a8e-bd7e-3f3b9c1f6a10")
@@ -213,7 +214,7 @@ def _check_mig(group: GpuGroupSpec, where: str) -> None:
         raise FleetError(f"{where}.enabled: {model.name} does not support MIG")
     if group.mig.instances and not group.mig.enabled:
         raise FleetError(f"{where}.instances: MIG instances need enabled: true")
-    placed = []
+    placed: list[tuple[MigProfile, int]] = []
     for k, inst in enumerate(group.mig.instances):
         at = f"{where}.instances[{k}]"
         try:
@@ -230,7 +231,7 @@ def _check_mig(group: GpuGroupSpec, where: str) -> None:
         placed.append((profile, start))
 
 
-def _layout_text(placed: list[Any]) -> str:
+def _layout_text(placed: list[tuple[MigProfile, int]]) -> str:
     return ", ".join(f"{p.name}@{s}" for p, s in placed) or "empty"
 
 

@@ -130,7 +130,7 @@ class HostPids:
         if missing:
             for entry in os.scandir(self.proc_root):
                 if entry.name.isdigit() and (ident := _identity(self.proc_root, int(entry.name))) in missing:
-                    found[ident] = int(entry.name)   # type: ignore[index]
+                    found[ident] = int(entry.name)
         self._known = dict(found)
         return found
 

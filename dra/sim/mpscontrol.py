@@ -38,7 +38,7 @@ import socket
 import struct
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 STATE_ENV = "GPU_DRA_SIM_STATE"
 CONTROL_SOCKET = "control"
@@ -310,7 +310,7 @@ class _Servers:
             self.clients[conn] = uid
 
 
-def _serve(daemon: _Daemon, listeners: list[socket.socket], registry: Path | None, visible: list[str]) -> None:
+def _serve(daemon: _Daemon, listeners: list[socket.socket], registry: Path | None, visible: list[str]) -> NoReturn:
     """Commands arrive one a connection (a line, answered, closed); a CUDA client's connection stays open while
     the client lives."""
     events = selectors.DefaultSelector()
@@ -361,7 +361,7 @@ def _serve(daemon: _Daemon, listeners: list[socket.socket], registry: Path | Non
                 _shutdown(listeners, registry, visible, daemon.pipe_dir)
 
 
-def _shutdown(listeners: list[socket.socket], registry: Path | None, visible: list[str], pipe_dir: str) -> None:
+def _shutdown(listeners: list[socket.socket], registry: Path | None, visible: list[str], pipe_dir: str) -> NoReturn:
     for listener in listeners:
         listener.close()
     for name in (CONTROL_SOCKET, PRIVILEGED_SOCKET):
@@ -369,8 +369,7 @@ def _shutdown(listeners: list[socket.socket], registry: Path | None, visible: li
             os.unlink(os.path.join(pipe_dir, name))
         except OSError:
             pass
-    for uuid in visible if registry is not None else ():
-        entry = registry / uuid
+    for entry in [registry / uuid for uuid in visible] if registry is not None else []:
         try:
             if json.loads(entry.read_text()).get("pipe") == pipe_dir:
                 entry.unlink()

@@ -97,7 +97,7 @@ class RegistrationServicer(reg_grpc.RegistrationServicer):
         if self.on_status is not None:
             try:
                 self.on_status(request.plugin_registered, request.error)
-            except Exception:  # a callback bug must not turn into a kubelet-visible failure
+            except Exception:  # noqa: BLE001 - a callback bug must not turn into a kubelet-visible failure
                 self._log.exception("registration status callback failed")
         return reg_pb.RegistrationStatusResponse()
 

@@ -165,10 +165,12 @@ class DRAPluginV1(v1_grpc.DRAPluginServicer):
     def __init__(self, service: DRAService):
         self._s = service
 
-    def NodePrepareResources(self, request, context):  # type: ignore[override]
+    def NodePrepareResources(self, request: v1_pb.NodePrepareResourcesRequest,
+                             context: grpc.ServicerContext) -> Any:
         return self._s.prepare(v1_pb, "v1", request, context)
 
-    def NodeUnprepareResources(self, request, context):  # type: ignore[override]
+    def NodeUnprepareResources(self, request: v1_pb.NodeUnprepareResourcesRequest,
+                               context: grpc.ServicerContext) -> Any:
         return self._s.unprepare(v1_pb, "v1", request, context)
 
 
@@ -176,10 +178,12 @@ class DRAPluginV1beta1(v1beta1_grpc.DRAPluginServicer):
     def __init__(self, service: DRAService):
         self._s = service
 
-    def NodePrepareResources(self, request, context):  # type: ignore[override]
+    def NodePrepareResources(self, request: v1beta1_pb.NodePrepareResourcesRequest,
+                             context: grpc.ServicerContext) -> Any:
         return self._s.prepare(v1beta1_pb, "v1beta1", request, context)
 
-    def NodeUnprepareResources(self, request, context):  # type: ignore[override]
+    def NodeUnprepareResources(self, request: v1beta1_pb.NodeUnprepareResourcesRequest,
+                               context: grpc.ServicerContext) -> Any:
         return self._s.unprepare(v1beta1_pb, "v1beta1", request, context)
 
 
@@ -202,7 +206,8 @@ class ResourceHealthV1(health_v1_grpc.DRAResourceHealthServicer):
     def __init__(self, board: HealthBoard):
         self._board = board
 
-    async def NodeWatchResources(self, request, context):  # type: ignore[override]
+    async def NodeWatchResources(self, request: health_v1_pb.NodeWatchResourcesRequest,
+                                 context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         async for msg in _health_stream(self._board, health_v1_pb):
             yield msg
 
@@ -211,7 +216,8 @@ class ResourceHealthV1alpha1(health_v1alpha1_grpc.DRAResourceHealthServicer):
     def __init__(self, board: HealthBoard):
         self._board = board
 
-    async def NodeWatchResources(self, request, context):  # type: ignore[override]
+    async def NodeWatchResources(self, request: health_v1alpha1_pb.NodeWatchResourcesRequest,
+                                 context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         async for msg in _health_stream(self._board, health_v1alpha1_pb):
             yield msg
 

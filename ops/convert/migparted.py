@@ -27,7 +27,7 @@ class MigEntry:
 
     def matches(self) -> list[dict[str, Any]]:
         """Node policy ``match`` blocks for the GPUs of this entry ([] when it is every GPU)."""
-        indices: list[int | None] = list(self.devices) if self.devices != "all" else [None]
+        indices: list[int | None] = list(self.devices) if isinstance(self.devices, tuple) else [None]
         models: list[str | None] = list(self.models) or [None]
         out = []
         for i in indices:

@@ -116,7 +116,9 @@ def build_groups(dps: list[DevicePluginConfig], migs: list[MigConfig], nodes: li
             pairs.setdefault((dp_name, mig_name), []).append(name)
             f.converted(src, "metadata.labels", f"node group {_group_name(by_dp.get(dp_name or ''), by_mig.get(mig_name or ''))}")
     else:
-        for d, m in product([c.name for c in dps] or [None], [c.name for c in migs] or [None]):
+        dp_names: list[str | None] = [c.name for c in dps] or [None]
+        mig_names: list[str | None] = [c.name for c in migs] or [None]
+        for d, m in product(dp_names, mig_names):
             pairs[(d, m)] = []
     groups: list[NodeGroup] = []
     for (dp_name, mig_name), members in pairs.items():

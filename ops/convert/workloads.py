@@ -45,7 +45,7 @@ class WorkloadOptions:
 def class_names(driver: str) -> dict[str, str]:
     """Device type -> the DeviceClass of this driver that selects it (NVIDIA's names in compatibility mode)."""
     classes = device_classes(driver, compat_nvidia=driver == NVIDIA_DRIVER_NAME)
-    names = {}
+    names: dict[str, str] = {}
     for cls in classes:
         expression = cls["spec"]["selectors"][0]["cel"]["expression"]
         for kind in ("gpu", "mig", "slot", "shared"):

@@ -199,7 +199,8 @@ def _check_driver_root(objects: NodeObjects, state: _State) -> None:
                   "set --driver-root (and --host-driver-root) to where the driver's libcuda.so.* is"))
         return
     state.files = files
-    names = [PurePosixPath(p.container_path).name for p in (*files.libraries, *files.soname_links)]
+    library_paths = [p.container_path for p in files.libraries] + [link.container_path for link in files.soname_links]
+    names = [PurePosixPath(p).name for p in library_paths]
     missing = [lib for lib in ("libcuda.so", "libnvidia-ml.so") if not any(n.startswith(lib + ".") for n in names)]
     tools = [PurePosixPath(b.container_path).name for b in files.binaries]
     summary = (f"{root.root}: {driver_layout(root, files)}; driver {files.version or '?'}; libraries in "
@@ -233,7 +234,7 @@ def _check_hook(objects: NodeObjects, state: _State) -> None:
     fix = ("pass --cdi-hook-path with the host path of nvidia-cdi-hook (the chart installs the image's own into the "
            "plugin directory)")
     local = _hook_local_path(objects, state.root, files)
-    if local is None:
+    if local is None or files.hook is None:
         why = (f"the libraries are in {', '.join(outside)}, which images' loaders do not search: CUDA programs "
                "would see no GPU" if outside else "soname links and the containers' loader cache are not managed")
         add(Check("cdi-hook", "FAIL", f"no nvidia-cdi-hook or nvidia-ctk in the driver root and no --cdi-hook-path; "
@@ -347,11 +348,13 @@ def _check_container(objects: NodeObjects, state: _State, options: DoctorOptions
     root, files = state.root, state.files
     hide = [str(root.root)] if str(root.root) not in ("/", "") else []
     # The driver reachable only through the spec: its files at their container paths are hidden too.
-    hide += [p.container_path for p in (*files.libraries, *files.soname_links, *files.binaries)]
+    hide += [p.container_path for p in (*files.libraries, *files.binaries)]
+    hide += [link.container_path for link in files.soname_links]
     with tempfile.TemporaryDirectory(prefix="gpu-dra-doctor-ctr-") as work:
-        request = {"work": os.path.join(work, "mnt"), "hide": hide, "device_nodes": nodes, "mounts": mounts,
+        mount_dir = os.path.join(work, "mnt")
+        request = {"work": mount_dir, "hide": hide, "device_nodes": nodes, "mounts": mounts,
                    "hooks": hooks, "probe": options.probe}
-        os.makedirs(request["work"])
+        os.makedirs(mount_dir)
         request_file = os.path.join(work, "request.json")
         Path(request_file).write_text(json.dumps(request))
         argv = [unshare, "--mount", "--propagation", "private", sys.executable, "-m", "ops.doctor.container",

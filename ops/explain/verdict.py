@@ -268,7 +268,7 @@ class _Search:
         return False
 
     def _take_all(self, slot: _Slot, alt: Alternative, usable: list[tuple[Pool, _Candidate]], i: int) -> bool:
-        undo = []
+        undo: list[tuple[Any, ...]] = []
         for pool, c in usable:
             if not self._fits(slot, alt, pool, c):
                 for u in reversed(undo):

@@ -191,13 +191,13 @@ class _Registration(reg_grpc.RegistrationServicer):
         return reg.PluginInfo(type="DRAPlugin", name="gpu.dra-driver.io", endpoint="/plugins/dra.sock",
                               supported_versions=["v1.DRAPlugin", "v1beta1.DRAPlugin"])
 
-    def NotifyRegistrationStatus(self, request, context):  # noqa: N802
+    def NotifyRegistrationStatus(self, request, context):  # noqa: N802 - gRPC method name
         self.statuses.append((request.plugin_registered, request.error))
         return reg.RegistrationStatusResponse()
 
 
 class _Health(health_v1alpha1_grpc.DRAResourceHealthServicer):
-    def NodeWatchResources(self, request, context):  # noqa: N802
+    def NodeWatchResources(self, request, context):  # noqa: N802 - gRPC method name
         for status in (health_v1alpha1.HEALTHY, health_v1alpha1.UNHEALTHY):
             yield health_v1alpha1.NodeWatchResourcesResponse(devices=[health_v1alpha1.DeviceHealth(
                 device=health_v1alpha1.DeviceIdentifier(pool_name="node-a", device_name="gpu-0"), health=status)])

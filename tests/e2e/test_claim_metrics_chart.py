@@ -14,7 +14,7 @@ from test_helm_realnode import Installation, installed  # noqa: F401 - the chart
 pytestmark = pytest.mark.e2e
 
 
-def test_the_chart_plugin_shows_two_pods_on_mps_slots_as_two_series(installed: Installation) -> None:  # noqa: F811
+def test_the_chart_plugin_shows_two_pods_on_mps_slots_as_two_series(installed: Installation) -> None:  # noqa: F811 - the fixture imported above
     plugin = installed.plugin
     installed.component_pod("kubelet-plugin", timeout=180)
     installed.component_pod("webhook", timeout=120, ready=True)   # it admits the claim templates

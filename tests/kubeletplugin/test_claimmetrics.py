@@ -141,7 +141,7 @@ class _Nvml:
         self.compute, self.mps, self.samples = compute, mps, samples
         self.broken: set[str] = set()
 
-    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> str:  # noqa: N802
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> str:  # noqa: N802 - pynvml's name
         if uuid in self.broken:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
         return uuid
@@ -156,15 +156,15 @@ class _Nvml:
             out.append(info if used is not None else type("I", (), {"pid": pid, "usedGpuMemory": None})())
         return out
 
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: str) -> list[Any]:  # noqa: N802
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: str) -> list[Any]:  # noqa: N802 - pynvml's name
         return self._infos(self.compute.get(handle, []))
 
-    def nvmlDeviceGetMPSComputeRunningProcesses(self, handle: str) -> list[Any]:  # noqa: N802
+    def nvmlDeviceGetMPSComputeRunningProcesses(self, handle: str) -> list[Any]:  # noqa: N802 - pynvml's name
         if self.mps is None:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)   # a driver without the query
         return self._infos(self.mps.get(handle, []))
 
-    def nvmlDeviceGetProcessUtilization(self, handle: str, since: int) -> list[Any]:  # noqa: N802
+    def nvmlDeviceGetProcessUtilization(self, handle: str, since: int) -> list[Any]:  # noqa: N802 - pynvml's name
         rows = [s for s in self.samples.get(handle, []) if s[1] > since]
         if not rows:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)

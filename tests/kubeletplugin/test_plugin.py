@@ -184,7 +184,8 @@ def test_command_line_flags_and_environment(monkeypatch):
 
 
 def test_health_quiet_period_flag(monkeypatch, base):
-    parse = lambda *extra: options_from_args(build_parser().parse_args(["kubelet-plugin", "--node-name", NODE, *extra]))
+    def parse(*extra: str):
+        return options_from_args(build_parser().parse_args(["kubelet-plugin", "--node-name", NODE, *extra]))
     monkeypatch.delenv("HEALTH_QUIET_PERIOD", raising=False)
     assert parse().health_quiet_period == 300.0
     assert parse("--health-quiet-period", "0").health_quiet_period == 0.0

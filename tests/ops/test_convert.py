@@ -150,7 +150,7 @@ def test_a_config_map_of_configs_names_them_by_key_and_labels_pick_the_group() -
                   Options(driver=D, default_config="plain"))
     by_name = {g.name: g for g in res.groups}
     assert by_name["ts"].nodes == ["a"] and by_name["plain"].nodes == ["b"]
-    terms = lambda g: g.values["kubeletPlugin"]["affinity"]["nodeAffinity"][  # noqa: E731
+    terms = lambda g: g.values["kubeletPlugin"]["affinity"]["nodeAffinity"][  # noqa: E731 - read twice below
         "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert terms(by_name["ts"]) == [{"matchExpressions": [
         {"key": "nvidia.com/device-plugin.config", "operator": "In", "values": ["ts"]}]}]

@@ -267,7 +267,7 @@ class PluginWatcher:
         while not self._stop.is_set():
             try:
                 self.sync()
-            except Exception as exc:  # keep watching; the error shows up in history
+            except Exception as exc:  # noqa: BLE001 - keep watching; the error shows up in history
                 with self._lock:
                     self.history.append(("rejected", f"reconcile error: {exc!r}", self.registry_dir))
             self._stop.wait(self.poll_interval)
