@@ -11,8 +11,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench import BENCHMARKS, load
-from bench.core import TARGETS_FILE, CheckResult, Figure, TargetsError, check, load_targets, render_details, \
-    render_table
+from bench.core import (
+    TARGETS_FILE,
+    CheckResult,
+    Figure,
+    TargetsError,
+    check,
+    load_targets,
+    render_details,
+    render_table,
+)
 from bench.params import FULL, QUICK, Params
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from bench.core import Figure, median, spread, timed_runs
 from bench.params import Params
 from dra.node import migdevices as hardware
-from dra.sim.fleet import nvml_for_node, parse_fleet
 from dra.node.inventory import discover
+from dra.sim.fleet import nvml_for_node, parse_fleet
 
 NAME = "mig"
 DESCRIPTION = "fake-NVML MIG create/destroy cycles with placement checks, via dra.node.migdevices"

@@ -47,10 +47,10 @@ from api.generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from bench import kubeletpattern
 from bench.core import Figure
 from bench.params import Params
-from testbed.localcluster import LocalCluster, free_port
 from dra.node.atomicfile import remove_file, write_atomic
 from kube.client import RESOURCE_V1, KubeApi
 from kubeletplugin.transport.sockets import socket_paths
+from testbed.localcluster import LocalCluster, free_port
 
 NAME = "plugin"
 DESCRIPTION = "gpu-dra kubelet-plugin over its DRA socket on a real API server: prepare/unprepare against floors"

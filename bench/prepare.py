@@ -28,20 +28,20 @@ import structlog
 from bench.core import Figure, median, spread
 from bench.params import Params
 from bench.simfleet import DRIVER, H200_DYNAMIC_POLICY, h200_node
+from dra.model.devices import KIND_MIG, build_devices
+from dra.model.policy import parse_node_policy
 from dra.node import migdevices as hardware
 from dra.node.cdi import CdiSpecWriter, ToolkitSpecs
 from dra.node.checkpoint import CheckpointStore
-from dra.model.devices import KIND_MIG, build_devices
-from dra.sim.fleet import nvml_for_node
-from dra.node.sharing import MpsDaemons, TimeSlicing
-from dra.sim.sharingtools import SimulatedSharingControl
 from dra.node.inventory import discover
-from dra.model.policy import parse_node_policy
+from dra.node.sharing import MpsDaemons, TimeSlicing
+from dra.sim.driverroot import SimulatedDriverRoot
+from dra.sim.fleet import nvml_for_node
+from dra.sim.sharingtools import SimulatedSharingControl
 from kubeletplugin.claims import DictClaimSource
 from kubeletplugin.driver import Driver
 from kubeletplugin.metrics import PluginMetrics
 from kubeletplugin.transport.nodedriver import ClaimRef
-from dra.sim.driverroot import SimulatedDriverRoot
 
 NAME = "prepare"
 DESCRIPTION = "Driver prepare/unprepare: one claim (whole GPU, dynamic MIG, MPS slot) and 32 claims in parallel"

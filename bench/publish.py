@@ -37,12 +37,12 @@ import yaml
 
 from bench.core import Figure
 from bench.params import Params
-from testbed.localcluster import LocalCluster
 from cli.publish_cmd import iter_fleet_pools, register_missing_nodes
 from dra.model.slices import ApiFeatures
 from dra.sim.fleet import Fleet, load_fleet
 from kube.client import METADATA_LIST, NODES, SLICES, ApiError, ApiUnavailable, KubeApi
 from kube.resourceslices import slice_name
+from testbed.localcluster import LocalCluster
 
 NAME = "publish"
 DESCRIPTION = "gpu-dra publish of a simulated fleet on a real API server: convergence vs raw ingest, restart, RSS"

@@ -20,11 +20,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dra.sim.fleet import Fleet, NodeSpec, load_fleet, nvml_for_node, parse_fleet
 from dra.model.gpu import NodeInventory
-from dra.node.inventory import discover
 from dra.model.policy import NodePolicy, parse_node_policy
 from dra.model.slices import ApiFeatures, plan_pool
+from dra.node.inventory import discover
+from dra.sim.fleet import Fleet, NodeSpec, load_fleet, nvml_for_node, parse_fleet
 
 DRIVER = "gpu.dra-driver.io"
 FEATURES = ApiFeatures.all()       # Kubernetes 1.36+: partitionable devices, consumable capacity, taints

@@ -12,11 +12,21 @@ from typing import Any
 
 from bench.core import MIB, Figure, median, peak_memory, spread, timed_runs
 from bench.params import Params
-from bench.simfleet import (DRIVER, FEATURES, H200_NODE_LABEL, SimNode, bench_fleet, device_count, fleet_label,
-                            h200_node, publish, remember_fleet_slices)
+from bench.simfleet import (
+    DRIVER,
+    FEATURES,
+    H200_NODE_LABEL,
+    SimNode,
+    bench_fleet,
+    device_count,
+    fleet_label,
+    h200_node,
+    publish,
+    remember_fleet_slices,
+)
 from dra.model.devices import build_devices
-from dra.node.inventory import discover
 from dra.model.slices import build_pool_slices, validate_pool
+from dra.node.inventory import discover
 
 NAME = "slices"
 DESCRIPTION = "discovery + device model + slice packing: one 8×H200 dynamic-MIG node, and a fleet"

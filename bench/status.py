@@ -29,12 +29,12 @@ import yaml
 
 from bench.core import Figure, median, spread
 from bench.params import Params
-from testbed.localcluster import LocalCluster
 from cli.publish_cmd import iter_fleet_pools, register_missing_nodes
 from dra.model.slices import ApiFeatures
 from dra.sim.fleet import load_fleet
 from kube.client import NODES, SLICES, KubeApi
 from kube.resourceslices import slice_name
+from testbed.localcluster import LocalCluster
 
 NAME = "status"
 DESCRIPTION = "gpu-dra status of a fleet of nodes × 8 H100 on a real API server, against the raw LIST of its slices"

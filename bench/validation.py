@@ -5,8 +5,16 @@ from __future__ import annotations
 
 from bench.core import Figure, median, spread, timed_runs
 from bench.params import Params
-from bench.simfleet import H200_NODE_LABEL, SimNode, bench_fleet, device_count, fleet_label, fleet_slices, h200_node, \
-    publish
+from bench.simfleet import (
+    H200_NODE_LABEL,
+    SimNode,
+    bench_fleet,
+    device_count,
+    fleet_label,
+    fleet_slices,
+    h200_node,
+    publish,
+)
 from dra.model.slices import validate_pool
 
 NAME = "validate"

@@ -106,11 +106,11 @@ def _section(out: Callable[[str], None], title: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    from cli.publish_cmd import desired_fleet_pools
+    from dra.model.slices import ApiFeatures
+    from dra.sim.fleet import FleetError, load_fleet
     from testbed.demo_examples import ExampleError, load_examples
     from testbed.localcluster import ClusterError, LocalCluster
-    from cli.publish_cmd import desired_fleet_pools
-    from dra.sim.fleet import FleetError, load_fleet
-    from dra.model.slices import ApiFeatures
 
     driver = args.driver_name
     try:
@@ -186,8 +186,8 @@ def run(args: argparse.Namespace) -> int:
 
 def start_real_node(cluster: Any, name: str, out: Callable[[str], None]) -> Any:
     """The real node for fleet node `name`, or None after one line saying why there is none."""
-    from testbed.demo_node import RealNode, RealNodeUnavailable
     from cli.publish_cmd import SIMULATED_LABEL
+    from testbed.demo_node import RealNode, RealNodeUnavailable
 
     _step(out, f"starting a real node for {name}: kubelet, containerd and runc (built on first use: minutes)")
     try:
@@ -209,15 +209,15 @@ def run_demo(ctx: DemoContext, fleet: Any, examples: list[Any], *, timeout: floa
              describe_node: str | None = None, prepared_claim_hook: PreparedClaimHook | None = None) -> DemoResult:
     """Everything after the control plane is up. Raises DemoError when a step fails."""
     from api.deviceclasses import device_classes
-    from testbed.demo_examples import apply_objects, create_namespace, describe_pending, wait_for_allocation
-    from testbed.demo_node import wait_for_pods
-    from testbed.localnode import cuda_probe_image
-    from testbed.podprobe import for_local_node
     from cli.publish_cmd import SIMULATED_LABEL, desired_fleet_pools
     from controller.cluster import ClusterController
     from kube.client import SLICES, ApiError, ApiUnavailable, KubeApi
     from kube.resourceslices import Owner, PoolSyncError, ResourceSliceController
     from kube.serverversion import api_features
+    from testbed.demo_examples import apply_objects, create_namespace, describe_pending, wait_for_allocation
+    from testbed.demo_node import wait_for_pods
+    from testbed.localnode import cuda_probe_image
+    from testbed.podprobe import for_local_node
 
     out, kube, result = ctx.out, KubeApi(ctx.api), DemoResult()
     real = ctx.real
@@ -299,8 +299,8 @@ def run_demo(ctx: DemoContext, fleet: Any, examples: list[Any], *, timeout: floa
 def _start_real_node_plugin(ctx: DemoContext, kube: Any) -> None:
     """`gpu-dra kubelet-plugin` for the real node; returns once the kubelet registered it and its slices are
     published (a complete pool)."""
-    from testbed.demo_node import PLUGIN_TIMEOUT, NodePluginError
     from kube.client import SLICES
+    from testbed.demo_node import PLUGIN_TIMEOUT, NodePluginError
 
     real = ctx.real
     _step(ctx.out, f"starting `gpu-dra kubelet-plugin --node-name {real.name}`: it registers with the kubelet, "

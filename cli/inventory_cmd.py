@@ -65,8 +65,8 @@ def _run_local(objects: NodeObjects) -> int:
 
 
 def _run_fleet(path: str, node_name: str | None) -> int:
-    from dra.sim.fleet import FleetError, load_fleet, nvml_for_node
     from dra.node.inventory import discover_once
+    from dra.sim.fleet import FleetError, load_fleet, nvml_for_node
 
     try:
         fleet = load_fleet(path)

@@ -106,11 +106,11 @@ def iter_prepared_fleet_pools(fleet: Any, fleet_path: str, driver: str, features
 
 def _node_pool(node: Any, fleet_path: str, driver: str, features: Any) -> tuple[Any, list[str]]:
     """One node's DesiredPool and the warnings and notes a human should see."""
-    from kube.resourceslices import DesiredPool
-    from dra.sim.fleet import nvml_for_node
-    from dra.node.inventory import discover_once
     from dra.model.policy import parse_node_policy
     from dra.model.slices import plan_pool
+    from dra.node.inventory import discover_once
+    from dra.sim.fleet import nvml_for_node
+    from kube.resourceslices import DesiredPool
 
     policy = parse_node_policy(node.policy, source=f"{fleet_path}: node {node.name}: policy")
     plan = plan_pool(discover_once(nvml_for_node(node)), policy, driver, node.name, features)
@@ -144,8 +144,8 @@ def missing_nodes(api: Any, names: list[str]) -> list[str]:
 
 def register_missing_nodes(api: Any, names: list[str]) -> list[str]:
     """Creates simulated Node objects for the names that have none; returns the names created."""
-    from testbed.localcluster import simulated_node
     from kube.client import NODES, ApiError, KubeApi
+    from testbed.localcluster import simulated_node
 
     kube = KubeApi(api)
     created = []
@@ -165,13 +165,13 @@ def register_missing_nodes(api: Any, names: list[str]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from kube.connect import ConnectError, api_client_from
+    from dra.model.devices import DeviceModelError
+    from dra.model.policy import PolicyError
+    from dra.sim.fleet import FleetError, load_fleet
     from kube.client import ApiError, ApiUnavailable
+    from kube.connect import ConnectError, api_client_from
     from kube.resourceslices import InvalidPoolError, Owner, PoolSyncError, ResourceSliceController
     from kube.serverversion import api_features
-    from dra.model.devices import DeviceModelError
-    from dra.sim.fleet import FleetError, load_fleet
-    from dra.model.policy import PolicyError
 
     if args.compat_nvidia and args.driver_name and args.driver_name != NVIDIA_DRIVER_NAME:
         print(f"{PROG}: --compat-nvidia publishes as {NVIDIA_DRIVER_NAME}; it cannot be combined with "
@@ -219,8 +219,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, ctl: Any, pools: Iterator[tuple[str, Any]], fleet: Any, driver: str,
            features: Any) -> int:
-    from kube.httpserver import serve_health_and_metrics
     from dra.sim.fleet import load_fleet
+    from kube.httpserver import serve_health_and_metrics
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

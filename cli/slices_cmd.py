@@ -45,12 +45,12 @@ class _NoAliases(yaml.SafeDumper):
 
 
 def run(args: argparse.Namespace) -> int:
-    from kube.resourceslices import slice_name
     from dra.model.devices import DeviceModelError
-    from dra.sim.fleet import FleetError, load_fleet, nvml_for_node
-    from dra.node.inventory import discover_once
     from dra.model.policy import PolicyError, parse_node_policy
     from dra.model.slices import ApiFeatures, plan_pool, resource_slice_objects, validate_pool
+    from dra.node.inventory import discover_once
+    from dra.sim.fleet import FleetError, load_fleet, nvml_for_node
+    from kube.resourceslices import slice_name
 
     prog = "gpu-dra slices"
     if args.compat_nvidia and args.driver_name and args.driver_name != NVIDIA_DRIVER_NAME:

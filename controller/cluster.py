@@ -18,10 +18,10 @@ from collections import Counter as _Tally
 from typing import Any
 
 from api.deviceclasses import classes_for_server
+from controller.metrics import CLUSTER_RECONCILES, DEVICECLASS_WRITES, STALE_SLICE_DELETES
+from controller.passloop import PassLoop
 from kube.backoff import Backoff
 from kube.client import DEVICE_CLASSES, NODES, SLICES, ApiError, ApiUnavailable, KubeApi
-from controller.passloop import PassLoop
-from controller.metrics import CLUSTER_RECONCILES, DEVICECLASS_WRITES, STALE_SLICE_DELETES
 from kube.slicecompare import prune_empty
 
 log = logging.getLogger(__name__)

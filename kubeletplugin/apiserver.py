@@ -15,9 +15,9 @@ from typing import Any, Callable
 
 import structlog
 
+from dra.model.slices import ApiFeatures
 from kube.backoff import Backoff
 from kube.client import ApiError, ApiUnavailable
-from dra.model.slices import ApiFeatures
 
 INITIAL_DELAY_S = 0.5
 MAX_DELAY_S = 30.0

@@ -50,15 +50,21 @@ import structlog
 from dra.model.tenancy import GpuTenant, mps_served, tolerates_tenancy
 from dra.node import migdevices as mig
 from dra.node.cdi import CdiSpecWriter, ClaimDevice
-from dra.node.checkpoint import PREPARE_COMPLETED, PREPARE_STARTED, CheckpointStore, ClaimRecord, DeviceHeld
-from dra.node.checkpoint import ReservedPod
+from dra.node.checkpoint import (
+    PREPARE_COMPLETED,
+    PREPARE_STARTED,
+    CheckpointStore,
+    ClaimRecord,
+    DeviceHeld,
+    ReservedPod,
+)
 from dra.node.checkpoint import PreparedDevice as CheckpointDevice
 from dra.node.sharing import MpsDaemons, TimeSlicing
 from dra.node.sharingtools import SharingError
 from kubeletplugin.claims import ClaimError, ClaimSource, reserved_pods
 from kubeletplugin.claimstatus import ClaimStatusReporter, ClaimStatusWriter
-from kubeletplugin.keyedlocks import KeyedLocks
 from kubeletplugin.deviceactions import Applied, ClaimActions, DeviceCatalog, MigListener, PrepareError
+from kubeletplugin.keyedlocks import KeyedLocks
 from kubeletplugin.metrics import PluginMetrics
 from kubeletplugin.options import MAX_PARALLEL_CLAIMS
 from kubeletplugin.plan import DevicePlan, plan_claim

@@ -20,8 +20,8 @@ from api.config import (
     restore_claim_request_scopes,
 )
 from api.config.errors import printable
-from dra.model.devices import KIND_GPU, KIND_MIG, KIND_SHARED, KIND_SLOT, Device
 from api.quantity import MIB, parse_quantity
+from dra.model.devices import KIND_GPU, KIND_MIG, KIND_SHARED, KIND_SLOT, Device
 from kubeletplugin.claims import AllocatedDevice, ClaimError, allocation_for
 
 TIMESLICE_DEFAULT = "Default"

@@ -32,27 +32,27 @@ from api.generated.pluginregistration.v1 import api_pb2 as reg_pb
 from api.generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
 from api.yamlfiles import load_yaml_file
-from dra.node.checkpoint import CheckpointStore, CheckpointTooNew, CheckpointUnusable
 from dra.model.devices import Device, DeviceModel, build_devices
+from dra.model.policy import DEFAULT_NODE_POLICY, NodePolicy, PolicyError, parse_node_policy
+from dra.model.slices import ApiFeatures, apply_features, desired_pool_slices, validate_pool
+from dra.model.tenancy import tenancy_taint_key, tenancy_taints
+from dra.node.checkpoint import CheckpointStore, CheckpointTooNew, CheckpointUnusable
 from dra.node.driverroot import DriverRoot, DriverRootError, check_real_node
+from dra.node.health import HealthDevice, HealthMonitor, TaintMap
+from dra.node.inventory import discover
 from dra.node.nodeobjects import NodeObjects, NodePaths, NodeSetupError
 from dra.node.processidentity import ProcessIdentity
 from dra.node.sharing import MpsDaemons, TimeSlicing
 from dra.node.sharingtools import MpsDaemonSpec, SharingControl, SharingError
-from dra.node.health import HealthDevice, HealthMonitor, TaintMap
 from dra.node.taintstore import DEFAULT_FILE_NAME as TAINTS_FILE
 from dra.node.taintstore import TaintStore
-from dra.node.inventory import discover
-from dra.model.policy import DEFAULT_NODE_POLICY, NodePolicy, PolicyError, parse_node_policy
-from dra.model.slices import ApiFeatures, apply_features, desired_pool_slices, validate_pool
-from dra.model.tenancy import tenancy_taint_key, tenancy_taints
 from kubeletplugin.apiserver import StoppedWaiting, wait_for_api_features
 from kubeletplugin.claims import ClaimSource, KubernetesClaimSource
 from kubeletplugin.claimstatus import ClaimStatusWriter, KubernetesClaimStatusWriter
 from kubeletplugin.driver import Driver
-from kubeletplugin.recovery import StartupReport
 from kubeletplugin.metrics import PluginMetrics
 from kubeletplugin.options import PluginOptions
+from kubeletplugin.recovery import StartupReport
 from kubeletplugin.transport.endpoints import Endpoints
 from kubeletplugin.transport.health import HealthBoard, health_from_taints
 from kubeletplugin.transport.registration import RegistrationServer, supported_services

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from testbed.demo_examples import PodClaim, collection
+from testbed.hostplumbing import NodeError
 from testbed.localcluster import ClusterError
-from testbed.localnode import LocalNode, NodeError, install_driver_root
+from testbed.localnode import LocalNode, install_driver_root
 from testbed.nodeplugin import LocalNodePlugin, NodePluginError
 from testbed.podprobe import ContainerView, parse_probe
 

@@ -207,8 +207,7 @@ def records_lock() -> Iterator[Path]:
     d = records_dir()
     while True:
         d.mkdir(parents=True, exist_ok=True)
-        fh = open(d / ".lock", "a")
-        try:
+        with open(d / ".lock", "a") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
             try:
                 same = os.fstat(fh.fileno()).st_ino == os.stat(d / ".lock").st_ino
@@ -225,8 +224,6 @@ def records_lock() -> Iterator[Path]:
                         except OSError:
                             pass
                 return
-        finally:
-            fh.close()
 
 
 def read_record(path: Path) -> dict[str, Any] | None:

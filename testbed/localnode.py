@@ -43,9 +43,22 @@ from typing import Any
 import yaml
 
 from api.k8snames import is_dns_subdomain
-from testbed.hostplumbing import (NodeError, cgroup_hierarchies, cgroup_v2_only, cleanup_record,
-                                  first_missing_ancestor, local_hostname, mounts_under, node_ip, proc_start,
-                                  read_record, read_sysctl, record_paths, records_lock, write_record)
+from testbed.hostplumbing import (
+    NodeError,
+    cgroup_hierarchies,
+    cgroup_v2_only,
+    cleanup_record,
+    first_missing_ancestor,
+    local_hostname,
+    mounts_under,
+    node_ip,
+    proc_start,
+    read_record,
+    read_sysctl,
+    record_paths,
+    records_lock,
+    write_record,
+)
 from testbed.localcluster import ClusterError, LocalCluster, bin_dir_from_script, free_port, pinned_version
 
 log = logging.getLogger(__name__)
@@ -616,7 +629,6 @@ temp = {q(str(d / 'containerd' / 'tmp'))}
                 raise NodeError(f"importing {archive} did not create image {ref} (images: {names})")
 
     def _kubelet_config(self) -> dict[str, Any]:
-        d = self._dir
         cfg: dict[str, Any] = {
             "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",
             # The API server reaches the kubelet (logs, exec) through the node's Hostname address: serve on

@@ -35,7 +35,6 @@ import pynvml
 from api.quantity import GIB, MIB
 from dra.model.gpu import MigProfile
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # Records
 

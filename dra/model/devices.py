@@ -45,11 +45,11 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from api.names import DEFAULT_DRIVER_NAME
+from api.quantity import MIB, format_bytes, format_mib
 from dra.model.catalog import CATALOG, family_of, model_for_product_name
 from dra.model.gpu import GpuInfo, MigInstance, MigProfile, NodeInventory, mig_mode_switches_at_runtime
 from dra.model.mig import budget_of, can_place, interval, max_instances_alone, memory_slice_count
 from dra.model.policy import GpuPolicy, NodePolicy
-from api.quantity import MIB, format_bytes, format_mib
 
 DEFAULT_DRIVER = DEFAULT_DRIVER_NAME
 STANDARD_DOMAIN = "resource.kubernetes.io"

@@ -48,8 +48,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from dra.model.gpu import GpuInfo
 from api.quantity import parse_quantity
+from dra.model.gpu import GpuInfo
 
 MAX_SLOTS = 64
 

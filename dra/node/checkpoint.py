@@ -67,8 +67,8 @@ from pydantic.alias_generators import to_camel
 
 from api.config.errors import printable
 from dra.node.atomicfile import TEMP_SUFFIX, fsync_dir, set_aside, temp_prefix
-from dra.node.safefiles import UnsafeFile, check_owned_dir, open_regular, read_regular_file, write_regular_file
 from dra.node.bootid import DEFAULT_BOOT_ID_PATH, read_boot_id
+from dra.node.safefiles import UnsafeFile, check_owned_dir, open_regular, read_regular_file, write_regular_file
 
 log = logging.getLogger(__name__)
 

@@ -16,6 +16,7 @@ from dra.node.cdi import TOOLKIT_SPEC_DIRS, CdiSpecWriter, ToolkitSpecs
 from dra.node.driverroot import DriverRoot, DriverRootError
 from dra.node.sharingtools import NvidiaSmiSharingControl, SharingControl, SharingError
 
+
 class NodeSetupError(ValueError):
     """A path the node's objects cannot be built from; the message starts with the flag that names it."""
 

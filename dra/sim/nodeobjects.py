@@ -13,9 +13,10 @@ from dra.node.nodeobjects import NodeObjects, NodePaths, NodeSetupError
 from dra.node.sharingtools import NvidiaSmiSharingControl, SharingControl
 from dra.sim.driverroot import SimulatedDriverRoot
 from dra.sim.fleet import FleetError, NodeSpec, load_fleet, nvml_for_node
-from dra.sim.mpscontrol import STATE_ENV as MPS_STATE_ENV, write_simulated_mps_control
-from dra.sim.sharingtools import SimulatedSharingControl
 from dra.sim.gpuprocesses import PROCESS_STATE_DIR, ProcessRegistry
+from dra.sim.mpscontrol import STATE_ENV as MPS_STATE_ENV
+from dra.sim.mpscontrol import write_simulated_mps_control
+from dra.sim.sharingtools import SimulatedSharingControl
 from dra.sim.standin import LISTING_STATE_DIR, GpuListing
 from dra.sim.state import SimulatedStateError
 

@@ -17,6 +17,7 @@ from dra.node.sharingtools import (
     check_interval,
     is_mig_uuid,
 )
+
 # Identities of in-memory daemons: above the kernel's largest PID (2**22), so never a real process.
 _FIRST_SIMULATED_PID = 1 << 22
 

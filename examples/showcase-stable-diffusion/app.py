@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 
 import streamlit as st
-
 from standin import probe_report, standin_enabled
 
 MODEL_ID = os.environ.get("MODEL_ID", "stabilityai/sd-turbo")

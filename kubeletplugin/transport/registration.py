@@ -76,7 +76,7 @@ class RegistrationServicer(reg_grpc.RegistrationServicer):
     @property
     def _log(self) -> Any:
         if self._log_given is None:
-            import structlog   # not at import time: answering GetInfo must not wait for it
+            import structlog  # not at import time: answering GetInfo must not wait for it
 
             self._log_given = structlog.get_logger("registration")
         return self._log_given

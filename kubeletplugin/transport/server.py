@@ -51,7 +51,7 @@ def _claim_types() -> ModuleType:
 
 
 def _logger(name: str) -> Any:
-    import structlog   # not at import time: it is not needed to answer the kubelet's first calls
+    import structlog  # not at import time: it is not needed to answer the kubelet's first calls
 
     return structlog.get_logger(name)
 

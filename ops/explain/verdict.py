@@ -20,12 +20,29 @@ from typing import Any
 from api.quantity import quantity_value
 from dra.model.tenancy import tenancy_namespace, tenancy_reason
 from dra.scheduling.claimrequests import ALL, Alternative, ClaimSpec, Constraint, read_claim_spec
-from dra.scheduling.devicecel import (CelRuntimeError, CelUnsupported, attribute_value, compile_selector,
-                                 device_variable, split_qualified)
+from dra.scheduling.devicecel import (
+    CelRuntimeError,
+    CelUnsupported,
+    attribute_value,
+    compile_selector,
+    device_variable,
+    split_qualified,
+)
 from dra.scheduling.devicefit import capacity_needs, format_amount, taint_text, untolerated
-from dra.scheduling.poolview import (CounterKey, DeviceKey, Pool, PoolDevice, Usage, allocated_node,
-                                allocation_results, build_pools, claim_id, counter_holders, counters_in_use,
-                                usage_of)
+from dra.scheduling.poolview import (
+    CounterKey,
+    DeviceKey,
+    Pool,
+    PoolDevice,
+    Usage,
+    allocated_node,
+    allocation_results,
+    build_pools,
+    claim_id,
+    counter_holders,
+    counters_in_use,
+    usage_of,
+)
 
 # Bound on the devices the search tries per node; past it the node is reported as undecided, not guessed.
 SEARCH_LIMIT = 200_000

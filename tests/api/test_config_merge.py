@@ -5,14 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from claims import request, resource_claim
 
 from api.config import merge_allocation_configs, restore_claim_request_scopes
 from dra.model.devices import build_devices
-from dra.sim.fleet import nvml_for_node, parse_fleet
-from dra.node.inventory import discover
 from dra.model.policy import parse_node_policy
+from dra.node.inventory import discover
+from dra.sim.fleet import nvml_for_node, parse_fleet
 from kubeletplugin.plan import PlanError, plan_claim
-from claims import request, resource_claim
 
 DRIVER = "gpu.nvidia.com"
 NODE = "node-a"

@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 
-from api.k8snames import (is_dns_label, is_dns_subdomain, is_label_key, is_label_value, is_qualified_name,
-                          is_uid)
+from api.k8snames import is_dns_label, is_dns_subdomain, is_label_key, is_label_value, is_qualified_name, is_uid
 from dra.model.devices import parse_device_name
 from dra.model.slices import validate_slice_spec
 

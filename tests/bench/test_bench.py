@@ -10,8 +10,7 @@ import pytest
 
 from bench import BENCHMARKS, REAL_NODE, load
 from bench.__main__ import main
-from bench.core import (Figure, Target, TargetsError, budget_ratio, check, load_targets, parse_targets,
-                        render_table)
+from bench.core import Figure, Target, TargetsError, budget_ratio, check, load_targets, parse_targets, render_table
 from bench.memapi import InMemorySliceApi
 from bench.params import TINY
 from bench.prepare import MIG_CHANGING_CALLS, SlowMigNvml

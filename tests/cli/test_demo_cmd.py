@@ -10,17 +10,32 @@ from typing import Any
 
 import pytest
 import yaml
+from claims import resource_claim
 
 from api.names import CONFIG_API_VERSION, DEFAULT_DRIVER_NAME
 from cli import demo_cmd
-from testbed.demo_cdi import pick_claim
-from testbed.demo_examples import (ExampleError, PodClaim, allocation_state, describe_pending, load_example, load_examples,
-                               retarget_driver, scheduler_reason)
-from testbed.demo_node import PodRun
-from testbed.demo_report import allocation_rows, container_lines, device_index, format_table, format_writes, trim_describe
-from testbed.podprobe import BEGIN, END, ContainerView, for_local_node, parse_probe, probe_marker, probe_script
 from cli.main import build_parser
-from claims import resource_claim
+from testbed.demo_cdi import pick_claim
+from testbed.demo_examples import (
+    ExampleError,
+    PodClaim,
+    allocation_state,
+    describe_pending,
+    load_example,
+    load_examples,
+    retarget_driver,
+    scheduler_reason,
+)
+from testbed.demo_node import PodRun
+from testbed.demo_report import (
+    allocation_rows,
+    container_lines,
+    device_index,
+    format_table,
+    format_writes,
+    trim_describe,
+)
+from testbed.podprobe import BEGIN, END, ContainerView, for_local_node, parse_probe, probe_marker, probe_script
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"

@@ -8,10 +8,10 @@ import pytest
 import yaml
 
 from cli.main import main
-from dra.sim.fleet import nvml_for_node, parse_fleet
-from dra.node.inventory import discover_once
 from dra.model.policy import parse_node_policy
 from dra.model.slices import ApiFeatures, desired_pool_slices, plan_pool, validate_pool
+from dra.node.inventory import discover_once
+from dra.sim.fleet import nvml_for_node, parse_fleet
 
 FLEET = textwrap.dedent("""
     nodes:

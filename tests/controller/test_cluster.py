@@ -11,8 +11,8 @@ from typing import Any
 
 from api.deviceclasses import device_classes
 from controller.cluster import ClusterController
-from kube.httpserver import serve_health_and_metrics
 from kube.client import DEVICE_CLASSES, ApiError, ApiUnavailable
+from kube.httpserver import serve_health_and_metrics
 
 DRIVER = "gpu.example.com"
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from claims import request, resource_claim
+
 from api.deviceclasses import device_classes
 from controller.pendingclaims import MPS_TENANCY, PendingClaimEvents, pending_groups, tenancy_note
 from dra.model.tenancy import tenancy_taint, tenancy_toleration
 from kube.client import DEVICE_CLASSES, NODES, SLICES
 from ops.explain.reads import CLAIMS, TAINT_RULES
 from ops.explain.verdict import ALLOCATABLE, NOT_ALLOCATABLE, Target, explain, format_text
-from claims import request, resource_claim
 
 D = "gpu.example.com"
 CLASSES = device_classes(D)

@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 import yaml
+from claims import admission_review, request, resource_claim
+from tlscerts import ServingCert, make_serving_cert
 
 from api.config import ConfigError, decode_opaque_config
 from api.names import CONFIG_API_VERSION, DEFAULT_DRIVER_NAME, NVIDIA_CONFIG_API_VERSION, NVIDIA_DRIVER_NAME
 from controller.webhook import review, serve
-from tlscerts import ServingCert, make_serving_cert
-from claims import admission_review, request, resource_claim
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = DEFAULT_DRIVER_NAME
@@ -284,8 +284,8 @@ def test_the_webhooks_json_bound_leaves_every_config_the_decoder_reads_intact() 
     """Containers past MAX_JSON_DEPTH are read as null; that must only ever happen inside parameters the decoder
     refuses for depth anyway (a template's parameters sit 10 levels down in the review)."""
     from api.config.decode import MAX_PARAMETERS_DEPTH
-    from kube.boundedjson import loads_bounded
     from controller.webhook import MAX_JSON_DEPTH
+    from kube.boundedjson import loads_bounded
 
     assert MAX_JSON_DEPTH >= 10 + MAX_PARAMETERS_DEPTH + 1
     deepest = template((DRIVER, {**GOOD_MPS, "sharing": {"strategy": "MPS", "mps": _nested(MAX_PARAMETERS_DEPTH - 2)}}))

@@ -9,8 +9,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from testbed.helmchart import render
 from kubeletplugin.claimmetrics import ClaimMetricsCollector
+from testbed.helmchart import render
 
 PLUGIN = "gpu-dra-gpu-dra-driver-kubelet-plugin"
 

@@ -9,7 +9,6 @@ import pytest
 from testbed.helmchart import helm, render, template_args
 
 
-
 def component(o: dict[str, Any]) -> str:
     return str(o["metadata"]["labels"]["app.kubernetes.io/component"])
 

@@ -10,12 +10,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from standin.node import SimulatedNode
+from standin.workloads import apply_device_classes, create_namespace
 
 from api.deviceclasses import device_classes
 from api.names import NVIDIA_DRIVER_NAME
 from kube.client import DEVICE_CLASSES, ApiError, KubeApi
-from standin.node import SimulatedNode
-from standin.workloads import apply_device_classes, create_namespace
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from testbed.helmchart import render
 from kube.client import SLICES, ApiError, KubeApi
+from testbed.helmchart import render
 
 pytestmark = pytest.mark.e2e
 

@@ -10,10 +10,11 @@ import threading
 import time
 from typing import Any
 
-from kube.client import KubeApi
 from plugin_helpers import assert_nothing_left, run_example
 from standin import PodPrepareError
 from standin.dra_client import DraCallError
+
+from kube.client import KubeApi
 
 SEED = 4242
 KILLS = 6

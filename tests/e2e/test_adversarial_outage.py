@@ -4,15 +4,14 @@ restart, and once the API server is back every claim prepares; nothing is left a
 survived / leaked."""
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import time
 
 import structlog
+from driver_node import Node
 
 from bench.plugin_api import DRIVER, GPUS, NAMESPACE, NODE, allocated_claims
-from testbed.localcluster import LocalCluster
 from dra.node.cdi import CdiSpecWriter
 from dra.node.checkpoint import CheckpointStore
 from dra.node.sharing import MpsDaemons, TimeSlicing
@@ -21,7 +20,7 @@ from kubeletplugin.claims import KubernetesClaimSource
 from kubeletplugin.driver import Driver
 from kubeletplugin.metrics import PluginMetrics
 from kubeletplugin.transport.nodedriver import ClaimRef
-from driver_node import Node
+from testbed.localcluster import LocalCluster
 
 
 def test_an_api_server_outage_in_a_prepare_loop_fails_claims_cleanly_and_recovers(tmp_path, caplog) -> None:

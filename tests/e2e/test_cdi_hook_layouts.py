@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from testbed.nodeplugin import find_cdi_hook
 from dra.node.cdi import ClaimDevice, build_claim_spec
 from dra.node.driverroot import DriverRoot
+from testbed.nodeplugin import find_cdi_hook
 
 pytestmark = pytest.mark.e2e
 

@@ -6,7 +6,6 @@ on MPS slots of one GPU allocating different amounts are two series with those a
 from __future__ import annotations
 
 import pytest
-
 from realnode_helpers import RealNode
 from test_claim_metrics_realnode import two_pods_on_mps_slots_are_two_series
 from test_helm_realnode import Installation, installed  # noqa: F401 - the chart installed on the real node

@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from realnode_helpers import RealNode
+from standin.workloads import create, wait_until
 
 from api.names import DEFAULT_DRIVER_NAME
 from testbed.localnode import cuda_probe_image
 from testbed.nodeplugin import LocalNodePlugin
 from testbed.podprobe import for_local_node
-from realnode_helpers import RealNode
-from standin.workloads import create, wait_until
 
 pytestmark = pytest.mark.e2e
 

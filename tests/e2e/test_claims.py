@@ -6,14 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from claims import request, resource_claim
+from driver_node import Node, ok
+from standin.workloads import create
 
 from api.deviceclasses import device_classes
 from kube.client import KubeApi
 from kubeletplugin.claims import ClaimError, KubernetesClaimSource
 from kubeletplugin.transport.nodedriver import ClaimRef
-from standin.workloads import create
-from claims import request, resource_claim
-from driver_node import Node, ok
 
 pytestmark = pytest.mark.e2e
 

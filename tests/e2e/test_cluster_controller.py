@@ -10,19 +10,19 @@ import sys
 import urllib.request
 from typing import Any
 
-import pytest
-
 import gpu_fixtures as g
+import pytest
+from e2e_helpers import gpu_devices, slices_of
+from standin.workloads import wait_until
+
 from api.deviceclasses import device_classes
-from testbed.localcluster import free_port
 from controller.cluster import DRIVER_LABEL, ClusterController
+from dra.model.policy import parse_node_policy
+from dra.model.slices import desired_pool_slices
 from kube.client import DEVICE_CLASSES, SLICES, ApiError, KubeApi
 from kube.resourceslices import DesiredPool, Owner, ResourceSliceController
 from kube.serverversion import api_features
-from dra.model.policy import parse_node_policy
-from dra.model.slices import desired_pool_slices
-from e2e_helpers import gpu_devices, slices_of
-from standin.workloads import wait_until
+from testbed.localcluster import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 import yaml
-
-from api.names import NVIDIA_DRIVER_NAME
-from kube.client import DEVICE_CLASSES, RESOURCE_V1
 from plugin_helpers import container_edits, finish, published, run_objects
 from standin import EXTENDED_RESOURCE_CLAIM, PodPrepareError
 from standin.node import SimulatedNode
 from standin.workloads import create, delete_pod, get, pin_to_node, wait_for_scheduled_pod, wait_until
+
+from api.names import NVIDIA_DRIVER_NAME
+from kube.client import DEVICE_CLASSES, RESOURCE_V1
 
 pytestmark = pytest.mark.e2e
 

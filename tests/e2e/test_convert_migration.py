@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 import yaml
-
-from api.names import DEFAULT_DRIVER_NAME
-from testbed.localnode import cuda_probe_image
-from cli.main import main
-from testbed.podprobe import for_local_node
 from realnode_helpers import EXAMPLES, RealNode
 from test_realnode_examples import check_pod
+
+from api.names import DEFAULT_DRIVER_NAME
+from cli.main import main
+from testbed.localnode import cuda_probe_image
+from testbed.podprobe import for_local_node
 
 pytestmark = pytest.mark.e2e
 

@@ -10,12 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from allocation_helpers import PublishedFleet, allocated_devices, claim_with_pod, temporary_namespace, wait_allocated
 
-from allocation_helpers import (PublishedFleet, allocated_devices, claim_with_pod, temporary_namespace,
-                                wait_allocated)
-from testbed.demo_examples import apply_objects
 from kube.client import KubeApi
 from kube.resourceslices import slice_name
+from testbed.demo_examples import apply_objects
 
 pytestmark = pytest.mark.e2e
 

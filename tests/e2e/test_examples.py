@@ -13,15 +13,21 @@ from typing import Any
 
 import pytest
 import yaml
-
 from allocation_helpers import EXAMPLES, FLEETS, PublishedFleet, attr, renamed_fleet, temporary_namespace
-from testbed.demo_cdi import node_plugin_available
-from cli.demo_cmd import DemoContext, prepare_one_claim, report, run_demo
-from testbed.demo_examples import (PodClaim, apply_objects, delete_namespace, load_example, load_examples,
-                               wait_for_allocation)
-from kube.client import KubeApi
+
 from api.quantity import quantity_value
+from cli.demo_cmd import DemoContext, prepare_one_claim, report, run_demo
 from dra.sim.fleet import load_fleet
+from kube.client import KubeApi
+from testbed.demo_cdi import node_plugin_available
+from testbed.demo_examples import (
+    PodClaim,
+    apply_objects,
+    delete_namespace,
+    load_example,
+    load_examples,
+    wait_for_allocation,
+)
 
 pytestmark = pytest.mark.e2e
 

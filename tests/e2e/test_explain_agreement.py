@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 import yaml
-
 from allocation_helpers import EXAMPLES, FLEETS, PublishedFleet, renamed_fleet
-from testbed.demo_examples import apply_objects, collection, delete_namespace, load_example, load_examples
+
 from dra.scheduling.poolview import allocation_results
 from kube.client import RESOURCE_V1, ApiError, KubeApi
 from ops.explain.reads import explain_target
 from ops.explain.verdict import ALLOCATABLE, NOT_ALLOCATABLE, Explanation
+from testbed.demo_examples import apply_objects, collection, delete_namespace, load_example, load_examples
 
 pytestmark = pytest.mark.e2e
 

@@ -31,18 +31,18 @@ import pytest
 import yaml
 from kubernetes import client as kclient
 from kubernetes import config as kconfig
+from realnode_helpers import EXAMPLES, RealNode, fleet_node, load_objects
+from standin.workloads import wait_until
+from test_realnode_examples import Checked, check_pod, finish
 
 from api.names import DEFAULT_DRIVER_NAME
+from kube.client import DEVICE_CLASSES, SLICES, ApiError, KubeApi
+from kubeletplugin.transport.sockets import socket_paths
+from testbed.helmchart import CHART, helm
 from testbed.hostplumbing import cgroup_dirs
 from testbed.localcluster import free_port
 from testbed.localnode import install_driver_root
 from testbed.nodeplugin import LocalNodePlugin, NodePluginError
-from testbed.helmchart import CHART, helm
-from kube.client import DEVICE_CLASSES, SLICES, ApiError, KubeApi
-from kubeletplugin.transport.sockets import socket_paths
-from realnode_helpers import EXAMPLES, RealNode, fleet_node, load_objects
-from standin.workloads import wait_until
-from test_realnode_examples import Checked, check_pod, finish
 
 pytestmark = pytest.mark.e2e
 

@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 import yaml
-
 from allocation_helpers import FLEETS, PublishedFleet, renamed_fleet
+
+from dra.model.catalog import CATALOG, family_of, get_model
 from kube.resourceslices import slice_name
 from kube.slicecompare import normalize_spec, spec_differences
-from dra.model.catalog import CATALOG, family_of, get_model
 
 pytestmark = pytest.mark.e2e
 

@@ -19,17 +19,17 @@ from typing import Any
 import pytest
 
 from api.deviceclasses import device_classes
-from testbed.demo_examples import create_namespace
-from testbed.localcluster import ClusterError, LocalCluster, find_binaries, pinned_version
 from controller.cluster import DRIVER_LABEL, MANAGED_BY, MANAGED_BY_LABEL, ClusterController
 from controller.pendingclaims import PendingClaimEvents
-from testbed.helmchart import render
 from kube.client import DEVICE_CLASSES, NODES, RESOURCE_V1, SLICES, ApiError, KubeApi
 from kube.events import KubernetesEventWriter, ObjectRef, claim_ref, event_body, micro_time
 from kube.resourceslices import DesiredPool, Owner, ResourceSliceController
 from kubeletplugin.claims import KubernetesClaimSource
 from kubeletplugin.claimstatus import DeviceStatus, KubernetesClaimStatusWriter
 from kubeletplugin.transport.nodedriver import ClaimRef
+from testbed.demo_examples import create_namespace
+from testbed.helmchart import render
+from testbed.localcluster import ClusterError, LocalCluster, find_binaries, pinned_version
 
 pytestmark = pytest.mark.e2e
 

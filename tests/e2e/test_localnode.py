@@ -16,8 +16,15 @@ from typing import Any
 
 import pytest
 
-from testbed.hostplumbing import (cgroup_dirs, cgroup_pids, cleanup_leftovers, mounts_under, processes_mentioning,
-                                  read_sysctl, records_dir)
+from testbed.hostplumbing import (
+    cgroup_dirs,
+    cgroup_pids,
+    cleanup_leftovers,
+    mounts_under,
+    processes_mentioning,
+    read_sysctl,
+    records_dir,
+)
 from testbed.localcluster import ClusterError, LocalCluster
 from testbed.localnode import HOST_PATHS, NODE_BINARIES, SYSCTLS, LocalNode, NodeError, find_node_binaries
 

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from api.names import DEFAULT_DRIVER_NAME
 from realnode_helpers import EXAMPLES, REPO, RealNode
 from standin.workloads import node_slices, wait_until
 from test_convert_migration import fleet_from, runnable
+
+from api.names import DEFAULT_DRIVER_NAME
 
 pytestmark = pytest.mark.e2e
 

@@ -15,16 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from allocation_helpers import PublishedFleet
-from testbed.demo_examples import apply_objects, collection, create_namespace, delete_namespace
+from standin.workloads import wait_until
+
 from controller.pendingclaims import MPS_TENANCY
 from dra.model.tenancy import tenancy_reason, tenancy_taint, tenancy_toleration
 from kube.client import KubeApi
 from kube.events import EVENTS_V1
 from ops.explain.reads import explain_target
 from ops.explain.verdict import NOT_ALLOCATABLE
-from standin.workloads import wait_until
+from testbed.demo_examples import apply_objects, collection, create_namespace, delete_namespace
 
 pytestmark = pytest.mark.e2e
 

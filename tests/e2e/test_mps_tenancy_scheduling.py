@@ -23,12 +23,12 @@ from typing import Any
 
 import pytest
 import yaml
+from realnode_helpers import REPO, RealNode
+from standin.workloads import collection, create, get, slice_devices, wait_until
 
 from api.names import DEFAULT_DRIVER_NAME
 from dra.model.tenancy import tenancy_taint, tenancy_toleration
 from testbed.helmchart import render
-from realnode_helpers import REPO, RealNode
-from standin.workloads import collection, create, get, slice_devices, wait_until
 from testbed.localnode import cuda_probe_image
 from testbed.podprobe import for_local_node
 

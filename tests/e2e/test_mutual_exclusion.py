@@ -10,11 +10,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from allocation_helpers import (
+    PublishedFleet,
+    allocated_devices,
+    claim_with_pod,
+    temporary_namespace,
+    wait_allocated,
+    wait_unschedulable,
+)
 
-from allocation_helpers import (PublishedFleet, allocated_devices, claim_with_pod, temporary_namespace,
-                                wait_allocated, wait_unschedulable)
-from testbed.demo_examples import apply_objects
 from kube.client import KubeApi
+from testbed.demo_examples import apply_objects
 
 pytestmark = pytest.mark.e2e
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
-from kube.client import KubeApi
 from plugin_helpers import assert_nothing_left, run_example
 from standin import resolve_cdi
 from standin.dra_client import DraCallError
 from standin.node import SimulatedNode
 from standin.workloads import delete_pod
+
+from kube.client import KubeApi
 
 pytestmark = pytest.mark.e2e
 

@@ -7,11 +7,11 @@ import time
 from typing import Any
 
 import pytest
-
-from kube.client import KubeApi
 from standin import PodPrepareError
 from standin.workloads import create, wait_for_scheduled_pod
 from test_plugin_prepare import H100, bad_config_pod
+
+from kube.client import KubeApi
 
 pytestmark = pytest.mark.e2e
 
@@ -64,8 +64,8 @@ def test_a_failed_prepare_is_an_event_on_the_claim_and_its_pod_once(cluster, kub
 def test_the_chart_lets_the_plugin_write_and_count_events(cluster, api_client, kube, namespace, driver_name):
     """The Event writes with the chart's plugin ClusterRole alone (impersonated), the series patch included; the
     API server takes the bodies as they are (names, MicroTime, series)."""
-    from testbed.helmchart import render
     from kube.events import PREPARE_FAILED, ClaimEventRecorder, KubernetesEventWriter
+    from testbed.helmchart import render
 
     [role] = [o for o in render("--set", f"driverName={driver_name}")
               if o["kind"] == "ClusterRole" and o["metadata"]["name"].endswith("-kubelet-plugin")]

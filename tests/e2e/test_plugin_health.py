@@ -20,9 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
-
 from allocation_helpers import claim_with_pod, wait_unschedulable
-from kube.client import SLICES, ApiError, KubeApi, iter_json_lines
 from plugin_helpers import allocated_device, eventually, run_objects
 from standin import resolve_cdi
 from standin.node import REPO, SimulatedNode
@@ -37,6 +35,8 @@ from standin.workloads import (
     wait_for_scheduled_pod,
     wait_until,
 )
+
+from kube.client import SLICES, ApiError, KubeApi, iter_json_lines
 
 pytestmark = pytest.mark.e2e
 

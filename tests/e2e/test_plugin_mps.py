@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from kube.client import KubeApi
 from plugin_helpers import assert_nothing_left, container_edits, run_objects
 from standin.node import SimulatedNode, kill_mps_daemons_under
 from standin.workloads import for_driver
+
+from kube.client import KubeApi
 
 H100 = {"model": "H100-80GB", "count": 1}
 SLOTS = {"default": {"wholeGpu": False, "slots": {"count": 4, "strategy": "mps"}}}

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from plugin_helpers import allocated, container_edits, finish, published, run_example
 from standin import PodPrepareError
 from standin.workloads import create, delete_pod, wait_for_scheduled_pod

@@ -4,7 +4,6 @@ the plugin's --sim-state file, so like hardware they keep their MIG devices acro
 from __future__ import annotations
 
 import pytest
-
 from plugin_helpers import assert_nothing_left, run_example
 from standin import resolve_cdi
 from standin.workloads import delete_pod

@@ -12,7 +12,6 @@ import urllib.request
 from typing import Any
 
 import pytest
-
 from plugin_helpers import assert_nothing_left, run_example
 from standin import resolve_cdi
 from standin.dra_client import DraCallError

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 import yaml
-
-from kube.client import NODES, SLICES, KubeApi
 from e2e_helpers import run_publish, slices_of
 from standin.workloads import wait_until
+
+from kube.client import NODES, SLICES, KubeApi
 
 pytestmark = pytest.mark.e2e
 

@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 import yaml
+from e2e_helpers import gpu_devices, run_publish, slices_of
 
-from testbed.localcluster import ClusterError, LocalCluster, find_binaries, pinned_version
 from cli.publish_cmd import iter_fleet_pools, register_missing_nodes
 from dra.model.slices import ApiFeatures
 from dra.sim.fleet import load_fleet
-from e2e_helpers import gpu_devices, run_publish, slices_of
 from kube.client import SLICES, KubeApi
 from kube.resourceslices import SPEC_ANNOTATION, DesiredPool, Owner, ResourceSliceController
+from testbed.localcluster import ClusterError, LocalCluster, find_binaries, pinned_version
 
 pytestmark = pytest.mark.e2e
 

@@ -18,15 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from realnode_helpers import EXAMPLES, NVIDIA_MAJOR, NVIDIACTL, RealNode, load_objects
 
 from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
-from testbed.demo_examples import load_examples
-from testbed.nodeplugin import LocalNodePlugin
-from testbed.podprobe import ContainerView, probe_marker
 from dra.sim.driverlayout import LAYOUTS, triplet
 from dra.sim.driverroot import SIMULATED_CAPS_MAJOR, SimulatedDriverRoot
 from dra.sim.standin import LISTING_CONTAINER_DIR
-from realnode_helpers import EXAMPLES, NVIDIA_MAJOR, NVIDIACTL, RealNode, load_objects
+from testbed.demo_examples import load_examples
+from testbed.nodeplugin import LocalNodePlugin
+from testbed.podprobe import ContainerView, probe_marker
 
 pytestmark = pytest.mark.e2e
 

@@ -12,11 +12,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from realnode_helpers import RealNode, simulate
+from standin.workloads import for_driver, load_example, wait_until
 
 from api.names import DEFAULT_DRIVER_NAME
 from testbed.nodeplugin import LocalNodePlugin
-from realnode_helpers import RealNode, simulate
-from standin.workloads import for_driver, load_example, wait_until
 
 pytestmark = pytest.mark.e2e
 

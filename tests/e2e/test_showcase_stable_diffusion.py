@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 import yaml
+from realnode_helpers import EXAMPLES, RealNode
+from test_convert_migration import runnable
+from test_realnode_examples import MPS_PIPE, check_cuda_view, expected_view, parents_of
 
 from api.names import DEFAULT_DRIVER_NAME
 from testbed.nodeplugin import LocalNodePlugin
-from realnode_helpers import EXAMPLES, RealNode
-from test_convert_migration import runnable
 from testbed.podprobe import probe_marker
-from test_realnode_examples import MPS_PIPE, check_cuda_view, expected_view, parents_of
 
 pytestmark = pytest.mark.e2e
 

@@ -10,16 +10,16 @@ import time
 from typing import Any
 
 import pytest
+from e2e_helpers import TcpForwarder, consuming_device, counter_sets, gpu_devices, pool_summary, slices_of
 from kubernetes import client as kclient
 from prometheus_client import REGISTRY
+from standin.workloads import wait_until
 
-from testbed.localcluster import free_port
 from kube.backoff import Backoff
 from kube.client import SLICES, KubeApi
 from kube.resourceslices import SPEC_ANNOTATION, DesiredPool, Owner, ResourceSliceController, slice_name
 from kube.serverversion import fetch_server_minor
-from e2e_helpers import TcpForwarder, consuming_device, counter_sets, gpu_devices, pool_summary, slices_of
-from standin.workloads import wait_until
+from testbed.localcluster import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 import yaml
-
-from allocation_helpers import PublishedFleet, claim_with_pod, temporary_namespace, wait_allocated, allocated_devices
-from kube.client import KubeApi
+from allocation_helpers import PublishedFleet, allocated_devices, claim_with_pod, temporary_namespace, wait_allocated
 from standin.workloads import create
+
+from kube.client import KubeApi
 
 pytestmark = pytest.mark.e2e
 

@@ -17,18 +17,18 @@ from typing import Any
 
 import pytest
 import yaml
-
 from allocation_helpers import claim_with_pod, get_pod, wait_allocated
+from e2e_helpers import run_publish, slices_of
+
 from api.deviceclasses import device_classes
 from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
-from testbed.demo_examples import create_namespace
-from testbed.localcluster import ClusterError, LocalCluster, find_binaries, pinned_version
 from cli.publish_cmd import desired_fleet_pools
 from controller.cluster import ClusterController
-from kube.client import DEVICE_CLASSES, RESOURCE_V1, KubeApi
-from dra.sim.fleet import load_fleet
 from dra.model.slices import ApiFeatures
-from e2e_helpers import run_publish, slices_of
+from dra.sim.fleet import load_fleet
+from kube.client import DEVICE_CLASSES, RESOURCE_V1, KubeApi
+from testbed.demo_examples import create_namespace
+from testbed.localcluster import ClusterError, LocalCluster, find_binaries, pinned_version
 
 pytestmark = pytest.mark.e2e
 

@@ -21,11 +21,11 @@ from typing import Any
 
 import pytest
 import yaml
+from tlscerts import ServingCert, make_serving_cert
 
 from api.names import CONFIG_API_VERSION, NVIDIA_CONFIG_API_VERSION, NVIDIA_DRIVER_NAME
-from testbed.localcluster import free_port
 from testbed.helmchart import ROOT, render
-from tlscerts import ServingCert, make_serving_cert
+from testbed.localcluster import free_port
 
 pytestmark = pytest.mark.e2e
 

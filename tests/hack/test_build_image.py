@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import io
 import json
 import os
 import re
@@ -22,10 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tlscerts import make_serving_cert
 
 from testbed.localcluster import free_port
-
-from tlscerts import make_serving_cert
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ["api", "cli", "controller", "dra", "kube", "kubeletplugin", "ops"]
@@ -272,7 +270,7 @@ def pinned_version() -> str:
     return match.group(1)
 
 
-def test_the_image_has_the_pinned_static_hook(rootfs: Path) -> None:  # noqa: F811
+def test_the_image_has_the_pinned_static_hook(rootfs: Path) -> None:
     hook = rootfs / HOOK
     assert stat.S_IMODE(hook.stat().st_mode) == 0o755
     head = hook.read_bytes()[:4096]
@@ -284,7 +282,7 @@ def test_the_image_has_the_pinned_static_hook(rootfs: Path) -> None:  # noqa: F8
         assert subprocess.run([str(hook), sub, "--help"], capture_output=True, timeout=30).returncode == 0, sub
 
 
-def test_the_init_containers_command_installs_it(rootfs: Path) -> None:  # noqa: F811
+def test_the_init_containers_command_installs_it(rootfs: Path) -> None:
     target = "/tmp/plugins/gpu.dra-driver.io/bin/nvidia-cdi-hook"
     proc = image_run(rootfs, "/usr/bin/python3", "-m", "dra.node.hookinstall", "/" + HOOK, target)
     assert isinstance(proc, subprocess.CompletedProcess)

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from testbed.podprobe import ContainerView, SeenDevice, parse_probe, probe_script
 from dra.node import migdevices
 from dra.node.cdi import common_edits
 from dra.node.driverroot import DeviceNodeInfo, DriverRoot, DriverRootError
@@ -24,6 +23,7 @@ from dra.sim.driverlayout import LAYOUTS, DriverLayoutError, install_standin, tr
 from dra.sim.driverroot import SimulatedDriverRoot
 from dra.sim.fleet import nvml_for_node, parse_fleet
 from dra.sim.standin import LISTING_CONTAINER_DIR, GpuListing, listing_text
+from testbed.podprobe import ContainerView, SeenDevice, parse_probe, probe_script
 
 REPO = Path(__file__).resolve().parents[2]
 SRC = REPO / "hack" / "cuda-standin"

@@ -8,9 +8,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kube.events import MAX_NOTE, PREPARE_FAILED, ClaimEventRecorder, event_body, claim_ref, one_line
-from driver_node import Node, gpu_config, opaque
 from claims import reserved, resource_claim
+from driver_node import Node, gpu_config, opaque
+
+from kube.events import MAX_NOTE, PREPARE_FAILED, ClaimEventRecorder, claim_ref, event_body, one_line
 
 DRIVER = "gpu.dra-driver.io"
 UID = "0f8a7c6e-1111-4222-8333-444455556666"

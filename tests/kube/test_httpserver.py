@@ -20,12 +20,12 @@ from contextlib import ExitStack, closing
 from pathlib import Path
 
 import pytest
+from claims import admission_review, request, resource_claim
+from tlscerts import ServingCert, make_serving_cert
 
 from api.names import CONFIG_API_VERSION, DEFAULT_DRIVER_NAME
 from controller.webhook import MAX_BODY, serve
 from kube.httpserver import BoundedHTTPServer, ConnectionLimits, ProbeHandler, serve_health_and_metrics, start
-from claims import admission_review, request, resource_claim
-from tlscerts import ServingCert, make_serving_cert
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = ConnectionLimits(workers=2, max_connections=32, idle_timeout=1.0, request_timeout=2.0)

@@ -50,8 +50,8 @@ class _Writer:
 def test_idle_claim_status_workers_do_not_wake() -> None:
     import structlog
 
-    from kubeletplugin.transport.nodedriver import ClaimRef
     from kubeletplugin.claimstatus import ClaimStatusReporter
+    from kubeletplugin.transport.nodedriver import ClaimRef
 
     writer = _Writer()
     reporter = ClaimStatusReporter(writer, "pool", lambda: {}, quiet_s=0.0)

@@ -10,17 +10,24 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from slice_servers import OldSliceApi
 
 import kube.serverversion as serverversion
-from bench.memapi import InMemorySliceApi, _status
-from kube.client import SLICES
-from kube.backoff import Backoff
-from kube.resourceslices import (MAX_POOL_SLICES, DesiredPool, InvalidPoolError, Owner, ResourceSliceController,
-                                 check_desired_pool, slice_name, PoolSyncError)
-from kube.slicecompare import normalize_spec
 from api.quantity import quantity_value
-
-from slice_servers import OldSliceApi
+from bench.memapi import InMemorySliceApi, _status
+from kube.backoff import Backoff
+from kube.client import SLICES
+from kube.resourceslices import (
+    MAX_POOL_SLICES,
+    DesiredPool,
+    InvalidPoolError,
+    Owner,
+    PoolSyncError,
+    ResourceSliceController,
+    check_desired_pool,
+    slice_name,
+)
+from kube.slicecompare import normalize_spec
 
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 

@@ -12,13 +12,18 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from slice_servers import OldSliceApi
 
 from bench.memapi import InMemorySliceApi
 from kube.client import NODES, SLICES
-from kube.resourceslices import (SPEC_ANNOTATION, DesiredPool, InvalidPoolError, Owner,
-                                 ResourceSliceController, slice_name)
-
-from slice_servers import OldSliceApi
+from kube.resourceslices import (
+    SPEC_ANNOTATION,
+    DesiredPool,
+    InvalidPoolError,
+    Owner,
+    ResourceSliceController,
+    slice_name,
+)
 
 DRIVER = "gpu.example.com"
 

@@ -22,10 +22,9 @@ import yaml
 
 from api.generated.pluginregistration.v1 import api_pb2 as reg_pb
 from api.generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
-
+from dra.model.slices import ApiFeatures
 from kube.backoff import Backoff
 from kube.client import ApiError, ApiUnavailable
-from dra.model.slices import ApiFeatures
 from kubeletplugin.apiserver import StoppedWaiting, describe_api_failure, wait_for_api_features
 from kubeletplugin.claims import DictClaimSource
 from kubeletplugin.plugin import KubeletPlugin, PluginOptions

@@ -2,14 +2,15 @@
 reserved for and NVML's process lists joined into one series per pod and claim device (kubeletplugin.claimmetrics)."""
 from __future__ import annotations
 
-from concurrent import futures
 import re
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pynvml
 import pytest
+from claims import reserved, resource_claim
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -21,7 +22,6 @@ from dra.node.containers import ContainerCgroup, parse_cgroup
 from kube.podresources import ContainerDevice, PodResourcesClient, PodResourcesError, container_devices
 from kubeletplugin.claimmetrics import ClaimMetricsCollector, claim_devices, joined_labels
 from kubeletplugin.claims import ClaimError
-from claims import reserved, resource_claim
 
 DRIVER = "gpu.dra-driver.io"
 GPU = "GPU-11111111-2222-3333-4444-555555555555"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from driver_node import Node, gpu_config, opaque
 
 from kube.client import ApiError, ApiUnavailable, KubeApi
 from kubeletplugin.claims import ClaimError, KubernetesClaimSource
-from driver_node import Node, gpu_config, opaque
 
 
 class _Api:

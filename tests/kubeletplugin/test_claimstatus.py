@@ -6,6 +6,7 @@ import time
 from typing import Any, Sequence
 
 import pytest
+from driver_node import DRIVER, NODE, Node, ok
 
 from kube.client import ApiError, ApiUnavailable
 from kubeletplugin.claimstatus import (
@@ -16,7 +17,6 @@ from kubeletplugin.claimstatus import (
     status_entry,
 )
 from kubeletplugin.transport.nodedriver import ClaimRef
-from driver_node import DRIVER, NODE, Node, ok
 
 REF = ClaimRef(namespace="ns", uid="3f1c6a52-0000-4000-8000-000000000001", name="claim-a")
 

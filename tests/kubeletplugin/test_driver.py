@@ -10,19 +10,19 @@ from typing import Any, Callable
 
 import pynvml
 import pytest
+from driver_node import CDI_KIND, DRIVER, NODE, Node, gpu_config, ok, opaque
 
+from dra.model.devices import build_devices
+from dra.model.policy import parse_node_policy
 from dra.node import migdevices as mig
+from dra.node.cdi import ClaimDevice
 from dra.node.checkpoint import PREPARE_STARTED, ClaimRecord, MigUndo, UndoInfo
 from dra.node.checkpoint import PreparedDevice as CheckpointDevice
-from dra.model.devices import build_devices
-from dra.sim.fleet import nvml_for_node, parse_fleet
 from dra.node.inventory import discover
-from dra.model.policy import parse_node_policy
+from dra.sim.fleet import nvml_for_node, parse_fleet
 from kubeletplugin.driver import Driver
 from kubeletplugin.transport.nodedriver import ClaimRef
-from dra.node.cdi import ClaimDevice
 
-from driver_node import CDI_KIND, DRIVER, NODE, Node, gpu_config, ok, opaque
 
 @pytest.fixture
 def whole(tmp_path):

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from driver_node import Node, gpu_config, ok, opaque
 
 from dra.node.checkpoint import SCHEMA_VERSION, CheckpointTooNew
-from driver_node import Node, gpu_config, ok, opaque
 
 stats: Counter[str] = Counter()
 

@@ -8,10 +8,9 @@ import copy
 from collections import Counter
 from typing import Any
 
+from driver_node import Node, gpu_config, opaque
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
-
-from driver_node import Node, gpu_config, opaque
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=True)

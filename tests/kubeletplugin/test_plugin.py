@@ -14,6 +14,8 @@ from typing import Any
 import grpc
 import pytest
 import yaml
+from claims import resource_claim
+from fixtures.fake_driver_root import build_fake_driver_root
 
 from api.generated.dra.v1 import api_pb2 as v1_pb
 from api.generated.dra.v1 import api_pb2_grpc as v1_grpc
@@ -21,18 +23,20 @@ from api.generated.dra_health.v1alpha1 import api_pb2 as h_pb
 from api.generated.dra_health.v1alpha1 import api_pb2_grpc as h_grpc
 from api.generated.pluginregistration.v1 import api_pb2 as reg_pb
 from api.generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
-from cli.main import build_parser
 from cli.kubeletplugin_cmd import options_from_args
-from dra.node.cdi import load_spec
+from cli.main import build_parser
 from dra.model.slices import ApiFeatures
-from kubeletplugin.claims import DictClaimSource
-from kubeletplugin.plugin import (KubeletPlugin, PluginConfigError, PluginOptions, load_node_policy,
-                                  UnavailableSharingControl)
+from dra.node.cdi import load_spec
 from dra.sim.fleet import nvml_for_node, parse_fleet
+from kubeletplugin.claims import DictClaimSource
+from kubeletplugin.plugin import (
+    KubeletPlugin,
+    PluginConfigError,
+    PluginOptions,
+    UnavailableSharingControl,
+    load_node_policy,
+)
 from kubeletplugin.transport.nodedriver import ClaimRef
-
-from fixtures.fake_driver_root import build_fake_driver_root
-from claims import resource_claim
 
 DRIVER = "gpu.dra-driver.io"
 NODE = "node-a"

@@ -10,12 +10,12 @@ import uuid as uuidlib
 from pathlib import Path
 from typing import Iterator
 
-import pytest
-
 import cdivalidate
+import pytest
+from fixtures.fake_driver_root import FakeDriverTree, build_fake_driver_root
+
 from dra.model.slices import ApiFeatures
 from dra.sim.fleet import nvml_for_node, parse_fleet
-from fixtures.fake_driver_root import FakeDriverTree, build_fake_driver_root
 from kubeletplugin.claims import DictClaimSource
 from kubeletplugin.plugin import KubeletPlugin, PluginConfigError, PluginOptions
 from kubeletplugin.transport.nodedriver import ClaimRef

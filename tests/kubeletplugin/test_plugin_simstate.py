@@ -10,9 +10,9 @@ import yaml
 
 from cli.kubeletplugin_cmd import options_from_args
 from cli.main import build_parser
+from dra.model.slices import ApiFeatures
 from dra.node import migdevices as mig
 from dra.sim.fleet import load_fleet, nvml_for_node
-from dra.model.slices import ApiFeatures
 from kubeletplugin.claims import DictClaimSource
 from kubeletplugin.plugin import KubeletPlugin, PluginConfigError, PluginOptions
 from kubeletplugin.transport.nodedriver import ClaimRef

@@ -3,7 +3,6 @@ stubs the way the kubelet calls them."""
 from __future__ import annotations
 
 import asyncio
-
 import os
 import socket
 import stat
@@ -37,8 +36,8 @@ DRIVER = "gpu.dra-driver.io"
 @pytest.fixture
 def short_tmp():
     # pytest's tmp_path can exceed the 107-byte AF_UNIX limit; sockets need a short directory.
-    import tempfile
     import shutil
+    import tempfile
     d = Path(tempfile.mkdtemp(prefix="kp-", dir="/tmp"))
     yield d
     shutil.rmtree(d, ignore_errors=True)

@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+from fixtures.fake_driver_root import DRIVER_VERSION, FakeDriverTree, build_fake_driver_root
 
 from cli.main import main as gpu_dra
 from dra.node.nodeobjects import NodeObjects, NodePaths
 from ops.doctor.checks import DoctorOptions, _node_problem, driver_layout, exit_code, run_checks
-from fixtures.fake_driver_root import DRIVER_VERSION, FakeDriverTree, build_fake_driver_root
 
 REPO = Path(__file__).resolve().parents[2]
 FLEET = REPO / "examples" / "fleets" / "demo.yaml"      # node-a: 8 x H100, minors 0-7

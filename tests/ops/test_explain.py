@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from claims import request, resource_claim
 
 import ops.explain.verdict as explain_mod
 from api.deviceclasses import device_classes
@@ -14,9 +15,7 @@ from dra.model.tolerations import tolerates
 from dra.scheduling.claimrequests import ClaimSpecError, read_claim_spec
 from dra.scheduling.devicecel import CelRuntimeError, CelUnsupported, compile_selector, device_variable
 from dra.scheduling.devicefit import capacity_needs, untolerated_taints
-from ops.explain.verdict import (ALLOCATABLE, ALLOCATED, CANNOT_EVALUATE, NOT_ALLOCATABLE, Target, explain,
-                                 format_text)
-from claims import request, resource_claim
+from ops.explain.verdict import ALLOCATABLE, ALLOCATED, CANNOT_EVALUATE, NOT_ALLOCATABLE, Target, explain, format_text
 
 D = "gpu.example.com"
 CLASSES = device_classes(D)
@@ -379,8 +378,9 @@ def test_shared_devices_show_the_capacity_left_and_missing_nodes_are_noted() -> 
 
 def test_the_readme_example_is_what_the_command_prints(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     """README's explain output, rebuilt from a simulated node's slices (two H100s, whole GPU and dynamic MIG)."""
-    import yaml
     from pathlib import Path
+
+    import yaml
 
     from cli.main import main
 

@@ -10,17 +10,17 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from e2e_helpers import slices_of
 
 from api.deviceclasses import device_classes
-from testbed.demo_examples import collection, create_namespace, delete_namespace
-from testbed.demo_report import device_index
 from cli.publish_cmd import SIMULATED_LABEL, desired_fleet_pools
 from controller.cluster import ClusterController
+from dra.sim.fleet import load_fleet
 from kube.client import KubeApi
 from kube.resourceslices import DesiredPool, Owner, ResourceSliceController
 from kube.serverversion import api_features
-from dra.sim.fleet import load_fleet
-from e2e_helpers import slices_of
+from testbed.demo_examples import collection, create_namespace, delete_namespace
+from testbed.demo_report import device_index
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"

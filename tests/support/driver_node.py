@@ -8,16 +8,17 @@ from pathlib import Path
 from typing import Any
 
 from claims import reserved, resource_claim
+from fixtures.fake_driver_root import build_fake_driver_root
+
+from dra.model.devices import build_devices
+from dra.model.policy import parse_node_policy
 from dra.node import migdevices as mig
 from dra.node.cdi import CdiSpecWriter, load_spec
 from dra.node.checkpoint import CheckpointStore
-from dra.model.devices import build_devices
-from dra.sim.fleet import nvml_for_node, parse_fleet
-from dra.node.sharing import MpsDaemons, TimeSlicing
-from dra.sim.sharingtools import SimulatedSharingControl
 from dra.node.inventory import discover
-from dra.model.policy import parse_node_policy
-from fixtures.fake_driver_root import build_fake_driver_root
+from dra.node.sharing import MpsDaemons, TimeSlicing
+from dra.sim.fleet import nvml_for_node, parse_fleet
+from dra.sim.sharingtools import SimulatedSharingControl
 from kubeletplugin.claims import DictClaimSource
 from kubeletplugin.driver import Driver
 from kubeletplugin.metrics import PluginMetrics

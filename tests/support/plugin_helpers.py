@@ -4,10 +4,8 @@ an unprepare left nothing behind."""
 from __future__ import annotations
 
 import time
-
 from typing import Any, Callable
 
-from kube.client import KubeApi
 from standin import ContainerEdits, PreparedPod, resolve_cdi
 from standin.node import SimulatedNode
 from standin.workloads import (
@@ -20,6 +18,8 @@ from standin.workloads import (
     slice_devices,
     wait_for_scheduled_pod,
 )
+
+from kube.client import KubeApi
 
 
 def run_objects(kube: KubeApi, node: SimulatedNode, namespace: str,

@@ -19,19 +19,19 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import cdivalidate
 import pytest
 import yaml
+from standin.workloads import collection, complete_pool, create, get, node_slices, slice_devices, wait_until
 
-import cdivalidate
 from api.deviceclasses import device_classes
 from api.names import DEFAULT_DRIVER_NAME
+from kube.client import DEVICE_CLASSES, ApiError, KubeApi
 from testbed.hostplumbing import cleanup_leftovers
 from testbed.localcluster import ClusterError, LocalCluster
 from testbed.localnode import LocalNode, NodeError, cuda_probe_image, install_driver_root
 from testbed.nodeplugin import LocalNodePlugin, NodePluginError
 from testbed.podprobe import ContainerView, for_local_node, parse_probe
-from kube.client import DEVICE_CLASSES, ApiError, KubeApi
-from standin.workloads import collection, complete_pool, create, get, node_slices, slice_devices, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"

@@ -7,8 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from testbed.localcluster import (BIN_ENV, CACHE_ENV, COMPONENTS, VERSIONS_FILE, ClusterError, find_binaries, k8s_bin_dir,
-                              pinned_version)
+from testbed.localcluster import (
+    BIN_ENV,
+    CACHE_ENV,
+    COMPONENTS,
+    VERSIONS_FILE,
+    ClusterError,
+    find_binaries,
+    k8s_bin_dir,
+    pinned_version,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 RELEASE = re.compile(r"^v1\.\d+\.\d+$")

@@ -12,7 +12,8 @@ from dra.model.catalog import (
     model_for_product_name,
     profile_name_from_memory,
 )
-from dra.sim.fakenvml import auto_start, place_problem as placement_problem
+from dra.sim.fakenvml import auto_start
+from dra.sim.fakenvml import place_problem as placement_problem
 
 REQUIRED = ["T4", "L4", "L40S", "A10", "A30", "A100-40GB", "A100-80GB", "H100-80GB", "H100-NVL", "H200-141GB", "B200"]
 SLOTS8_MODELS = ["A100-40GB", "A100-80GB", "H100-80GB", "H100-NVL", "H200-141GB", "B200"]

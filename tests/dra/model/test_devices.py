@@ -7,18 +7,23 @@ from dataclasses import replace
 from itertools import permutations
 
 import pytest
+from gpu_fixtures import a30, from_catalog, h100, inventory, l4, with_instances
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mig_layouts import check_layout, maximal_layouts
 
 from dra.model.devices import (
-    DeviceModelError, build_devices, mig_device_name, parse_device_name, profile_slug, semver,
+    DeviceModelError,
+    build_devices,
+    mig_device_name,
+    parse_device_name,
+    profile_slug,
+    semver,
 )
 from dra.model.mig import can_place
 from dra.model.policy import parse_node_policy
 from dra.node.inventory import discover
 from dra.sim.fleet import nvml_for_node, parse_fleet
-from gpu_fixtures import a30, from_catalog, h100, inventory, l4, with_instances
-from mig_layouts import check_layout, maximal_layouts
 
 
 def policy(data):

@@ -4,12 +4,12 @@ from __future__ import annotations
 from itertools import combinations
 
 import pytest
+from gpu_fixtures import a30_profiles, from_catalog, h100_profiles
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mig_layouts import check_layout, maximal_layouts, maximal_multisets
 
 from dra.model.mig import budget_of, can_place, fits, full_profile, max_instances_alone, memory_slice_count
-from gpu_fixtures import a30_profiles, from_catalog, h100_profiles
-from mig_layouts import check_layout, maximal_layouts, maximal_multisets
 
 H100 = h100_profiles()
 A30 = a30_profiles()

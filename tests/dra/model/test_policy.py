@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from gpu_fixtures import a30, h100, l4
 
 from dra.model.policy import DEFAULT_NODE_POLICY, NodePolicy, PolicyError, parse_node_policy
-from gpu_fixtures import a30, h100, l4
 
 EXAMPLE = """
 default:

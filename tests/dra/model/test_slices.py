@@ -5,13 +5,19 @@ import copy
 from dataclasses import replace
 
 import pytest
+from gpu_fixtures import a30, from_catalog, h100, inventory, l4, with_instances
 
 from dra.model.devices import build_devices
 from dra.model.policy import parse_node_policy
 from dra.model.slices import (
-    ApiFeatures, apply_features, build_pool_slices, desired_pool_slices, plan_pool, validate_pool, validate_slice_spec,
+    ApiFeatures,
+    apply_features,
+    build_pool_slices,
+    desired_pool_slices,
+    plan_pool,
+    validate_pool,
+    validate_slice_spec,
 )
-from gpu_fixtures import a30, from_catalog, h100, inventory, l4, with_instances
 
 DRIVER = "gpu.dra-driver.io"
 ALL = ApiFeatures.all()

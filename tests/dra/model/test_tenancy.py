@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from driver_node import DRIVER, SLOTS, Node, ok
 
 from dra.model.devices import build_devices
 from dra.model.tenancy import (
@@ -16,7 +17,6 @@ from dra.model.tenancy import (
     tenancy_toleration,
     tolerates_tenancy,
 )
-from driver_node import DRIVER, SLOTS, Node, ok
 
 
 def tolerating(namespace: str) -> list[dict]:

@@ -7,9 +7,12 @@ import os
 import threading
 from pathlib import Path
 
+import cdivalidate
 import pytest
 import yaml
+from fixtures.fake_driver_root import CAPS_MAJOR, UVM_MAJOR, build_fake_driver_root
 
+import dra.node.cdi as cdi_module
 from dra.node.cdi import (
     CDI_VERSIONS,
     CdiSpecError,
@@ -22,10 +25,7 @@ from dra.node.cdi import (
     required_version,
     validate_spec,
 )
-import cdivalidate
-import dra.node.cdi as cdi_module
 from dra.node.driverroot import CdiHookError, DriverRoot, DriverRootError, check_real_node
-from fixtures.fake_driver_root import CAPS_MAJOR, UVM_MAJOR, build_fake_driver_root
 
 UID = "0b5c3f2a-9d1e-4f7a-8c6b-2e4d1a7f9c30"
 UID_LETTER = "c1a2b3c4-0000-4000-8000-000000000001"

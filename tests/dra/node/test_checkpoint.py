@@ -10,21 +10,20 @@ from pathlib import Path
 import pytest
 
 from dra.node.checkpoint import (
-    CheckpointTooNew,
-    CheckpointUnusable,
-    DeviceHeld,
     PREPARE_COMPLETED,
     PREPARE_STARTED,
     SCHEMA_VERSION,
     CheckpointStore,
+    CheckpointTooNew,
+    CheckpointUnusable,
     ClaimRecord,
+    DeviceHeld,
     MigUndo,
     MpsUse,
     PreparedDevice,
     TimeSliceUndo,
     UndoInfo,
 )
-from dra.node.migdevices import MigLive
 
 BOOT_A = "7c1f3a52-0a4e-4b55-9f43-2d1f3e6b9a01"
 BOOT_B = "e2b1d9c4-5f6a-4c3b-8e7d-1a2b3c4d5e6f"

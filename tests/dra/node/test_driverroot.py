@@ -9,12 +9,12 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 import cdivalidate
+import pytest
+from fixtures.fake_driver_root import FakeDriverTree, build_fake_driver_root
+
 from dra.node.cdi import ClaimDevice, build_claim_spec
 from dra.node.driverroot import KNOWN_DRIVER_ROOTS, DriverRoot, DriverRootError, find_driver_roots
-from fixtures.fake_driver_root import FakeDriverTree, build_fake_driver_root
 
 GPU0 = ClaimDevice(name="gpu-0", uuid="GPU-aaaa", gpu_minor=0, gpu_index=0, requests=("gpu",))
 HOOK = "/var/lib/kubelet/plugins/gpu.dra-driver.io/bin/nvidia-cdi-hook"

@@ -14,7 +14,7 @@ import pynvml
 import pytest
 
 from dra.node import migdevices as hardware
-from dra.sim.fakenvml import FakeNvml, SimulatedGpu
+from dra.node.checkpoint import TimeSliceUndo
 from dra.node.migdevices import (
     MigError,
     create_mig_device,
@@ -23,7 +23,6 @@ from dra.node.migdevices import (
     disable_mig_mode_if_unused,
     list_mig_devices,
 )
-from dra.node.checkpoint import TimeSliceUndo
 from dra.node.processidentity import send_signal
 from dra.node.sharing import MpsDaemons, TimeSlicing
 from dra.node.sharingtools import (
@@ -32,6 +31,7 @@ from dra.node.sharingtools import (
     SharingError,
     SharingNotSupported,
 )
+from dra.sim.fakenvml import FakeNvml, SimulatedGpu
 from dra.sim.mpscontrol import write_simulated_mps_control
 from dra.sim.sharingtools import SimulatedSharingControl
 

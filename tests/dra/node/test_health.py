@@ -7,9 +7,9 @@ import time
 import pynvml
 import pytest
 
-from dra.sim.fakenvml import FakeNvml, SimulatedGpu
-from dra.node.migdevices import create_mig_device
 from dra.node.health import HealthDevice, HealthMonitor
+from dra.node.migdevices import create_mig_device
+from dra.sim.fakenvml import FakeNvml, SimulatedGpu
 
 GPU0 = "GPU-00000000-0000-4000-8000-00000000aaaa"
 GPU1 = "GPU-00000000-0000-4000-8000-00000000bbbb"

@@ -11,9 +11,9 @@ import pytest
 import dra.node.inventory as inventory_module
 from cli import inventory_cmd
 from dra.model.catalog import get_model
+from dra.node.inventory import describe_nvml_error, discover, format_cuda_version, normalise_pci_bus_id
 from dra.sim.fakenvml import FakeNvml, SimulatedGpu
 from dra.sim.fleet import gpu_uuid, load_fleet, nvml_for_node, parse_fleet
-from dra.node.inventory import describe_nvml_error, discover, format_cuda_version, normalise_pci_bus_id
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "fleets"
 
@@ -237,8 +237,8 @@ def test_cli_with_real_pynvml_path(capsys, monkeypatch):
 
 def test_pcie_root_comes_from_sysfs(tmp_path: Path) -> None:
     """The root complex is read from the device's canonical sysfs path; unknown devices get none."""
-    from dra.sim.fleet import nvml_for_node, parse_fleet
     from dra.node.inventory import discover
+    from dra.sim.fleet import nvml_for_node, parse_fleet
 
     nvml = nvml_for_node(parse_fleet({"nodes": [{"name": "n", "gpus": [{"model": "L4", "count": 2}]}]}).node("n"))
     nvml.nvmlInit()

@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from fixtures.fake_driver_root import LIB_DIR, build_fake_driver_root
 
 from dra.node.mpslaunch import main as mpslaunch_main
 from dra.node.sharingtools import MpsDaemonSpec, NvidiaSmiSharingControl, SharingError
-from fixtures.fake_driver_root import LIB_DIR, build_fake_driver_root
 
 
 def host_with_foreign_libm(tmp_path: Path):

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from fixtures.fake_driver_root import DRIVER_VERSION, LIB_DIR, build_fake_driver_root
 
 from cli import inventory_cmd
 from dra.node.nodeobjects import NodeObjects, NodePaths, NodeSetupError
@@ -15,7 +16,6 @@ from dra.node.sharingtools import NvidiaSmiSharingControl, SharingError
 from dra.sim.driverroot import SimulatedDriverRoot
 from dra.sim.nodeobjects import SimulatedNodeObjects
 from dra.sim.sharingtools import SimulatedSharingControl
-from fixtures.fake_driver_root import DRIVER_VERSION, LIB_DIR, build_fake_driver_root
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "fleets"
 

@@ -6,10 +6,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from fixtures.fake_driver_root import DRIVER_VERSION, LIB_DIR, build_fake_driver_root
 
 from dra.node.driverroot import DriverRoot
 from dra.node.nvmlloader import NvmlLoadError, preload_nvml
-from fixtures.fake_driver_root import DRIVER_VERSION, LIB_DIR, build_fake_driver_root
 
 
 def test_system_root_needs_no_preload() -> None:

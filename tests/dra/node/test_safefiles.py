@@ -13,6 +13,7 @@ import stat
 from pathlib import Path
 
 import pytest
+from driver_node import Node, ok
 
 from dra.node import checkpoint as checkpoint_module
 from dra.node.checkpoint import (
@@ -28,7 +29,6 @@ from dra.node.checkpoint import (
 from dra.node.safefiles import UnsafeFile, open_regular, read_regular_file, write_regular_file
 from dra.node.taintstore import SavedTaint, TaintStore
 from kubeletplugin.transport.nodedriver import ClaimRef
-from driver_node import Node, ok
 
 BOOT = "7c1f3a52-0a4e-4b55-9f43-2d1f3e6b9a01"
 OTHER_UID = 4242

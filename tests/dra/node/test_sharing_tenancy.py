@@ -13,17 +13,18 @@ import time
 from pathlib import Path
 
 import pytest
+from driver_node import SLOTS, Node, gpu_config, ok, opaque, slot_claim
+from standin.node import kill_mps_daemons_under
 
+from dra.model.policy import MpsNodePolicy
 from dra.node import tmpfs
 from dra.node.cdi import CdiSpecWriter
 from dra.node.processidentity import ProcessIdentity, identify, is_alive, send_signal, wait_gone
 from dra.node.sharing import MpsDaemons
 from dra.node.sharingtools import NvidiaSmiSharingControl
-from dra.model.policy import MpsNodePolicy
 from dra.sim.mpscontrol import STATE_ENV, write_simulated_mps_control
 from dra.sim.sharingtools import SimulatedSharingControl
-from standin.node import kill_mps_daemons_under
-from driver_node import SLOTS, Node, gpu_config, ok, opaque, slot_claim
+
 
 @pytest.fixture
 def node(tmp_path: Path) -> Node:

@@ -8,12 +8,11 @@ import os
 from pathlib import Path
 
 import pytest
+from driver_node import Node, gpu_config, ok, opaque
+from standin.node import kill_mps_daemons_under, mps_daemons_under
 
 from dra.node.sharingtools import NvidiaSmiSharingControl, SharingError
 from dra.sim.mpscontrol import STATE_ENV, write_simulated_mps_control
-from dra.sim.sharingtools import SimulatedSharingControl
-from standin.node import kill_mps_daemons_under, mps_daemons_under
-from driver_node import Node, gpu_config, ok, opaque
 
 PLANTED = ("control-start.out", "control.log", "control", "daemon.json", "nvidia-cuda-mps-control.pid", "log", "pipe")
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from dra.sim.fakenvml import FakeNvml, SimulatedGpu
 from dra.node.health import HealthDevice, HealthMonitor
 from dra.node.taintstore import TaintStore
+from dra.sim.fakenvml import FakeNvml, SimulatedGpu
 
 GPU0 = "GPU-00000000-0000-4000-8000-00000000aaaa"
 GPU1 = "GPU-00000000-0000-4000-8000-00000000bbbb"

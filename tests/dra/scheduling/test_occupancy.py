@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import yaml
+from claims import reserved, resource_claim
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,7 +22,6 @@ from dra.model.slices import ApiFeatures, plan_pool
 from dra.node.inventory import discover_once
 from dra.scheduling.occupancy import BLOCKED, FREE, HELD, TAINTED, draw_slices, fleet_status, fleet_summary
 from dra.sim.fleet import nvml_for_node, parse_fleet
-from claims import reserved, resource_claim
 
 DRIVER = "gpu.dra-driver.io"
 H100 = get_model("H100-80GB")

@@ -15,8 +15,8 @@ import pytest
 from cli.main import main
 from dra.sim import faults
 from dra.sim.fakenvml import FILE_POLL_S, FakeNvml
-from dra.sim.state import MAX_EVENTS, SimulatedHardwareState, SimulatedStateError
 from dra.sim.fleet import nvml_for_node, parse_fleet
+from dra.sim.state import MAX_EVENTS, SimulatedHardwareState, SimulatedStateError
 
 REPO = Path(__file__).resolve().parents[3]
 NO_ID = 0xFFFFFFFF

@@ -1,7 +1,8 @@
 """A kubelet stand-in for tests: plugin registration, NodePrepareResources / NodeUnprepareResources with the
 kubelet's answer checks, the health stream, and pod-level prepare/unprepare with the kubelet's claim cache.
 Also a CDI resolver that reads spec files the way a container runtime does."""
-from standin.cdi import CdiError, ContainerEdits, resolve as resolve_cdi
+from standin.cdi import CdiError, ContainerEdits
+from standin.cdi import resolve as resolve_cdi
 from standin.dra_client import DraCallError, DraClient, HealthUpdate, HealthWatch
 from standin.kubelet import (
     EXTENDED_RESOURCE_CLAIM,

@@ -11,16 +11,15 @@ import subprocess
 import sys
 import tempfile
 import time
-
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from testbed.nodeplugin import mps_daemons_under, scrape_metrics
 from kube.client import KubeApi
 from standin.kubelet import KubeletStandin
 from standin.workloads import complete_pool, node_slices, wait_until
+from testbed.nodeplugin import mps_daemons_under, scrape_metrics
 
 REPO = Path(__file__).resolve().parents[3]
 

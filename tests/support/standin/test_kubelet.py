@@ -22,9 +22,9 @@ from api.generated.pluginregistration.v1 import api_pb2 as reg
 from api.generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from standin import (
     AllocatedDevice,
+    CdiError,
     ClaimOutcome,
     ClaimRef,
-    CdiError,
     DraCallError,
     DraClient,
     DriverNotRegistered,
