@@ -134,7 +134,10 @@ def test_alloc_mib_refuses_bad_numbers(standin: Path, node: tuple, arg: str) -> 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="a PID namespace needs root")
 def test_a_process_in_its_own_pid_namespace_is_found_by_its_host_pid(standin: Path, node: tuple) -> None:
     nvml, listing, procs, uuids = node
-    proc = start_probe(standin, listing, procs, "--alloc-mib", "128", prefix=("unshare", "--pid", "--fork"))
+    # --kill-child: the probe, PID 1 of the new namespace, dies with unshare instead of outliving the test.
+    proc = start_probe(standin, listing, procs, "--alloc-mib", "128",
+                       prefix=("unshare", "--pid", "--fork", "--kill-child"))
+    pid = 0
     try:
         wait_alloc(proc)
         reg, = read_registrations(procs)
@@ -144,7 +147,10 @@ def test_a_process_in_its_own_pid_namespace_is_found_by_its_host_pid(standin: Pa
         assert Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].endswith(b"cuda-probe")
     finally:
         stop(proc)
-        time.sleep(0.2)
+        deadline = time.monotonic() + 10
+        while pid and Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not pid or not Path(f"/proc/{pid}").exists(), f"the probe (host PID {pid}) outlived its namespace"
 
 
 def test_registrations_are_untrusted_input(tmp_path: Path) -> None:
