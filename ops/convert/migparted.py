@@ -4,12 +4,20 @@ An entry selects GPUs by index (``devices: all | [0, 1]``) and PCI device id (``
 MIG is on and which partitions to create. Static MIG (the default) publishes the partitions that exist, so the
 state must be created first (``nvidia-smi`` commands, or mig-parted itself, which keeps working); dynamic MIG
 (``--dynamic-mig``) publishes every profile at every placement and creates the partition a claim gets.
+
+A ``device-filter`` (one PCI id or a list, as in the GPU operator's default config) limits an entry to those GPU
+models: ids the catalog knows become node policy rules by model, each unknown id is one report line and the
+rest of the entry is kept. Whether an entry can be made on a GPU (the profile exists there, counts and
+placements fit its slices) is checked from the catalog's geometry: per model for the models a filter names
+here, per node (GFD's product label) in ``nodegroups``.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+import pynvml
 
 from dra.model.catalog import CATALOG, GpuModel
 from dra.model.gpu import MigProfile
@@ -215,22 +223,26 @@ def gpu_policy(entry: MigEntry, dynamic: bool) -> dict[str, Any]:
 
 def commands(cfg: MigConfig, model: str, count: int, dynamic: bool) -> list[str]:
     """The ``nvidia-smi`` commands that make the config's MIG state on a node with ``count`` GPUs of ``model``:
-    one per GPU (``-i``), MIG mode changed only on the GPUs an entry names, partitions on those it enables.
-    Plain commands, no shell syntax: each runs as written (a MIG mode change takes effect after a GPU reset,
-    which nvidia-smi says when it needs one)."""
+    one GPU each (``-i``), MIG mode changed only on the GPUs an entry names, partitions on those it enables.
+    Plain commands without shell syntax, each runnable as written. Ampere GPUs switch MIG mode at a reset
+    (``-r``, which needs the GPU idle); later ones at once. Partitions are created largest first: NVML places
+    each one itself (one-slice profiles low, larger ones high), and that order leaves room for the small ones."""
+    gpu = CATALOG[model]
     out: list[str] = []
     for i in range(count):
         e = next((e for e in cfg.entries if e.applies_to_index(model, i)), None)
         if e is None:
             continue   # as mig-parted: a GPU no entry selects is left as it is
+        out.append(f"nvidia-smi -i {i} -mig {1 if e.enabled else 0}")
+        if gpu.architecture == pynvml.NVML_DEVICE_ARCH_AMPERE:
+            out.append(f"nvidia-smi -i {i} -r")
         if not e.enabled:
-            out.append(f"nvidia-smi -i {i} -mig 0")
             continue
-        out.append(f"nvidia-smi -i {i} -mig 1")
         if dynamic:   # the plugin creates each claim's partition; existing ones would be published by nothing
             out += [f"nvidia-smi mig -i {i} -dci", f"nvidia-smi mig -i {i} -dgi"]
         elif e.instances:
-            out.append(f"nvidia-smi mig -i {i} -cgi {','.join(e.instances)} -C")
+            ordered = sorted(e.instances, key=lambda n: -gpu.profile(n).memory_slices)
+            out.append(f"nvidia-smi mig -i {i} -cgi {','.join(ordered)} -C")
     return out
 
 
