@@ -156,14 +156,14 @@ def build_groups(dps: list[DevicePluginConfig], migs: list[MigConfig], nodes: li
                 continue
             model, count = node_model(labels), _gpu_count(labels)
             if mig_name is not None:
-                mig = by_mig[mig_name]
+                mig_cfg = by_mig[mig_name]
                 if model is None:
                     f.refused(src, f"metadata.labels.{PRODUCT_LABEL}",
                               f"{labels.get(PRODUCT_LABEL) or 'missing'}: not a GPU of the catalog, so MIG config "
                               f"{mig_name} is not checked against it; compare the layout before switching "
                               "(docs/migration.md)")
                 else:
-                    why = _mig_problem(mig, model, count)
+                    why = _mig_problem(mig_cfg, model, count)
                     if why:
                         f.refused(src, f"metadata.labels.{MIG_LABEL}", f"MIG config {mig_name} on {model.name}: "
                                                                        f"{why}; the node is in no group")

@@ -77,7 +77,6 @@ def test_device_filter_lists_keep_their_known_models_and_name_each_unknown_id_on
     text = res.findings.text()
     # Every id the catalog lacks is one line of its own, under the entry it came from; nothing is "unknown field".
     for flt in ("0x233110DE", "0x232210DE", "0x20B510DE", "0x20F310DE", "0x20F510DE", "0x232410DE"):
-        assert text.count(f"mig-configs.all-1g.10gb[0].device-filter") >= 6
         assert sum(1 for f in res.findings.items if f.field.startswith("mig-configs.all-1g.10gb[0].device-filter")
                    and f.detail.startswith(flt)) == 1
     assert "unknown field" not in text
@@ -297,7 +296,7 @@ def test_report_starts_with_a_summary_and_groups_lines_by_severity(tmp_path: Pat
     assert rc == EXIT_REFUSED
     report = (out / "report.txt").read_text().splitlines()
     assert report[0] == "nodes: 2 (1 in 1 node groups, 1 in none)"
-    assert report[2].startswith(f"result: some fields were refused or left out") and f"(exit status {rc})" in report[2]
+    assert report[2].startswith("result: some fields were refused or left out") and f"(exit status {rc})" in report[2]
     heads = [line for line in report if line.startswith("== ")]
     assert [h.split()[1] for h in heads] == ["not-convertible", "kept", "converted"]
     assert len(report) < 80, "\n".join(report)
