@@ -1,4 +1,5 @@
-"""The report of a conversion: every input field converted, kept or not convertible, with the reason.
+"""The report of a conversion: every input field converted, kept, changed in meaning or not convertible, with the
+reason; a summary first, then the lines by severity.
 
 Converters record the fields they handle; ``cover_rest`` then names every leaf of an input document nobody
 handled, so nothing is dropped without a line in the report.

@@ -252,7 +252,9 @@ def state(cfg: MigConfig, dynamic: bool,
     ``layouts`` -> node names) the ``nvidia-smi`` commands that create it."""
     gpus = [{"devices": "all" if e.devices == "all" else list(e.devices),
              **({"models": list(e.models)} if e.filtered else {}),
-             "migEnabled": e.enabled, "instances": [] if dynamic else list(e.instances)} for e in cfg.entries]
+             "migEnabled": e.enabled, "instances": [] if dynamic else list(e.instances),
+             **({"problem": f"{e.problem}: no node can take this entry"} if e.problem else {})}
+            for e in cfg.entries]
     nodes = []
     for (model, count), names in sorted((layouts or {}).items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
         item: dict[str, Any] = {"model": model, "gpuCount": count, "nodes": sorted(names)}

@@ -191,6 +191,7 @@ def test_mig_parted_entries_become_static_rules_and_the_state_to_create() -> Non
     # The 1c.2g.20gb compute instance is refused, and so is a node that would need it.
     assert status(res, "mig-configs.custom[1].mig-devices.1c.2g.20gb")[0] == "not-convertible"
     assert status(res, "mig-configs.custom[1].device-filter")[0] == "converted"
+    assert "1c.2g.20gb" in state["gpus"][1]["problem"]
     res = run(MIG_PARTED, _node("n", "all-1g.10gb"), _node("m", "custom"))
     assert [g.nodes for g in res.groups] == [["n"]]
     assert "1c.2g.20gb" in status(res, "metadata.labels.nvidia.com/mig.config")[1]

@@ -300,6 +300,7 @@ def test_report_starts_with_a_summary_and_groups_lines_by_severity(tmp_path: Pat
     heads = [line for line in report if line.startswith("== ")]
     assert [h.split()[1] for h in heads] == ["not-convertible", "kept", "converted"]
     assert len(report) < 80, "\n".join(report)
+    assert not any(": metadata: " in line for line in report)   # the ConfigMap itself is no finding
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("mig-")) == ["mig-all-1g.10gb.yaml"]
     capsys.readouterr()
     rc = main(["convert", "-f", str(DEFAULT_CM), "-f", str(nodes), "--output-dir", str(tmp_path / "all"),
