@@ -143,8 +143,11 @@ def _entry(source: str, path: str, raw: Any, f: Findings) -> MigEntry | None:
     if not isinstance(raw, dict):
         raise ConvertError(f"{source}: {path} must be a mapping")
     devices = _devices(raw.get("devices"), f"{source}: {path}")
-    f.converted(source, f"{path}.devices", "all GPUs: the node policy's default" if devices == "all"
-                else f"node policy rules matching index {', '.join(map(str, devices))}")
+    if devices != "all":
+        f.converted(source, f"{path}.devices", f"node policy rules matching index {', '.join(map(str, devices))}")
+    else:
+        f.converted(source, f"{path}.devices", "all GPUs of the device-filter's models: node policy rules by model"
+                    if "device-filter" in raw else "all GPUs: the node policy's default")
     models: list[str] = []
     filtered = "device-filter" in raw
     if filtered:
