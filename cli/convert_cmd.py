@@ -6,7 +6,9 @@ files (or the ConfigMap holding them, one per key), mig-parted configs, Nodes (f
 values per node group (the node policy), the MIG state per mig-parted config, and the workloads with
 ResourceClaimTemplates; on standard output as one YAML stream (each file's name in a comment), or as files with
 `--output-dir`. The report, one line per input field (converted, kept, not-convertible, with the reason), goes
-to standard error and `report.txt`. Nothing talks to a cluster.
+to standard error and `report.txt`: a summary, then the lines by severity. Only the MIG states of configs
+that a given Node uses are written (`--all-configs`: every one). Nothing talks to a cluster. Exit status:
+EXIT_CODES.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ PROG = "gpu-dra convert"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EXIT_CODES
     parser.add_argument("-f", "--filename", action="append", required=True, metavar="FILE",
                         help="device plugin config, mig-parted config, Nodes or workloads (YAML; a directory: its "
                              "YAML files; - for stdin); repeatable")
@@ -36,14 +39,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "serves the extended resource")
     parser.add_argument("--driver-name", default=DEFAULT_DRIVER_NAME, metavar="NAME",
                         help=f"DRA driver name in classes and selectors (default {DEFAULT_DRIVER_NAME})")
+    parser.add_argument("--all-configs", action="store_true",
+                        help="write the MIG state of every mig-parted config (default: only those a given Node's "
+                             "nvidia.com/mig.config label names, when Nodes are given)")
     parser.add_argument("--output-dir", metavar="DIR", help="write one file per output instead of standard output")
+
+
+EXIT_CODES = ("exit status: 0 converted, nothing refused and nothing changed in meaning; 2 input that cannot be "
+              "read (nothing written); 3 written, but some fields change meaning (the report's 'changed' lines); "
+              "4 written, but fields, nodes or workloads were refused and left out (its 'not-convertible' lines)")
 
 
 def _read(name: str) -> list[tuple[str, object]]:
     if name != "-" and Path(name).is_dir():   # like kubectl -f DIR: its YAML files, in name order
         files = sorted(p for p in Path(name).iterdir() if p.suffix in (".yaml", ".yml", ".json") and p.is_file())
         return [d for p in files for d in _read(str(p))]
-    text = sys.stdin.read() if name == "-" else Path(name).read_text()
+    try:
+        text = sys.stdin.read() if name == "-" else Path(name).read_text()
+    except OSError as exc:
+        raise ValueError(f"{name}: {exc.strerror or exc}") from None
     where = "stdin" if name == "-" else name
     try:
         return [(where, d) for d in yaml.safe_load_all(text)]
@@ -66,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         validate_driver_name(driver)
         documents = [d for name in args.filename for d in _read(name)]
         opts = Options(driver=driver, dynamic_mig=args.dynamic_mig, extended_resource=args.extended_resource,
-                       default_config=args.default_config)
+                       default_config=args.default_config, all_configs=args.all_configs)
         result = convert(documents, opts)
     except (ConvertError, ValueError, OSError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
@@ -82,4 +96,4 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write("".join(f"# file: {name}\n{text}" for name, text in files.items()))
     sys.stderr.write(report)
-    return 0
+    return result.exit_code()

@@ -9,5 +9,6 @@
 * ``workloads``: pods and their controllers asking for ``nvidia.com/gpu``, ``nvidia.com/gpu.shared`` or
   ``nvidia.com/mig-<profile>`` -> the same workloads with a ResourceClaimTemplate.
 
-Every input field ends up in ``findings.Findings``: converted (to what), kept as it is, or not convertible (why).
+Every input field ends up in ``findings.Findings``: converted (to what), kept as it is, changed in meaning (how),
+or not convertible (why: refused, or left out of the output).
 """

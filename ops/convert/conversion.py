@@ -20,6 +20,9 @@ from ops.convert.nodegroups import NodeGroup, build_groups
 from ops.convert.workloads import WorkloadOptions, convert_objects
 
 _DP_KEYS = {"flags", "sharing", "resources", "imex"}
+# Exit statuses of gpu-dra convert (2: input that cannot be read, nothing written).
+EXIT_CHANGED = 3    # written; some fields mean something else here
+EXIT_REFUSED = 4    # written; some fields, nodes or workloads were refused (left out)
 
 
 @dataclass
@@ -28,6 +31,7 @@ class Options:
     dynamic_mig: bool = False
     extended_resource: bool = False     # whole-GPU nvidia.com/gpu stays (compatibility mode's DeviceClass)
     default_config: str | None = None   # the device plugin config of nodes without the label
+    all_configs: bool = False           # write the MIG state of configs that no given Node uses too
 
 
 @dataclass
@@ -36,6 +40,25 @@ class Result:
     mig_states: list[dict[str, Any]] = field(default_factory=list)
     objects: list[dict[str, Any]] = field(default_factory=list)
     findings: Findings = field(default_factory=Findings)
+    nodes: int = 0
+    workloads: int = 0
+
+    def summary(self) -> list[str]:
+        grouped = sum(len(g.nodes) for g in self.groups)
+        refused_wl = len({f.source for f in self.findings.items if f.status == "not-convertible"
+                          and f.detail.endswith("the workload is not written")})
+        out = [f"nodes: {self.nodes} ({grouped} in {len(self.groups)} node groups, {self.nodes - grouped} in "
+               "none)" if self.nodes else f"nodes: none given ({len(self.groups)} node groups: every config pair)",
+               f"workloads: {self.workloads} ({self.workloads - refused_wl} written, {refused_wl} refused)"]
+        verdict = {0: "nothing refused, nothing changed meaning",
+                   EXIT_CHANGED: "some fields change meaning: read the changed lines",
+                   EXIT_REFUSED: "some fields were refused or left out: read the not-convertible lines"}
+        return out + [f"result: {verdict[self.exit_code()]} (exit status {self.exit_code()})"]
+
+    def exit_code(self) -> int:
+        if self.findings.of("not-convertible"):
+            return EXIT_REFUSED
+        return EXIT_CHANGED if self.findings.of("changed") else 0
 
 
 @dataclass
@@ -70,8 +93,6 @@ def _sort(where: str, doc: Any, into: _Sorted, f: Findings, name: str | None = N
         into.dps.append(parse_device_plugin_config(cfg_name, f"device plugin config {cfg_name} ({where})", doc, f))
     elif doc.get("kind") == "ConfigMap" and _holds_configs(doc):
         cm = f"ConfigMap {(doc.get('metadata') or {}).get('name')} ({where})"
-        f.refused(cm, "metadata", "the ConfigMap itself is the device plugin's (or mig-manager's); this driver "
-                                  "reads its node policy from the chart's nodePolicy value")
         for key, text in (doc.get("data") or {}).items():
             f.converted(cm, f"data.{key}", "read as a config")
             _sort(f"{where}: data.{key}", yaml.safe_load(str(text)), into, f, name=_config_name(str(key)))
@@ -117,11 +138,37 @@ def convert(documents: list[tuple[str, Any]], opts: Options) -> Result:
     mig_names = [c.name for c in into.migs]
     if len(set(mig_names)) != len(mig_names):
         raise ConvertError(f"mig-parted configs with the same name: {', '.join(sorted(mig_names))}")
+    res.nodes = len(into.nodes)
+    res.workloads = len(into.objects)
     if into.dps or into.migs:
         res.groups = build_groups(into.dps, into.migs, into.nodes, opts.default_config, opts.dynamic_mig, f)
-        res.mig_states = [state(m, opts.dynamic_mig) for m in into.migs]
+        used = {g.mig.name for g in res.groups if g.mig is not None}
+        unused = [m for m in into.migs if into.nodes and m.name not in used and not opts.all_configs]
+        _unused(unused, f)
+        for m in into.migs:
+            if m in unused:
+                continue
+            layouts: dict[tuple[str, int | None], list[str]] = {}
+            for g in res.groups:
+                if g.mig is m:
+                    for k, names in g.layouts.items():
+                        layouts.setdefault(k, []).extend(names)
+            res.mig_states.append(state(m, opts.dynamic_mig, layouts))
     res.objects = convert_objects(into.objects, WorkloadOptions(opts.driver, res.groups, opts.extended_resource), f)
     return res
+
+
+def _unused(configs: list[MigConfig], f: Findings) -> None:
+    """Configs no given Node names: one line per input instead of one per field (the GPU operator's default
+    ConfigMap holds dozens)."""
+    def of(x: Any, cfg: MigConfig) -> bool:
+        prefix = f"mig-configs.{cfg.name}"
+        return bool(x.source == cfg.source and (x.field == prefix or x.field.startswith((prefix + "[", prefix + "."))))
+    f.drop(lambda x: not any(of(x, c) for c in configs))
+    for source in dict.fromkeys(c.source for c in configs):
+        names = [c.name for c in configs if c.source == source]
+        f.kept(source, "mig-configs", f"{len(names)} configs no given Node uses, not written (--all-configs "
+                                      f"writes them): {', '.join(names)}")
 
 
 class _NoAliases(yaml.SafeDumper):
@@ -152,5 +199,5 @@ def output_files(res: Result, opts: Options) -> dict[str, str]:
                                                + dump([s]))
     if res.objects:
         files["workloads.yaml"] = "# Workloads with ResourceClaimTemplates\n" + dump(res.objects)
-    files["report.txt"] = res.findings.text() + "\n"
+    files["report.txt"] = res.findings.text(res.summary()) + "\n"
     return files

@@ -102,6 +102,9 @@ def _sharing(cfg: DevicePluginConfig, sharing: Any, f: Findings) -> None:
         if not isinstance(block, dict) or not isinstance(block.get("resources") or [], list):
             raise ConvertError(f"{src}: sharing.{key} must be a mapping with a list of resources")
         for i, res in enumerate(block.get("resources") or []):
+            if isinstance(res, dict) and "replicas" not in res:
+                raise ConvertError(f"{src}: sharing.{key}.resources[{i}] has no replicas (its fields: "
+                                   f"{', '.join(map(str, res)) or 'none'}; the device plugin requires replicas)")
             replicas = res.get("replicas") if isinstance(res, dict) else None
             if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 2:
                 raise ConvertError(f"{src}: sharing.{key}.resources[{i}].replicas must be an integer of at least 2 "
@@ -126,6 +129,11 @@ def _sharing(cfg: DevicePluginConfig, sharing: Any, f: Findings) -> None:
                         if fail else "a request for N replicas becomes a request for N slots")
         for i, res in enumerate(block.get("resources") or []):
             _resource(cfg, res, f"{path}.resources[{i}]", strategy, bool(rename), f)
+        if strategy == "mps":
+            f.changed(src, path, "the device plugin's MPS daemon served pods of every namespace; here each GPU's "
+                                 "MPS daemon serves one namespace at a time (a claim from another namespace waits "
+                                 "until the GPU's claims are gone). To keep sharing across namespaces, set chart "
+                                 "value nodePolicy.mps.shareAcrossNamespaces: true (docs/security.md)")
 
 
 def _has_replicas(block: Any) -> bool:
@@ -147,8 +155,8 @@ def _resource(cfg: DevicePluginConfig, res: Any, path: str, strategy: str, renam
         return
     cfg.gpu_policy = {"wholeGpu": False, "slots": {"count": replicas, "strategy": strategy}}
     cfg.resources[GPU_RESOURCE + (SHARED_SUFFIX if rename else "")] = Meaning("slot", strategy)
-    if rename:
-        cfg.resources[GPU_RESOURCE] = Meaning("gpu")
+    if rename:   # the device plugin advertised only the renamed resource: nvidia.com/gpu had no capacity
+        cfg.resources.pop(GPU_RESOURCE, None)
     f.converted(src, f"{path}.name", f"{name}: slots on every GPU of the node group")
     f.converted(src, f"{path}.replicas", f"node policy slots: {{count: {replicas}, strategy: {strategy}}}, "
                                          "wholeGpu: false")
@@ -175,7 +183,7 @@ def parse_device_plugin_config(name: str, source: str, doc: dict[str, Any], f: F
         _flags(cfg, doc["flags"], f)
     if "sharing" in doc:
         _sharing(cfg, doc["sharing"], f)
-    if cfg.mig_strategy == "single" and cfg.resources[GPU_RESOURCE].kind == "gpu":
+    if cfg.mig_strategy == "single" and GPU_RESOURCE in cfg.resources and cfg.resources[GPU_RESOURCE].kind == "gpu":
         cfg.resources[GPU_RESOURCE] = Meaning("mig")
     if "resources" in doc:
         f.refused(source, "resources", "DRA has no resource names: claims name a DeviceClass (gpu, mig, slot)")

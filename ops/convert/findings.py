@@ -1,15 +1,19 @@
-"""The report of a conversion: every input field converted, kept or not convertible, with the reason.
+"""The report of a conversion: every input field converted, kept, changed in meaning or not convertible, with the
+reason; a summary first, then the lines by severity.
 
 Converters record the fields they handle; ``cover_rest`` then names every leaf of an input document nobody
 handled, so nothing is dropped without a line in the report.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-Status = Literal["converted", "kept", "not-convertible"]
+Status = Literal["converted", "kept", "changed", "not-convertible"]
+# Most severe first: the report lists its lines in this order. "changed": converted, but it means something else
+# here (the operator decides whether that is acceptable); "not-convertible": refused, or left out of the output.
+SEVERITY: tuple[Status, ...] = ("not-convertible", "changed", "kept", "converted")
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,9 @@ class Findings:
     def refused(self, source: str, path: str, detail: str) -> None:
         self.add(source, path, "not-convertible", detail)
 
+    def changed(self, source: str, path: str, detail: str) -> None:
+        self.add(source, path, "changed", detail)
+
     def handled(self, source: str) -> set[str]:
         return {f.field for f in self.items if f.source == source}
 
@@ -53,9 +60,21 @@ class Findings:
     def of(self, status: Status) -> list[Finding]:
         return [f for f in self.items if f.status == status]
 
-    def text(self) -> str:
-        counts = ", ".join(f"{len(self.of(s))} {s}" for s in ("converted", "kept", "not-convertible"))
-        return "\n".join([f.line() for f in self.items] + [f"{len(self.items)} fields: {counts}"])
+    def drop(self, keep: Callable[[Finding], bool]) -> None:
+        self.items = [f for f in self.items if keep(f)]
+
+    def counts(self) -> str:
+        return ", ".join(f"{len(self.of(s))} {'changed meaning' if s == 'changed' else s}" for s in SEVERITY)
+
+    def text(self, summary: list[str] | None = None) -> str:
+        """The summary lines first, then every line, most severe first (input order within a severity)."""
+        head = [*(summary or []), f"{len(self.items)} fields: {self.counts()}"]
+        body = []
+        for s in SEVERITY:
+            lines = self.of(s)
+            if lines:
+                body += ["", f"== {s} ({len(lines)})"] + [f.line() for f in lines]
+        return "\n".join(head + body)
 
 
 def leaf_paths(doc: Any, prefix: str = "") -> Iterator[str]:

@@ -9,18 +9,55 @@ the DeviceClasses.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from itertools import product
 from typing import Any
 
 from api.k8snames import is_dns_label
+from dra.model.catalog import CATALOG, GpuModel
 from dra.model.policy import PolicyError, parse_node_policy
 from ops.convert.deviceplugin import ConvertError, DevicePluginConfig, Meaning
 from ops.convert.findings import Findings
-from ops.convert.migparted import MigConfig, gpu_policy
+from ops.convert.migparted import MigConfig, check, gpu_policy
 
 DP_LABEL = "nvidia.com/device-plugin.config"
 MIG_LABEL = "nvidia.com/mig.config"
+PRODUCT_LABEL = "nvidia.com/gpu.product"
+COUNT_LABEL = "nvidia.com/gpu.count"
+
+
+def node_model(labels: dict[str, Any]) -> GpuModel | None:
+    """The catalog model of GFD's product label (the product name with '-' for ' ', and GFD's ``-SHARED`` or
+    ``-MIG-<profile>`` suffix where sharing or the single MIG strategy is on)."""
+    product = str(labels.get(PRODUCT_LABEL) or "")
+    product = re.sub(r"-MIG-.*$", "", product.removesuffix("-SHARED"))
+    return next((m for m in CATALOG.values() if m.product_name.replace(" ", "-") == product), None) if product \
+        else None
+
+
+def _gpu_count(labels: dict[str, Any]) -> int | None:
+    try:
+        count = int(str(labels.get(COUNT_LABEL)))
+    except ValueError:
+        return None
+    return count if count > 0 else None
+
+
+def _mig_problem(cfg: MigConfig, model: GpuModel, count: int | None) -> str | None:
+    """Why the node's GPUs cannot take the MIG config (catalog geometry), or None."""
+    entries = cfg.entries_for(model.name)
+    if not entries:
+        return (f"no entry of {cfg.name} is for {model.name} (its device-filters name other GPUs): the config "
+                "does not describe this node")
+    for e in entries:
+        why = check(e, model)
+        if why:
+            return why
+        if count is not None and isinstance(e.devices, tuple) and max(e.devices) >= count:
+            return f"the entry for GPUs {', '.join(map(str, e.devices))} names a GPU the node does not have " \
+                   f"({count} GPUs)"
+    return None
 
 
 @dataclass
@@ -31,6 +68,8 @@ class NodeGroup:
     node_policy: dict[str, Any]
     values: dict[str, Any]
     nodes: list[str] = field(default_factory=list)
+    # (catalog model, GPU count or None) -> the group's nodes with those GPUs (from GFD's labels)
+    layouts: dict[tuple[str, int | None], list[str]] = field(default_factory=dict)
 
     def meaning(self, resource: str) -> Meaning | None:
         """What one unit of an extended resource gave a container on these nodes."""
@@ -97,6 +136,7 @@ def build_groups(dps: list[DevicePluginConfig], migs: list[MigConfig], nodes: li
     by_dp = {c.name: c for c in dps}
     by_mig = {c.name: c for c in migs}
     pairs: dict[tuple[str | None, str | None], list[str]] = {}
+    layouts: dict[tuple[str | None, str | None], dict[tuple[str, int | None], list[str]]] = {}
     if nodes:
         for node in nodes:
             meta = node.get("metadata") or {}
@@ -104,15 +144,31 @@ def build_groups(dps: list[DevicePluginConfig], migs: list[MigConfig], nodes: li
             name = str(meta.get("name"))
             src = f"Node {name}"
             dp_name = labels.get(DP_LABEL, default_dp) if dps else None
-            mig_name = labels.get(MIG_LABEL) if migs else None
+            mig_name = labels.get(MIG_LABEL)
             if dp_name is not None and dp_name not in by_dp:
                 f.refused(src, f"metadata.labels.{DP_LABEL}", f"{dp_name}: no device plugin config of that name "
                                                               "was given; the node is in no group")
                 continue
             if mig_name is not None and mig_name not in by_mig:
                 f.refused(src, f"metadata.labels.{MIG_LABEL}", f"{mig_name}: no mig-parted config of that name "
-                                                               "was given; the node is in no group")
+                                                               "was given (the GPU operator's is the ConfigMap "
+                                                               "default-mig-parted-config); the node is in no group")
                 continue
+            model, count = node_model(labels), _gpu_count(labels)
+            if mig_name is not None:
+                mig_cfg = by_mig[mig_name]
+                if model is None:
+                    f.refused(src, f"metadata.labels.{PRODUCT_LABEL}",
+                              f"{labels.get(PRODUCT_LABEL) or 'missing'}: not a GPU of the catalog, so MIG config "
+                              f"{mig_name} is not checked against it; compare the layout before switching "
+                              "(docs/migration.md)")
+                else:
+                    why = _mig_problem(mig_cfg, model, count)
+                    if why:
+                        f.refused(src, f"metadata.labels.{MIG_LABEL}", f"MIG config {mig_name} on {model.name}: "
+                                                                       f"{why}; the node is in no group")
+                        continue
+                    layouts.setdefault((dp_name, mig_name), {}).setdefault((model.name, count), []).append(name)
             pairs.setdefault((dp_name, mig_name), []).append(name)
             f.converted(src, "metadata.labels", f"node group {_group_name(by_dp.get(dp_name or ''), by_mig.get(mig_name or ''))}")
     else:
@@ -137,7 +193,7 @@ def build_groups(dps: list[DevicePluginConfig], migs: list[MigConfig], nodes: li
         if exprs:
             values["kubeletPlugin"] = {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
                 "nodeSelectorTerms": [{"matchExpressions": exprs}]}}}}
-        groups.append(NodeGroup(name, dp, mig, policy, values, members))
+        groups.append(NodeGroup(name, dp, mig, policy, values, members, layouts.get((dp_name, mig_name), {})))
     if len(groups) > 1:
         for i, g in enumerate(groups):
             g.values = {"fullnameOverride": f"gpu-dra-{g.name}", **g.values}

@@ -89,7 +89,11 @@ def convert_workload(where: str, obj: dict[str, Any], opts: WorkloadOptions, f: 
         return [out]
     prefix = ".".join(path)
     converter = _PodConverter(src, prefix, spec, opts, f)
-    template = converter.run(_template_name(out))
+    try:
+        template = converter.run(_template_name(out))
+    except _Refused as exc:
+        f.refused(src, exc.path, f"{exc.reason}; the workload is not written")
+        return []
     if template is None:
         return [out]
     namespace = (out.get("metadata") or {}).get("namespace")
@@ -102,6 +106,24 @@ def _template_name(obj: dict[str, Any]) -> str:
     meta = obj.get("metadata") or {}
     base = str(meta.get("name") or meta.get("generateName") or "workload").rstrip("-")
     return f"{base[:240]}-{CLAIM_NAME}"
+
+
+class _Refused(Exception):
+    """A workload that is not converted: the device plugin (or the API server) refused it, or nothing here would
+    serve it; converting it would change what runs."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(reason)
+        self.path, self.reason = path, reason
+
+
+@dataclass
+class _Ask:
+    path: str                 # the container's path
+    container: dict[str, Any]
+    resource: str
+    count: int
+    init: bool                # an init container that runs before the app containers (not a sidecar)
 
 
 @dataclass
@@ -117,30 +139,36 @@ class _PodConverter:
 
     # ---- GPU resources ----------------------------------------------------------------------------
 
-    def _gpu_asks(self) -> list[tuple[str, dict[str, Any], str, int]]:
-        """(path of the container, container, resource, count) for every GPU resource of every container."""
+    def _gpu_asks(self) -> list[_Ask]:
+        """Every GPU resource of every container, checked as the API server checks extended resources."""
         asks = []
         for group in ("initContainers", "containers"):
             for i, c in enumerate(self.spec.get(group) or []):
                 res = c.get("resources") or {}
-                names = sorted({n for part in ("limits", "requests") for n in (res.get(part) or {})
-                                if gfd.is_nvidia_label(n)})
+                limits, reqs = res.get("limits") or {}, res.get("requests") or {}
+                names = sorted({n for n in (*limits, *reqs) if gfd.is_nvidia_label(n)})
+                cpath = f"{self.prefix}.{group}[{i}]"
                 for n in names:
-                    cpath = f"{self.prefix}.{group}[{i}]"
+                    where = f"{cpath}.resources.limits.{n}"
                     if not is_gpu_resource(n):
-                        self.f.refused(self.src, f"{cpath}.resources.limits.{n}",
-                                       "not a GPU resource of the device plugin; kept as it is")
+                        self.f.refused(self.src, where, "not a GPU resource of the device plugin; kept as it is")
                         continue
-                    raw = (res.get("limits") or {}).get(n, (res.get("requests") or {}).get(n))
-                    try:
-                        count = int(str(raw))
-                    except ValueError:
-                        count = 0
-                    if count < 1:
-                        self.f.refused(self.src, f"{cpath}.resources.limits.{n}", f"{raw!r} is not a positive "
-                                                                                  "count; kept as it is")
+                    if n not in limits:
+                        raise _Refused(f"{cpath}.resources.requests.{n}", f"{n} in requests without limits: the "
+                                       "API server refuses this pod (an extended resource needs limits)")
+                    raw = limits[n]
+                    if n in reqs and str(reqs[n]) != str(raw):
+                        raise _Refused(where, f"requests {reqs[n]!r} != limits {raw!r}: the API server refuses "
+                                              "this pod (an extended resource's requests must equal its limits)")
+                    text = str(raw)
+                    if not text.isdigit():
+                        raise _Refused(where, f"{raw!r} is not a whole number of devices: the API server refuses "
+                                              "this pod")
+                    if int(text) == 0:
+                        self.f.kept(self.src, where, "0: asks for no device; kept as it is")
                         continue
-                    asks.append((cpath, c, n, count))
+                    sidecar = group == "initContainers" and c.get("restartPolicy") == "Always"
+                    asks.append(_Ask(cpath, c, n, int(text), group == "initContainers" and not sidecar))
         return asks
 
     # ---- GFD selectors ----------------------------------------------------------------------------
@@ -226,9 +254,11 @@ class _PodConverter:
             self.f.converted(self.src, where, f"no device plugin config given: {resource} read as "
                                               f"{next(iter(meanings)).text()}")
         if not meanings:
-            self.f.refused(self.src, where, f"{resource} is advertised by none of the given device plugin "
-                                            "configs for this workload's nodes; converted as a whole GPU")
-            return Meaning("gpu")
+            renamed = any(g.dp and GPU_RESOURCE + SHARED_SUFFIX in g.dp.resources for g in groups)
+            raise _Refused(where, f"{resource} is advertised by none of the given device plugin configs for this "
+                                  "workload's nodes" + (f" (with renameByDefault they advertise only "
+                                                        f"{GPU_RESOURCE}{SHARED_SUFFIX})" if renamed else "")
+                                  + ": the pod could not be scheduled there before either")
         ordered = sorted(meanings, key=lambda m: (m.kind, m.strategy or "", m.profile or ""))
         if len(ordered) > 1:
             self.f.refused(self.src, where, f"{resource} means {' or '.join(m.text() for m in ordered)} depending "
@@ -257,24 +287,54 @@ class _PodConverter:
         device_cel = _combined_cel(sel, terms)
         requests: list[dict[str, Any]] = []
         used_names: set[str] = set()
-        for cpath, container, resource, count in asks:
-            where = f"{cpath}.resources.limits.{resource}"
-            meaning = self._meaning(resource, hints, node_reqs, where)
-            if (self.opts.extended_resource and meaning.kind == "gpu" and resource == GPU_RESOURCE
+        # The kubelet gives an init container's devices to the app containers after it: the pod needs
+        # max(largest init container, sum of the app containers) per resource, and init containers reuse the app
+        # containers' requests (an extra request only for what the largest init container needs beyond them).
+        served: dict[str, list[tuple[str, int]]] = {}
+        for ask in sorted(asks, key=lambda a: a.init):
+            where = f"{ask.path}.resources.limits.{ask.resource}"
+            meaning = self._meaning(ask.resource, hints, node_reqs, where)
+            if (self.opts.extended_resource and meaning.kind == "gpu" and ask.resource == GPU_RESOURCE
                     and not device_cel):
-                self.f.kept(self.src, where, f"{count} whole GPU(s) through the extended resource: DeviceClass "
+                self.f.kept(self.src, where, f"{ask.count} whole GPU(s) through the extended resource: DeviceClass "
                                              f"{self.opts.driver} (extendedResourceName {GPU_RESOURCE}) serves it")
                 continue
-            name = _request_name(str(container.get("name") or "c"), used_names)
-            requests.append(self._request(name, meaning, count, device_cel, sel, terms, where))
+            if (meaning.kind == "slot" and ask.count > 1
+                    and any(g.dp and g.dp.fail_requests_greater_than_one and g.meaning(ask.resource) == meaning
+                            for g in self.opts.groups)):
+                raise _Refused(where, f"{ask.count} shared replicas: the device plugin refused this pod "
+                                      "(failRequestsGreaterThanOne)")
+            names: list[str] = []
+            if ask.init:
+                have = served.get(ask.resource, [])
+                covered = 0
+                for name, n in have:
+                    if covered >= ask.count:
+                        break
+                    names.append(name)
+                    covered += n
+                if covered < ask.count:
+                    name = _request_name(str(ask.container.get("name") or "init"), used_names)
+                    requests.append(self._request(name, meaning, ask.count - covered, device_cel, sel, terms, where))
+                    served.setdefault(ask.resource, []).append((name, ask.count - covered))
+                    names.append(name)
+                total = sum(n for _, n in served.get(ask.resource, []))
+                self.f.converted(self.src, where, f"init container: reuses request(s) {', '.join(names)} (the "
+                                                  "kubelet gives its devices to the app containers after it; the "
+                                                  f"pod needs {total} x {meaning.text()} in all)")
+            else:
+                name = _request_name(str(ask.container.get("name") or "c"), used_names)
+                requests.append(self._request(name, meaning, ask.count, device_cel, sel, terms, where))
+                served.setdefault(ask.resource, []).append((name, ask.count))
+                names.append(name)
+            res = ask.container.get("resources") or {}
             for part in ("limits", "requests"):
-                res = container.get("resources") or {}
                 if part in res:
-                    res[part].pop(resource, None)
+                    res[part].pop(ask.resource, None)
                     if not res[part]:
                         res.pop(part)
-            container.setdefault("resources", {}).setdefault("claims", []).append(
-                {"name": CLAIM_NAME, "request": name})
+            claims = ask.container.setdefault("resources", {}).setdefault("claims", [])
+            claims += [{"name": CLAIM_NAME, "request": n} for n in names]
         self._strip_translated(sel, terms)
         if not requests:
             return None
@@ -318,10 +378,6 @@ class _PodConverter:
         for t in sel + [t for term in terms for t in term]:
             if t.t.cel is None and not t.t.problem and not t.t.node_label:
                 self.f.converted(self.src, t.path, f"{t.req.text()}: implied by {meaning.text()} of class {cls}")
-        if meaning.kind == "slot" and count > 1 and any(g.dp and g.dp.fail_requests_greater_than_one
-                                                        for g in self.opts.groups):
-            self.f.refused(self.src, where, f"{count} shared replicas: the device plugin refused this "
-                                            "(failRequestsGreaterThanOne); converted to as many slots")
         self.f.converted(self.src, where, f"request {name}: {count} x {meaning.text()} (class {cls})")
         exactly: dict[str, Any] = {"deviceClassName": cls}
         if count > 1:

@@ -22,6 +22,7 @@ from test_realnode_examples import check_pod
 
 from api.names import DEFAULT_DRIVER_NAME
 from cli.main import main
+from ops.convert.conversion import EXIT_REFUSED
 from testbed.localnode import cuda_probe_image
 from testbed.podprobe import for_local_node
 
@@ -45,7 +46,10 @@ _COLLECTIONS = {"Deployment": "/apis/apps/v1/namespaces/{ns}/deployments",
 def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("converted")
     args = ["convert", "--output-dir", str(out)] + [a for p in INPUTS for a in ("-f", str(p))]
-    assert main(args) == 0
+    # Exit status 4: device plugin flags without an equivalent here are refused (and only those).
+    assert main(args) == EXIT_REFUSED
+    refused = [line for line in (out / "report.txt").read_text().splitlines() if line.startswith("not-convertible")]
+    assert refused and all(": flags." in line for line in refused), refused
     return out
 
 

@@ -76,14 +76,16 @@ def test_time_slicing_replicas_become_slots_without_the_whole_gpu() -> None:
     assert status(res, "flags.migStrategy")[0] == "converted"
 
 
-def test_mps_renamed_shared_resource_is_an_mps_slot_and_plain_gpu_stays_whole() -> None:
+def test_mps_renamed_shared_resource_is_an_mps_slot_and_plain_gpu_is_not_served() -> None:
     res = run(MPS, pod("a", {"nvidia.com/gpu.shared": 1}), pod("b", {"nvidia.com/gpu": 2}))
     assert res.groups[0].node_policy["default"]["slots"] == {"count": 4, "strategy": "mps"}
-    a, b = [o for o in res.objects if o["kind"] == "ResourceClaimTemplate"]
+    (a,) = [o for o in res.objects if o["kind"] == "ResourceClaimTemplate"]
     req_a = a["spec"]["spec"]["devices"]["requests"][0]["exactly"]
     assert req_a["deviceClassName"] == f"slot.{D}"
     assert req_a["selectors"] == [{"cel": {"expression": f"{A}.sharing == 'mps'"}}]
-    assert b["spec"]["spec"]["devices"]["requests"][0]["exactly"] == {"deviceClassName": D, "count": 2}
+    # With renameByDefault the device plugin advertised no nvidia.com/gpu: b could not run before either.
+    assert [o["metadata"]["name"] for o in res.objects if o["kind"] == "Pod"] == ["a"]
+    assert status(res, "spec.containers[0].resources.limits.nvidia.com/gpu")[0] == "not-convertible"
 
 
 def test_mps_wins_over_time_slicing_as_in_the_device_plugin() -> None:
@@ -166,6 +168,12 @@ def test_a_config_map_of_configs_names_them_by_key_and_labels_pick_the_group() -
 # ---- mig-parted ------------------------------------------------------------------------------------------------
 
 
+def _node(name: str, mig_config: str, count: int = 8) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {
+        "nvidia.com/mig.config": mig_config, "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+        "nvidia.com/gpu.count": str(count)}}}
+
+
 def test_mig_parted_entries_become_static_rules_and_the_state_to_create() -> None:
     res = run(MIG_PARTED)
     by_name = {g.mig.name: g for g in res.groups if g.mig}
@@ -179,27 +187,40 @@ def test_mig_parted_entries_become_static_rules_and_the_state_to_create() -> Non
     parse_node_policy(custom, "custom")
     state = next(s for s in res.mig_states if s["migConfig"] == "custom")
     assert state["gpus"][1]["instances"] == ["1g.10gb", "1g.10gb", "2g.20gb"]
-    assert "nvidia-smi mig -i 0,1 -cgi 3g.40gb,3g.40gb -C" in state["commands"]
-    assert "nvidia-smi -i 4,5,6,7 -mig 0" in state["commands"]
+    assert state["nodes"] == []   # no Node given: which GPUs a node has is not known, so no commands
+    # The 1c.2g.20gb compute instance is refused, and so is a node that would need it.
     assert status(res, "mig-configs.custom[1].mig-devices.1c.2g.20gb")[0] == "not-convertible"
-    assert status(res, "mig-configs.custom[1].device-filter") == ("converted", "node policy match model: H100-80GB")
+    assert status(res, "mig-configs.custom[1].device-filter")[0] == "converted"
+    assert "1c.2g.20gb" in state["gpus"][1]["problem"]
+    res = run(MIG_PARTED, _node("n", "all-1g.10gb"), _node("m", "custom"))
+    assert [g.nodes for g in res.groups] == [["n"]]
+    assert "1c.2g.20gb" in status(res, "metadata.labels.nvidia.com/mig.config")[1]
+    (state,) = res.mig_states
+    assert state["nodes"][0]["commands"][:2] == ["nvidia-smi -i 0 -mig 1",
+                                                 "nvidia-smi mig -i 0 -cgi 1g.10gb,1g.10gb,1g.10gb,1g.10gb,"
+                                                 "1g.10gb,1g.10gb,1g.10gb -C"]
 
 
 def test_dynamic_mig_publishes_every_profile_and_leaves_no_partitions() -> None:
-    res = run(MIG_PARTED, dynamic_mig=True)
+    res = run(MIG_PARTED, _node("n", "all-1g.10gb", count=1), dynamic_mig=True)
     g = next(g for g in res.groups if g.mig and g.mig.name == "all-1g.10gb")
     assert g.node_policy == {"default": {"wholeGpu": False, "mig": "dynamic"}}
     state = next(s for s in res.mig_states if s["migConfig"] == "all-1g.10gb")
-    assert state["gpus"][0]["instances"] == [] and "nvidia-smi mig -dci && nvidia-smi mig -dgi" in state["commands"]
+    assert state["gpus"][0]["instances"] == []
+    assert state["nodes"][0]["commands"] == ["nvidia-smi -i 0 -mig 1", "nvidia-smi mig -i 0 -dci",
+                                             "nvidia-smi mig -i 0 -dgi"]
 
 
 def test_unknown_device_filter_and_profiles_of_another_model_are_reported() -> None:
     doc = {"version": "v1", "mig-configs": {"x": [
         {"devices": "all", "device-filter": ["0x12345678"], "mig-enabled": True},
-        {"devices": [1], "device-filter": "0x20B510DE", "mig-enabled": True, "mig-devices": {"1g.10gb": 1}}]}}
+        {"devices": [1], "device-filter": "0x20B210DE", "mig-enabled": True, "mig-devices": {"1g.5gb": 1}}]}}
     res = run(doc)
-    assert status(res, "mig-configs.x[0].device-filter")[0] == "not-convertible"
-    assert status(res, "mig-configs.x[1].mig-devices.1g.10gb")[0] == "not-convertible"   # A100-80GB: 1g.10gb
+    assert status(res, "mig-configs.x[0].device-filter[0]")[0] == "not-convertible"
+    assert status(res, "mig-configs.x[0]") == ("not-convertible", "no PCI id of its device-filter is in the "
+                                                                  "catalog: the entry is left out")
+    # A100-80GB has no 1g.5gb
+    assert "not possible on A100-80GB" in status(res, "mig-configs.x[1]")[1]
 
 
 def test_mig_single_strategy_gpu_means_the_groups_profile() -> None:
@@ -273,11 +294,11 @@ def test_ambiguous_gpu_meaning_is_reported_and_pinning_resolves_it() -> None:
     assert b["spec"]["nodeSelector"] == {"nvidia.com/device-plugin.config": "ts"}   # an admin label: kept
 
 
-def test_fail_requests_greater_than_one_is_reported() -> None:
+def test_fail_requests_greater_than_one_is_refused() -> None:
     doc = {**TIME_SLICING, "sharing": {"timeSlicing": {**TIME_SLICING["sharing"]["timeSlicing"],
                                                        "failRequestsGreaterThanOne": True}}}
     res = run(doc, pod(resources={"nvidia.com/gpu": 2}))
-    assert request(res)["exactly"]["count"] == 2
+    assert res.objects == []
     assert any("failRequestsGreaterThanOne" in f.detail and f.status == "not-convertible" for f in res.findings.items)
 
 
@@ -416,10 +437,14 @@ def test_command_on_the_migration_example_writes_files_and_report(tmp_path: Path
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     ex = REPO / "examples" / "migration"
     files = ["device-plugin-configs.yaml", "mig-parted-config.yaml", "nodes.yaml", "workloads.yaml"]
-    assert main(["convert", "--output-dir", str(tmp_path)] + [a for n in files for a in ("-f", str(ex / n))]) == 0
+    # 4: the device plugin flags without an equivalent are refused; all-disabled is used by no node.
+    assert main(["convert", "--output-dir", str(tmp_path)] + [a for n in files for a in ("-f", str(ex / n))]) == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "mig-all-disabled.yaml", "mig-inference-mixed.yaml", "report.txt", "values-time-sliced-inference-mixed.yaml",
-        "workloads.yaml"]
+        "mig-inference-mixed.yaml", "report.txt", "values-time-sliced-inference-mixed.yaml", "workloads.yaml"]
+    state = yaml.safe_load((tmp_path / "mig-inference-mixed.yaml").read_text())
+    assert state["nodes"][0]["commands"] == ["nvidia-smi -i 0 -mig 1", "nvidia-smi mig -i 0 -cgi 3g.40gb,1g.10gb,"
+                                             "1g.10gb -C", "nvidia-smi -i 1 -mig 0", "nvidia-smi -i 2 -mig 0",
+                                             "nvidia-smi -i 3 -mig 0"]
     assert "not-convertible" in capsys.readouterr().err
     assert main(["convert", "-f", str(ex / "workloads.yaml")]) == 0
     out = capsys.readouterr().out
