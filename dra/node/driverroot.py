@@ -499,7 +499,8 @@ def _version_from_libraries(libraries: Collection[RootedPath]) -> str:
                 if _DRIVER_VERSION.fullmatch(candidate):
                     return candidate
     raise DriverRootError("cannot tell the driver version from the library file names "
-                          "(expected e.g. libcuda.so.580.95.05); pass driver_version")
+                          "(expected e.g. libcuda.so.580.95.05, libnvidia-ml.so.580.95.05): the driver's "
+                          "libraries are missing or renamed in this driver root")
 
 
 def _read_cap_minor(access: Path) -> int:
