@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from api.names import DEFAULT_DRIVER_NAME
+from cli.options import add_log_level
 
 PROG = "gpu-dra demo"
 _REPO = Path(__file__).resolve().parents[1]
@@ -54,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fleet node run by a real kubelet, containerd and runc (default: the fleet's first)")
     parser.add_argument("--no-real-node", action="store_true",
                         help="no real node: schedule only (pods stay Pending)")
-    parser.add_argument("--log-level", default="WARNING", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_log_level(parser, "warning")
 
 
 @dataclass
@@ -105,7 +106,7 @@ def _section(out: Callable[[str], None], title: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     from cli.publish_cmd import desired_fleet_pools
     from dra.model.slices import ApiFeatures
     from dra.sim.fleet import FleetError, load_fleet
