@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     from dra.model.slices import ApiFeatures
     from dra.sim.fleet import FleetError, load_fleet
     from testbed.demo_examples import ExampleError, load_examples
-    from testbed.localcluster import ClusterError, LocalCluster
+    from testbed.localcluster import ClusterError, LocalCluster, set_build_progress
 
     driver = args.driver_name
     try:
@@ -135,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     out = _printer()
+    # A cold build of the control plane or the node takes minutes: its scripts' log lines show it going on.
+    set_build_progress(lambda line: out(f"    {line}"))
     cluster = LocalCluster(keep_workdir=args.keep)
     _step(out, "starting the local control plane (etcd, kube-apiserver, kube-scheduler, kube-controller-manager)")
     try:

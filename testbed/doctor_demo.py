@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 from dra.sim.fleet import load_fleet
-from testbed.localnode import NodeError, find_node_binaries, install_driver_root
+from testbed.hostplumbing import NodeError
+from testbed.localnode import find_node_binaries, install_driver_root
 
 REPO = Path(__file__).resolve().parents[1]
 FLEET = REPO / "examples" / "fleets" / "demo.yaml"
