@@ -77,8 +77,11 @@ class InMemorySliceApi:
             with self._lock:
                 self.reads += 1
                 return {"items": [json.loads(t) for t in self._nodes.values()], "resourceVersion": str(next(self._rv))}
-        if collection != SLICES or label_selector:
-            raise _status("GET", collection, 400, "BadRequest", "only ResourceSlices, by field selector")
+        if collection != SLICES:
+            raise _status("GET", collection, 400, "BadRequest", "only ResourceSlices, by field and label selector")
+        labels = [tuple(t.split("=", 1)) for t in filter(None, (label_selector or "").split(","))]
+        if any(len(t) != 2 for t in labels):
+            raise _status("GET", collection, 400, "BadRequest", f"only key=value label selectors: {label_selector}")
         terms = []
         for term in filter(None, (field_selector or "").split(",")):
             key, _, value = term.partition("=")
@@ -89,7 +92,10 @@ class InMemorySliceApi:
             self.reads += 1
             texts = [s.text for s in self._slices.values() if all(s.fields.get(k) == v for k, v in terms)]
             rv = str(next(self._rv))
-        return {"items": [json.loads(t) for t in texts], "resourceVersion": rv}
+        items = [json.loads(t) for t in texts]
+        if labels:
+            items = [o for o in items if all((o["metadata"].get("labels") or {}).get(k) == v for k, v in labels)]
+        return {"items": items, "resourceVersion": rv}
 
     def list_metadata(self, collection: str, field_selector: str | None = None,
                       label_selector: str | None = None) -> dict[str, Any]:
@@ -98,8 +104,9 @@ class InMemorySliceApi:
         return {"items": [{"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata", "metadata": o["metadata"]}
                           for o in listed["items"]], "resourceVersion": listed["resourceVersion"]}
 
-    def iter_list(self, collection: str, field_selector: str | None = None, page_size: int = 100) -> Iterator[dict[str, Any]]:
-        yield from self.list(collection, field_selector)["items"]
+    def iter_list(self, collection: str, field_selector: str | None = None, page_size: int = 100,
+                  label_selector: str | None = None) -> Iterator[dict[str, Any]]:
+        yield from self.list(collection, field_selector, label_selector)["items"]
 
     def get(self, path: str, **query: Any) -> dict[str, Any]:
         with self._lock:

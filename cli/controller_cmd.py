@@ -9,6 +9,7 @@ import sys
 import threading
 
 from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
+from cli.options import add_log_level
 
 log = logging.getLogger("gpu-dra.controller")
 
@@ -25,11 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between passes over pending claims, which get a Warning Event when MPS tenancy "
                              "keeps them off the devices (0: none)")
     parser.add_argument("--once", action="store_true", help="one successful pass (retrying with back-off), then exit")
-    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_log_level(parser, "info")
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from api.deviceclasses import device_classes
     from controller.cluster import ClusterController
     from controller.pendingclaims import PendingClaimEvents

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from api.names import DEFAULT_DRIVER_NAME
+from cli.options import add_log_level
 
 PROG = "gpu-dra demo"
 _REPO = Path(__file__).resolve().parents[1]
@@ -54,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fleet node run by a real kubelet, containerd and runc (default: the fleet's first)")
     parser.add_argument("--no-real-node", action="store_true",
                         help="no real node: schedule only (pods stay Pending)")
-    parser.add_argument("--log-level", default="WARNING", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_log_level(parser, "warning")
 
 
 @dataclass
@@ -105,12 +106,12 @@ def _section(out: Callable[[str], None], title: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     from cli.publish_cmd import desired_fleet_pools
     from dra.model.slices import ApiFeatures
     from dra.sim.fleet import FleetError, load_fleet
     from testbed.demo_examples import ExampleError, load_examples
-    from testbed.localcluster import ClusterError, LocalCluster
+    from testbed.localcluster import ClusterError, LocalCluster, set_build_progress
 
     driver = args.driver_name
     try:
@@ -134,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     out = _printer()
+    # A cold build of the control plane or the node takes minutes: its scripts' log lines show it going on.
+    set_build_progress(lambda line: out(f"    {line}"))
     cluster = LocalCluster(keep_workdir=args.keep)
     _step(out, "starting the local control plane (etcd, kube-apiserver, kube-scheduler, kube-controller-manager)")
     try:

@@ -24,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe", metavar="FILE", default=os.environ.get("GPU_DRA_CUDA_PROBE") or None,
                         help="a cuda-probe program run in the container check (default: the libraries are loaded "
                              "with ctypes) [env GPU_DRA_CUDA_PROBE]")
+    parser.add_argument("--sys-root", default=os.environ.get("SYS_ROOT") or "/sys", metavar="DIR",
+                        help="where this process sees /sys, for the NVIDIA PCI devices (default /sys) [env SYS_ROOT]")
     parser.add_argument("--no-container", action="store_true",
                         help="skip the container check (a private mount namespace, needs root)")
 
@@ -52,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"gpu-dra doctor: {where}; driver root {paths.driver_root}"
           + (f" (host {paths.host_driver_root})" if paths.host_driver_root else "")
           + f", dev root {paths.dev_root}, proc root {paths.proc_root}")
-    checks = run_checks(objects, DoctorOptions(probe=args.probe, container=not args.no_container))
+    checks = run_checks(objects, DoctorOptions(probe=args.probe, container=not args.no_container,
+                                               sys_root=args.sys_root))
     print(render(checks))
     return exit_code(checks)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
+from cli.options import add_log_level
 
 if TYPE_CHECKING:                       # loaded when the plugin starts, not when the parsers are built
     from kubeletplugin.options import PluginOptions
@@ -94,8 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=["auto", "true", "false"],
                         help="each MPS daemon's /dev/shm is a tmpfs of the node policy's mps.shmSize (auto: on real "
                              "nodes, off for simulated fleets) [env MPS_SHM_TMPFS]")
-    parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "info"), type=str.lower,
-                        choices=["debug", "info", "warning", "error"], help="log level, any case [env LOG_LEVEL]")
+    add_log_level(parser, "info", env="LOG_LEVEL")
     parser.add_argument("--log-format", default=os.environ.get("LOG_FORMAT", "json"), choices=["json", "text"],
                         help="log format [env LOG_FORMAT]")
 

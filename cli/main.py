@@ -25,14 +25,61 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# sub-command -> an example shown at the end of its --help.
+EXAMPLES: dict[str, str] = {
+    "inventory": "gpu-dra inventory --fleet examples/fleets/demo.yaml --node node-a",
+    "slices": "gpu-dra slices --fleet examples/fleets/demo.yaml --node node-b",
+    "deviceclasses": "gpu-dra deviceclasses --compat-nvidia",
+    "controller": "gpu-dra controller --kubeconfig ~/.kube/config --metrics-port 8080",
+    "publish": "gpu-dra publish --fleet examples/fleets/demo.yaml --kubeconfig ~/.kube/config --once --dry-run",
+    "kubelet-plugin": "gpu-dra kubelet-plugin --node-name node-a --driver-root /run/nvidia/driver",
+    "webhook": "gpu-dra webhook --tls-cert-file tls.crt --tls-private-key-file tls.key",
+    "doctor": "gpu-dra doctor --driver-root /run/nvidia/driver",
+    "status": "gpu-dra status node-a -o yaml",
+    "explain": "gpu-dra explain pod/training-0 -n team-a",
+    "convert": "gpu-dra convert -f examples/migration/device-plugin-configs.yaml --output-dir converted/",
+    "simulate": "gpu-dra simulate xid --sim-state /var/lib/kubelet/plugins/gpu.dra-driver.io/simulated-gpus.json "
+                "--gpu 0 --xid 79",
+    "demo": "gpu-dra demo --keep",
+}
+
+
+def version() -> str:
+    """This build's version: the installed distribution's, else the source tree's pyproject.toml."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("gpu-dra-driver")
+    except metadata.PackageNotFoundError:
+        import tomllib
+        from pathlib import Path
+
+        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        try:
+            return str(tomllib.loads(pyproject.read_text())["project"]["version"])
+        except (OSError, KeyError, ValueError):
+            return "unknown"
+
+
+def _epilog(name: str, module: object | None) -> str:
+    import textwrap
+
+    note = getattr(module, "HELP_NOTE", "")
+    return (textwrap.fill(note, 100) + "\n\n" if note else "") + f"example:\n  {EXAMPLES[name]}"
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The parser of every sub-command; with ``only``, that sub-command's arguments alone are loaded (the others
     keep their help line), so starting one command does not import every other's modules."""
-    parser = argparse.ArgumentParser(prog="gpu-dra", description="Kubernetes DRA driver for NVIDIA GPUs")
+    parser = argparse.ArgumentParser(prog="gpu-dra", description="Kubernetes DRA driver for NVIDIA GPUs",
+                                     epilog="example:\n  gpu-dra status\n  gpu-dra explain claim/my-claim -n team-a",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"gpu-dra {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, epilog=f"example:\n  {EXAMPLES[name]}",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         p.set_defaults(_module=module_name)
         if only is not None and name != only:
             continue
@@ -43,13 +90,17 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                 raise
             p.set_defaults(_missing=True)
             continue
+        p.epilog = _epilog(name, module)
         module.add_arguments(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
-    # The sub-command is the first word (the top level has no options of its own besides --help).
+    if words == ["--version"]:          # without loading every sub-command's parser
+        print(f"gpu-dra {version()}")
+        return 0
+    # The sub-command is the first word (the top level has no options of its own besides --help and --version).
     args = build_parser(words[0] if words and words[0] in SUBCOMMANDS else None).parse_args(argv)
     if getattr(args, "_missing", False):
         print(f"gpu-dra: sub-command {args.command!r} is not available in this build", file=sys.stderr)

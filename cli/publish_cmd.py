@@ -1,10 +1,11 @@
 """`gpu-dra publish`: publish the ResourceSlices of every node of a simulated fleet and keep them exact.
 
 Each node's GPUs come from its simulated NVML library, through the same inventory, device-model and slice code
-as on a real node; one ResourceSlice controller serves all the fleet's pools. It owns every slice of the driver
-in the cluster: pools of nodes that are not in the fleet are deleted, so do not run it next to kubelet plugins
-of the same driver. Without --once it keeps running, restores slices changed by others and re-publishes when
-the fleet file changes.
+as on a real node; one ResourceSlice controller serves all the fleet's pools. It owns only the slices it created,
+which carry the label PUBLISHER_LABEL: those of pools no longer in the fleet are deleted; pools that node plugins
+publish (no label) are never read, changed or deleted, and a fleet node whose pool a plugin already publishes is
+refused. Without --once it keeps running, restores slices changed by others and re-publishes when the fleet file
+changes. --dry-run says what it would write and delete, and writes nothing.
 
 Nodes are handed to the controller as a stream: a node's slices are being written while the next nodes are
 computed, `--workers` pools are synced at once (that many writes in flight), and no more than a few pools per
@@ -27,10 +28,17 @@ from concurrent.futures import Future
 from typing import Any
 
 from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
+from cli.options import add_log_level
 
 log = logging.getLogger("gpu-dra.publish")
 PROG = "gpu-dra publish"
 SIMULATED_LABEL = "gpu.dra-driver.io/simulated"
+# On every ResourceSlice this command creates: what it owns, and all it ever lists, changes or deletes.
+PUBLISHER_LABEL = ("gpu.dra-driver.io/published-by", "gpu-dra-publish")
+# Shown by --help above the example (cli.main).
+HELP_NOTE = ("It changes only the ResourceSlices it created (label gpu.dra-driver.io/published-by=gpu-dra-publish): "
+             "slices of nodes that leave the fleet are deleted; pools that node plugins publish are never touched, "
+             "and a fleet node whose pool a plugin publishes is refused. Try --dry-run first.")
 # A worker process costs about a second to start (imports); below this many nodes per job it does not pay.
 MIN_NODES_PER_JOB = 32
 
@@ -42,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"DRA driver name (default {DEFAULT_DRIVER_NAME}, or {NVIDIA_DRIVER_NAME} with --compat-nvidia)")
     parser.add_argument("--compat-nvidia", action="store_true", help=f"publish as {NVIDIA_DRIVER_NAME}")
     parser.add_argument("--once", action="store_true", help="bring the slices in line once (with retries), then exit")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print which pools would be created, updated or deleted (and which foreign pools are "
+                             "left alone), write nothing, exit")
     parser.add_argument("--create-nodes", action="store_true",
                         help="register missing fleet nodes as simulated Node objects (Ready, no kubelet)")
     parser.add_argument("--sync-delay", type=float, default=5.0,
@@ -55,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve /healthz and /metrics on this port (default: not served)")
     parser.add_argument("--metrics-address", default="0.0.0.0", help="address for /healthz and /metrics")
-    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_log_level(parser, "info")
 
 
 def iter_fleet_pools(fleet: Any, fleet_path: str, driver: str, features: Any) -> Iterator[tuple[str, Any]]:
@@ -163,8 +174,55 @@ def register_missing_nodes(api: Any, names: list[str]) -> list[str]:
     return created
 
 
+def foreign_pools(api: Any, driver: str) -> dict[str, int]:
+    """Pools of the driver that this command did not create: pool name -> slices (metadata-only reads; the pool
+    is the slice's node, from its owner reference, else the name's `<pool>-<driver>-<index>` form)."""
+    from kube.client import SLICES, KubeApi
+
+    out: dict[str, int] = {}
+    listed = KubeApi(api).list_metadata(SLICES, field_selector=f"spec.driver={driver}",
+                                        label_selector=f"!{PUBLISHER_LABEL[0]}")
+    for item in listed["items"]:
+        pool = _pool_of(item["metadata"], driver)
+        out[pool] = out.get(pool, 0) + 1
+    return out
+
+
+def _pool_of(meta: dict[str, Any], driver: str) -> str:
+    nodes = [r.get("name", "") for r in meta.get("ownerReferences") or [] if r.get("kind") == "Node"]
+    if nodes:
+        return str(nodes[0])
+    name, marker = str(meta.get("name", "")), f"-{driver}-"
+    return name.rsplit(marker, 1)[0] if marker in name else name
+
+
+def dry_run_report(api: Any, driver: str, fleet: Any, fleet_path: str, features: Any,
+                   foreign: dict[str, int]) -> str:
+    """What a run would do, pool by pool: create (no slices yet), update or keep (slices of ours exist; what
+    would change is decided when writing), delete (ours, not in the fleet); foreign pools are listed as left
+    alone."""
+    from kube.client import SLICES, KubeApi
+
+    ours: dict[str, int] = {}
+    listed = KubeApi(api).list_metadata(SLICES, field_selector=f"spec.driver={driver}",
+                                        label_selector="=".join(PUBLISHER_LABEL))
+    for item in listed["items"]:
+        pool = _pool_of(item["metadata"], driver)
+        ours[pool] = ours.get(pool, 0) + 1
+    lines = [f"driver {driver}: dry run, nothing is written"]
+    for name, pool in iter_fleet_pools(fleet, fleet_path, driver, features):
+        have = ours.get(name, 0)
+        verb = "create" if not have else "update (if changed)"
+        lines.append(f"{verb:20} pool {name}: {len(pool.slices)} slice(s) desired, {have} published")
+    for name in sorted(set(ours) - set(fleet.node_names)):
+        lines.append(f"{'delete':20} pool {name}: {ours[name]} slice(s) (not in the fleet)")
+    for name in sorted(foreign):
+        lines.append(f"{'leave alone':20} pool {name}: {foreign[name]} slice(s) not published by gpu-dra publish")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from dra.model.devices import DeviceModelError
     from dra.model.policy import PolicyError
     from dra.sim.fleet import FleetError, load_fleet
@@ -185,6 +243,17 @@ def run(args: argparse.Namespace) -> int:
         fleet = load_fleet(args.fleet)
         api = api_client_from(args.kubeconfig)
         features = api_features(api, timeout=args.timeout)
+        foreign = foreign_pools(api, driver)
+        clash = sorted(set(fleet.node_names) & set(foreign))
+        if clash:
+            print(f"{PROG}: pool(s) {', '.join(clash)} of driver {driver} are published by someone else (slices "
+                  f"without the label {'='.join(PUBLISHER_LABEL)}: a node plugin, or an older gpu-dra publish); "
+                  "they are left alone: remove those nodes from the fleet, or delete those slices first",
+                  file=sys.stderr)
+            return 2
+        if args.dry_run:
+            print(dry_run_report(api, driver, fleet, args.fleet, features, foreign))
+            return 0
         if args.create_nodes:
             created = register_missing_nodes(api, fleet.node_names)
             if created:
@@ -195,7 +264,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{PROG}: no Node objects for {', '.join(missing)}: node-local slices need their Node "
                       "(register them, or pass --create-nodes for simulated ones)", file=sys.stderr)
                 return 2
-        ctl = ResourceSliceController(api, driver, Owner.cluster(), sync_delay=args.sync_delay, workers=args.workers)
+        ctl = ResourceSliceController(api, driver, Owner.labelled(*PUBLISHER_LABEL), sync_delay=args.sync_delay,
+                                      workers=args.workers)
         pools = iter_prepared_fleet_pools(fleet, args.fleet, driver, features, args.jobs)
         if args.once:
             # Nodes are computed while the earlier ones are written; a node that cannot be computed stops the

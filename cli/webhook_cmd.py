@@ -9,6 +9,7 @@ import sys
 import threading
 
 from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
+from cli.options import add_log_level
 
 log = logging.getLogger("gpu-dra.webhook")
 
@@ -22,11 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8443, help="HTTPS port (default 8443; 0: any free port)")
     parser.add_argument("--tls-cert-file", required=True, help="serving certificate (PEM, with any intermediates)")
     parser.add_argument("--tls-private-key-file", required=True, help="its private key (PEM)")
-    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_log_level(parser, "info")
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from controller.webhook import serve
 
     driver = NVIDIA_DRIVER_NAME if args.compat_nvidia else args.driver_name

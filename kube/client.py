@@ -136,9 +136,9 @@ class KubeApi:
         return self._list(collection, field_selector, label_selector, 1000, METADATA_LIST)
 
     def iter_list(self, collection: str, field_selector: str | None = None,
-                  page_size: int = 100) -> Iterator[dict[str, Any]]:
+                  page_size: int = 100, label_selector: str | None = None) -> Iterator[dict[str, Any]]:
         """The items of a list, fetched a page at a time: only one page of objects is held at once."""
-        for page in self._pages(collection, field_selector, None, page_size, "application/json"):
+        for page in self._pages(collection, field_selector, label_selector, page_size, "application/json"):
             yield from page.get("items") or []
 
     def _list(self, collection: str, field_selector: str | None, label_selector: str | None, limit: int,

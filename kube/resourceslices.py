@@ -100,10 +100,13 @@ class PoolSyncError(RuntimeError):
 
 @dataclass(frozen=True)
 class Owner:
-    """Who publishes: one node's plugin (only slices with spec.nodeName == node) or a cluster-wide
-    publisher (every slice of the driver; pools it does not desire are deleted)."""
+    """Who publishes: one node's plugin (only slices with spec.nodeName == node), a cluster-wide publisher
+    (every slice of the driver; pools it does not desire are deleted), or a labelled publisher: only slices that
+    carry its label (``key=value``), which it puts on every slice it creates, are read, changed or deleted, so
+    pools that others publish (node plugins) are invisible to it."""
 
     node_name: str | None = None
+    label: tuple[str, str] | None = None
 
     @classmethod
     def node(cls, name: str) -> "Owner":
@@ -112,6 +115,14 @@ class Owner:
     @classmethod
     def cluster(cls) -> "Owner":
         return cls(None)
+
+    @classmethod
+    def labelled(cls, key: str, value: str) -> "Owner":
+        return cls(None, (key, value))
+
+    @property
+    def label_selector(self) -> str | None:
+        return f"{self.label[0]}={self.label[1]}" if self.label else None
 
 
 @dataclass
@@ -871,7 +882,8 @@ class ResourceSliceController:
     def _prime(self) -> str:
         """ONE metadata-only LIST of every slice of the driver (and owner) into the cache; slices it cannot vouch
         for are read in full. Returns the list's resourceVersion."""
-        listed = self.kube.list_metadata(SLICES, field_selector=self._selector())
+        listed = self.kube.list_metadata(SLICES, field_selector=self._selector(),
+                                        label_selector=self.owner.label_selector)
         records: list[_Slice] = []
         unknown: set[str] = set()
         for item in listed["items"]:
@@ -910,7 +922,8 @@ class ResourceSliceController:
                 if rec is not None:
                     records.append(rec)
             return records
-        for obj in self.kube.iter_list(SLICES, field_selector=self._selector()):   # a page at a time
+        for obj in self.kube.iter_list(SLICES, field_selector=self._selector(),   # a page at a time
+                                       label_selector=self.owner.label_selector):
             if obj.get("metadata", {}).get("name") in names:
                 rec = self._record(obj)
                 if rec is not None:
@@ -922,7 +935,8 @@ class ResourceSliceController:
         items: Iterable[dict[str, Any]] | None = None
         if self._pool_field_selector:
             try:
-                items = self.kube.list(SLICES, field_selector=self._selector(pool))["items"]
+                items = self.kube.list(SLICES, field_selector=self._selector(pool),
+                                       label_selector=self.owner.label_selector)["items"]
             except ApiError as exc:
                 if not (exc.status == 400 and "spec.pool.name" in exc.message):
                     raise
@@ -932,7 +946,8 @@ class ResourceSliceController:
                     log.info("driver %s: the API server cannot select ResourceSlices by spec.pool.name (%s); "
                              "listing the driver's slices and picking each pool's here", self.driver, exc.message)
         if items is None:
-            items = (o for o in self.kube.iter_list(SLICES, field_selector=self._selector())
+            items = (o for o in self.kube.iter_list(SLICES, field_selector=self._selector(),
+                                                    label_selector=self.owner.label_selector)
                      if (o.get("spec") or {}).get("pool", {}).get("name") == pool)
         records = [r for r in map(self._record, items) if r is not None]
         with self._cond:
@@ -1009,10 +1024,11 @@ class ResourceSliceController:
         return 0.0 if prompt else self.sync_delay
 
     def _watch_events(self, rv: str) -> Iterable[dict[str, Any]]:
-        resp = self.kube.request("GET", SLICES, query={
-            "watch": "true", "resourceVersion": rv, "fieldSelector": self._selector(),
-            "allowWatchBookmarks": "true", "timeoutSeconds": self.watch_timeout},
-            timeout=self.watch_timeout + 30, stream=True)
+        query: dict[str, Any] = {"watch": "true", "resourceVersion": rv, "fieldSelector": self._selector(),
+                                 "allowWatchBookmarks": "true", "timeoutSeconds": self.watch_timeout}
+        if self.owner.label_selector:
+            query["labelSelector"] = self.owner.label_selector
+        resp = self.kube.request("GET", SLICES, query=query, timeout=self.watch_timeout + 30, stream=True)
         self._watch_resp = resp
         try:
             yield from iter_json_lines(resp)
@@ -1107,6 +1123,8 @@ class ResourceSliceController:
             else:
                 meta = {"name": slice_name(self.driver, pool_name, i),
                         "annotations": {SPEC_ANNOTATION: self._annotation(pool_name, desired, i, new_generation, 1)}}
+                if self.owner.label:
+                    meta["labels"] = {self.owner.label[0]: self.owner.label[1]}
                 if owner_refs:
                     meta["ownerReferences"] = owner_refs
                 body = _encode(meta, spec)

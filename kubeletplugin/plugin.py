@@ -75,6 +75,11 @@ class PluginConfigError(ValueError):
     """A flag or file the plugin cannot start with; the message names it."""
 
 
+def _is_nvml_error(err: BaseException) -> bool:
+    """pynvml's errors, told apart without importing pynvml where it is not installed."""
+    return any(cls.__name__ == "NVMLError" and cls.__module__ == "pynvml" for cls in type(err).__mro__)
+
+
 
 
 def load_node_policy(path: str | None, fleet_policy: dict[str, Any] | None = None) -> NodePolicy:
@@ -223,6 +228,15 @@ class KubeletPlugin:
             nvml = objects.open_nvml()
         except NodeSetupError as err:
             raise PluginConfigError(str(err)) from None
+        except Exception as err:
+            # A node without a usable driver (no libnvidia-ml, no kernel module) is a configuration the plugin
+            # cannot start with: one line and exit 2, not pynvml's traceback on every crash-loop restart.
+            if objects.simulated or not _is_nvml_error(err):
+                raise
+            raise PluginConfigError(
+                f"--driver-root {self.options.driver_root}: no usable NVIDIA driver: NVML does not load or "
+                f"initialise ({err}); run the plugin on GPU nodes only (the chart's kubeletPlugin.affinity) or "
+                "point --driver-root at the driver's files") from None
         if objects.simulated:
             state_file = self.options.simulated_state_file
             log.info("simulated GPUs", state_file=str(state_file) if state_file else None, restored=nvml.restored)
@@ -577,7 +591,10 @@ class KubeletPlugin:
 
     def stop(self) -> None:
         """Clean shutdown; prepared claims are left prepared (see the module docstring)."""
-        log.info("kubelet plugin stopping")
+        # A start that failed before NVML opened had nothing running: its one-line error says it all.
+        quiet = self.nvml is None and self.driver is None
+        if not quiet:
+            log.info("kubelet plugin stopping")
         self._set_phase("stopping")
         if self.registration is not None:
             self.registration.stop()
@@ -609,7 +626,8 @@ class KubeletPlugin:
             self.metrics_server.shutdown()
             self.metrics_server.server_close()
             self.metrics_server = None
-        log.info("kubelet plugin stopped")
+        if not quiet:
+            log.info("kubelet plugin stopped")
 
     def run(self) -> int:
         """Start, serve until SIGTERM/SIGINT, stop. Returns the exit code."""

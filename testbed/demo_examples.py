@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -217,12 +218,31 @@ def scheduler_reason(kube: KubeApi, namespace: str, pod: str) -> str:
     return "; ".join(parts)
 
 
-def describe_pending(kube: KubeApi, state: AllocationState, namespace: str) -> list[str]:
-    """One line per pending pod claim: which claim, what is missing, and the scheduler's reason."""
+def describe_pending(kube: KubeApi, state: AllocationState, namespace: str,
+                     explain: Callable[[KubeApi, str, str], Any] | None = None) -> list[str]:
+    """One line per pending pod claim: which claim, what is missing, and why: for a claim not allocated,
+    `gpu-dra explain`'s verdict on it (which device is taken by whom, which selector fails, node by node), more
+    useful than the scheduler's "cannot allocate all claims"; the scheduler's reason where explain finds the
+    claim allocatable or cannot evaluate it, and for a pod not bound. ``explain``: ops.explain.reads.explain_target
+    (a parameter for tests)."""
+    if explain is None:
+        from ops.explain.reads import explain_target
+
+        explain = explain_target
     lines = []
     for c in state.pending:
         claim = c.claim or f"(claim {c.pod_claim} of pod {c.pod} not created yet)"
         missing = "not allocated" if c.allocation is None else "allocated, pod not bound"
+        reason = None
+        if c.allocation is None:
+            target = f"claim/{c.claim}" if c.claim else f"pod/{c.pod}"
+            try:
+                verdict = explain(kube, target, namespace)
+            except (LookupError, ApiError, ValueError) as exc:   # cannot evaluate: the scheduler's word instead
+                reason = f"{scheduler_reason(kube, namespace, c.pod)} (gpu-dra explain {target}: {exc})"
+            else:
+                if not verdict.allocatable:
+                    reason = f"gpu-dra explain {target}: {verdict.sentence}"
         lines.append(f"{c.example}: claim {claim} ({missing}), pod {c.pod}: "
-                     f"{scheduler_reason(kube, namespace, c.pod)}")
+                     f"{reason or scheduler_reason(kube, namespace, c.pod)}")
     return lines

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -30,6 +31,7 @@ import socket
 import ssl
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -108,16 +110,44 @@ def find_binaries(build: bool = True, version: str | None = None) -> Path:
                                ClusterError, failed=f"failed for Kubernetes {version}", tail_lines=_LOG_TAIL_LINES)
 
 
+# Where the build scripts' progress lines go while they run (None: nowhere; set_build_progress).
+_build_progress: Callable[[str], None] | None = None
+# hack/common.sh's log(): "[build-node.sh 12:34:56] building kubelet v1.37.2".
+_PROGRESS_LINE = re.compile(r"^\[[\w.-]+ \d\d:\d\d:\d\d\] ")
+
+
+def set_build_progress(show: Callable[[str], None] | None) -> None:
+    """Have every hack/build-*.sh run from now on hand its log lines to ``show`` as they come (a cold build takes
+    minutes: `gpu-dra demo` shows them), or to nothing again with None."""
+    global _build_progress
+    _build_progress = show
+
+
 def bin_dir_from_script(script: Path, env: dict[str, str], missing: Callable[[Path], list[str]],
                         error: type[ClusterError], failed: str = "failed", tail_lines: int = _LOG_TAIL_LINES) -> Path:
     """Runs a hack/build-*.sh script, which reuses its cache or builds and prints its bin directory on its last
     line; that directory, once ``missing`` finds nothing lacking in it. Else ``error`` naming the script and what
-    went wrong (its stderr's tail when it failed)."""
-    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-tail_lines:])
-        raise error(f"{script.name} {failed} (exit {proc.returncode}):\n{tail}")
-    lines = proc.stdout.strip().splitlines()
+    went wrong (its stderr's tail when it failed). The script's log lines go to set_build_progress's receiver
+    while it runs."""
+    show = _build_progress
+    proc = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.append(proc.stdout.read() if proc.stdout else ""), daemon=True)
+    reader.start()
+    errors: list[str] = []
+    assert proc.stderr is not None
+    for line in proc.stderr:               # as the script writes them: progress during a cold build
+        errors.append(line)
+        if show is not None and _PROGRESS_LINE.match(line):
+            show(line.rstrip("\n"))
+    returncode = proc.wait()
+    reader.join()
+    stderr, stdout = "".join(errors), "".join(out)
+    if returncode != 0:
+        tail = "\n".join(stderr.strip().splitlines()[-tail_lines:])
+        raise error(f"{script.name} {failed} (exit {returncode}):\n{tail}")
+    lines = stdout.strip().splitlines()
     if not lines:
         raise error(f"{script.name} printed no bin directory")
     bin_dir = Path(lines[-1])

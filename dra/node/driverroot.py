@@ -133,6 +133,8 @@ class DriverFiles:
     control_nodes: tuple[DeviceNodeInfo, ...] = field(default_factory=tuple)  # nvidiactl, nvidia-uvm*
     data_dirs: tuple[RootedPath, ...] = ()    # read-only node data (a simulated node's GPU listing)
     writable_dirs: tuple[RootedPath, ...] = ()  # read-write node data (a simulated node's GPU processes)
+    # Library links whose target is missing ("libcuda.so.1 -> libcuda.so.580.95.05"): left out of every spec.
+    dangling_links: tuple[str, ...] = ()
 
     @property
     def hook_args_prefix(self) -> list[str]:
@@ -223,6 +225,7 @@ class DriverRoot:
     def _discover(self) -> DriverFiles:
         libraries: dict[str, RootedPath] = {}
         links: dict[str, LibraryLink] = {}
+        dangling: list[str] = []
         lib_folders: list[str] = []
         for container_dir, local_dir in self.library_dirs():
             found_here = False
@@ -234,6 +237,7 @@ class DriverRoot:
                     resolved = self.resolve(container_path)
                     if resolved is None or not Path(_join(self.root, resolved)).is_file():
                         log.warning("ignoring dangling driver library link %s", container_path)
+                        dangling.append(f"{container_path} -> {os.readlink(entry)}")
                         continue
                     links[container_path] = LibraryLink(
                         container_path=container_path,
@@ -258,6 +262,7 @@ class DriverRoot:
             firmware=self._find_firmware(version),
             hook=self._find_hook(),
             control_nodes=self._control_nodes(),
+            dangling_links=tuple(dangling),
         )
 
     def _find_binaries(self) -> tuple[RootedPath, ...]:
@@ -499,7 +504,8 @@ def _version_from_libraries(libraries: Collection[RootedPath]) -> str:
                 if _DRIVER_VERSION.fullmatch(candidate):
                     return candidate
     raise DriverRootError("cannot tell the driver version from the library file names "
-                          "(expected e.g. libcuda.so.580.95.05); pass driver_version")
+                          "(expected e.g. libcuda.so.580.95.05, libnvidia-ml.so.580.95.05): the driver's "
+                          "libraries are missing or renamed in this driver root")
 
 
 def _read_cap_minor(access: Path) -> int:

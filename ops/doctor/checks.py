@@ -2,10 +2,13 @@
 
 Checks, in order (a check that needs an earlier one's result is skipped when that failed):
 
+* ``gpu`` (real nodes): an NVIDIA PCI device (vendor 0x10de under ``<sys root>/bus/pci/devices``) and the kernel
+  module (``<proc root>/driver/nvidia``), before NVML: a machine without either is told so, not sent to NVML's
+  "does not initialise";
 * ``nvml``: NVML loads from the driver root and sees the GPUs (read-only queries: discovery, nothing is set);
 * ``driver-root``: the driver root has libcuda, NVML and nvidia-smi, and which layout it has (host Debian-style,
   host RHEL-style ``lib64``, the GPU operator's ``/run/nvidia/driver``, a single folder ``lib64/`` + ``bin/`` as
-  GKE's ``/usr/local/nvidia``);
+  GKE's ``/usr/local/nvidia``); a soname link of libcuda or libnvidia-ml whose target is missing fails it;
 * ``cdi-hook``: the CDI hook program exists and runs (``--version``);
 * ``cdi-spec``: the whole-GPU CDI spec of GPU 0, written to a temporary directory, names only device nodes that
   exist with the spec's major:minor, and host paths and hooks that exist;
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -61,6 +65,7 @@ class DoctorOptions:
     probe: str | None = None            # a cuda-probe program for the container check (else ctypes in Python)
     container: bool = True              # run the container check when root and unshare allow it
     is_root: bool | None = None         # None: os.geteuid() == 0
+    sys_root: str = "/sys"              # where this process sees /sys (the PCI devices)
     unshare: str | None = None          # the unshare program (None: looked up on PATH)
 
 
@@ -79,7 +84,10 @@ def run_checks(objects: NodeObjects, options: DoctorOptions | None = None) -> li
     state = _State()
     nvml = None
     try:
-        nvml = _check_nvml(objects, state)
+        if objects.simulated or _check_gpu(objects, state, options):
+            nvml = _check_nvml(objects, state)
+        else:
+            state.checks.append(Check("nvml", "SKIP", "no NVIDIA GPU with a loaded kernel module (see gpu)"))
         _check_driver_root(objects, state)
         _check_hook(objects, state)
         with tempfile.TemporaryDirectory(prefix="gpu-dra-doctor-") as spec_dir:
@@ -114,6 +122,51 @@ def render(checks: list[Check]) -> str:
 
 
 # ----- checks ------------------------------------------------------------------------------------------------------
+NVIDIA_PCI_VENDOR = "0x10de"
+
+
+def nvidia_pci_devices(sys_root: str | Path) -> list[str]:
+    """The PCI addresses of NVIDIA devices (vendor 0x10de) under ``<sys_root>/bus/pci/devices``, sorted."""
+    found = []
+    for dev in sorted(Path(sys_root, "bus/pci/devices").glob("*")):
+        try:
+            vendor = (dev / "vendor").read_text().strip().lower()
+        except OSError:
+            continue
+        if vendor == NVIDIA_PCI_VENDOR:
+            found.append(dev.name)
+    return found
+
+
+def _check_gpu(objects: NodeObjects, state: _State, options: DoctorOptions) -> bool:
+    """An NVIDIA PCI device and the kernel module, read from sysfs and /proc; True when NVML is worth asking."""
+    add = state.checks.append
+    pci = Path(options.sys_root, "bus/pci/devices")
+    devices = nvidia_pci_devices(options.sys_root)
+    if not devices:
+        add(Check("gpu", "FAIL", f"no NVIDIA GPU on this machine: no PCI device of vendor {NVIDIA_PCI_VENDOR} "
+                                 f"under {pci}",
+                  "run gpu-dra on a GPU node (the chart places the plugin by kubeletPlugin.gpuNodeLabels); in a "
+                  "VM, check that the GPU is passed through"))
+        return False
+    named = ", ".join(devices[:4]) + (f" and {len(devices) - 4} more" if len(devices) > 4 else "")
+    module = Path(objects.paths.proc_root, "driver/nvidia")
+    if not module.is_dir():
+        add(Check("gpu", "FAIL", f"{len(devices)} NVIDIA PCI device(s) ({named}) but the NVIDIA kernel module is not "
+                                 f"loaded: no {module}",
+                  "install the NVIDIA driver and load its module (modprobe nvidia; the GPU Operator's driver "
+                  "container does both)"))
+        return False
+    try:
+        # "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release Build  (...)"
+        found = re.search(r"\s(\d+\.\d+(?:\.\d+)?)\s", (module / "version").read_text().splitlines()[0] + " ")
+        version = found.group(1) if found else "of unknown version"
+    except (OSError, IndexError):
+        version = "of unknown version"
+    add(Check("gpu", "PASS", f"{len(devices)} NVIDIA PCI device(s) ({named}); NVIDIA kernel module {version} loaded"))
+    return True
+
+
 def _check_nvml(objects: NodeObjects, state: _State) -> Any:
     add = state.checks.append
     import pynvml
@@ -205,10 +258,21 @@ def _check_driver_root(objects: NodeObjects, state: _State) -> None:
     tools = [PurePosixPath(b.container_path).name for b in files.binaries]
     summary = (f"{root.root}: {driver_layout(root, files)}; driver {files.version or '?'}; libraries in "
                f"{', '.join(files.lib_folders) or '-'}; tools: {', '.join(tools) or 'none'}")
+    needed = [d for d in files.dangling_links
+              if PurePosixPath(d.split(" -> ")[0]).name.startswith(("libcuda.so", "libnvidia-ml.so"))]
+    others = [d for d in files.dangling_links if d not in needed]
     if missing:
         add(Check("driver-root", "FAIL", f"{root.root}: no {' or '.join(m + '.*' for m in missing)} in any library "
                                          f"folder; tools: {', '.join(tools) or 'none'}",
                   "set --driver-root to the folder the NVIDIA driver is installed in"))
+    elif needed:
+        add(Check("driver-root", "FAIL", f"{summary}; dangling link(s) {'; '.join(needed)} (target missing): "
+                                         "containers would load CUDA or NVML by that soname and fail",
+                  "reinstall the driver, or point the link at the library of this driver version (ldconfig)"))
+    elif others:
+        add(Check("driver-root", "WARN", f"{summary}; dangling link(s) {'; '.join(others)} (target missing): "
+                                         "left out of the CDI specs, so programs that need them fail to load them",
+                  "reinstall the driver, or point the link at the library of this driver version (ldconfig)"))
     elif "nvidia-smi" not in tools:
         add(Check("driver-root", "WARN", f"{summary}; no nvidia-smi",
                   "install the driver's utilities (nvidia-smi) into the driver root"))

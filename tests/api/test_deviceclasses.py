@@ -386,7 +386,7 @@ def test_controller_deployment_passes_flags_the_controller_accepts() -> None:
     args = [a.replace("TEMPLATED", filled[a.split("=", 1)[0]]) if "TEMPLATED" in a else a for a in container["args"]]
     parsed = build_parser().parse_args(["controller", *args])
     assert (parsed.driver_name, parsed.compat_nvidia, parsed.metrics_port, parsed.log_level) == (
-        DEFAULT_DRIVER_NAME, True, 8080, "INFO")  # --compat-nvidia sits inside an `if compatNvidia` block
+        DEFAULT_DRIVER_NAME, True, 8080, "info")  # --compat-nvidia sits inside an `if compatNvidia` block
     assert container["ports"][0]["containerPort"] == "TEMPLATED"
 
 

@@ -181,8 +181,43 @@ def test_pending_lines_name_example_claim_pod_and_reason() -> None:
     cond = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "no GPU that big"}
     kube = FakeKube([_pod("gpu-40gi", None, {"gpu": "gpu-40gi-gpu-xyz"}, cond)], [_claim("gpu-40gi-gpu-xyz")])
     state = allocation_state(kube, [ex], "ns")   # type: ignore[arg-type]
-    assert describe_pending(kube, state, "ns") == [   # type: ignore[arg-type]
+    from ops.explain.verdict import ALLOCATABLE, Explanation
+
+    def allocatable(_kube: Any, target: str, _ns: str) -> Explanation:   # explain sees no reason: the scheduler's
+        return Explanation(ALLOCATABLE, "allocatable on node n1", [target])
+
+    assert describe_pending(kube, state, "ns", allocatable) == [   # type: ignore[arg-type]
         "cel-memory: claim gpu-40gi-gpu-xyz (not allocated), pod gpu-40gi: Unschedulable: no GPU that big"]
+
+
+def test_a_claim_not_allocated_is_explained_by_explains_verdict() -> None:
+    """The demo's failure line carries `gpu-dra explain`'s verdict on the failed claim, not the scheduler's
+    "cannot allocate all claims"; where explain cannot evaluate, the scheduler's reason and why."""
+    from ops.explain.reads import ExplainTargetError
+    from ops.explain.verdict import NOT_ALLOCATABLE, Explanation
+
+    ex = load_example(EXAMPLES / "cel-memory")
+    cond = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+            "message": "0/2 nodes are available: 2 cannot allocate all claims."}
+    kube = FakeKube([_pod("gpu-40gi", None, {"gpu": "gpu-40gi-gpu-xyz"}, cond)], [_claim("gpu-40gi-gpu-xyz")])
+    state = allocation_state(kube, [ex], "ns")   # type: ignore[arg-type]
+    asked: list[tuple[str, str]] = []
+
+    def explain(_kube: Any, target: str, namespace: str) -> Explanation:
+        asked.append((target, namespace))
+        return Explanation(NOT_ALLOCATABLE, "not allocatable on any node: no device has 40Gi of memory", [target])
+
+    assert describe_pending(kube, state, "ns", explain) == [   # type: ignore[arg-type]
+        "cel-memory: claim gpu-40gi-gpu-xyz (not allocated), pod gpu-40gi: gpu-dra explain claim/gpu-40gi-gpu-xyz: "
+        "not allocatable on any node: no device has 40Gi of memory"]
+    assert asked == [("claim/gpu-40gi-gpu-xyz", "ns")]
+
+    def cannot(_kube: Any, target: str, namespace: str) -> Explanation:
+        raise ExplainTargetError(f"no claim named x in namespace {namespace}")
+
+    (line,) = describe_pending(kube, state, "ns", cannot)   # type: ignore[arg-type]
+    assert line.endswith("Unschedulable: 0/2 nodes are available: 2 cannot allocate all claims. (gpu-dra explain "
+                         "claim/gpu-40gi-gpu-xyz: no claim named x in namespace ns)"), line
 
 
 # ------------------------------------------------------------------------------------------------ report

@@ -417,3 +417,37 @@ def test_the_mps_tenancy_policy_is_rendered_where_the_cluster_has_it(version: st
     assert ("MutatingAdmissionPolicy" in kinds) is rendered
     off = helm("template", "r", str(CHART), "--kube-version", version, "--set", "mps.tenancyTolerations=false")
     assert "MutatingAdmissionPolicy" not in off.stdout
+
+
+GPU_NODE_TERMS = [{"matchExpressions": [{"key": key, "operator": "In", "values": ["true"]}]}
+                  for key in ("feature.node.kubernetes.io/pci-10de.present", "nvidia.com/gpu.present")]
+
+
+def _plugin_affinity(objects: list[dict[str, Any]]) -> Any:
+    return one(objects, "DaemonSet")["spec"]["template"]["spec"].get("affinity")
+
+
+def test_the_plugin_runs_on_gpu_nodes_only_by_default(default: list[dict[str, Any]]) -> None:
+    """NFD's NVIDIA PCI label or GFD's label, either one: a CPU-only node gets no plugin pod to crash-loop."""
+    required = _plugin_affinity(default)["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert required == {"nodeSelectorTerms": GPU_NODE_TERMS}
+
+
+def test_the_plugin_placement_can_be_overridden() -> None:
+    assert _plugin_affinity(render("--set", "kubeletPlugin.gpuNodeLabels=null")) is None
+    assert _plugin_affinity(render("--set-json", "kubeletPlugin.gpuNodeLabels=[]")) is None
+    only = render("--set-json", 'kubeletPlugin.gpuNodeLabels=["example.com/gpu"]')
+    assert _plugin_affinity(only)["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == {
+        "nodeSelectorTerms": [{"matchExpressions": [{"key": "example.com/gpu", "operator": "In", "values": ["true"]}]}]}
+    own = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}]}}}
+    import json
+
+    assert _plugin_affinity(render("--set-json", f"kubeletPlugin.affinity={json.dumps(own)}")) == own
+
+
+def test_the_kind_cluster_labels_its_workers_as_gpu_nodes() -> None:
+    """The kind cluster of deploy/README.md runs simulated GPUs on its workers: they carry GFD's label."""
+    nodes = yaml.safe_load((ROOT / "deploy" / "kind" / "cluster.yaml").read_text())["nodes"]
+    workers = [n for n in nodes if n["role"] == "worker"]
+    assert workers and all(n.get("labels", {}).get("nvidia.com/gpu.present") == "true" for n in workers)

@@ -192,7 +192,9 @@ def test_demo_steps_allocate_prepare_and_report_unallocatable_claims(cluster: An
         assert f"mig.{driver}" in result.device_classes
         (pending,) = result.pending
         assert pending.startswith("too-big: claim gpu-40gi-gpu-") and "(not allocated)" in pending
-        assert "pod gpu-40gi" in pending and "cannot allocate all claims" in pending
+        # explain's verdict on the failed claim, not the scheduler's "cannot allocate all claims"
+        assert "pod gpu-40gi: gpu-dra explain claim/gpu-40gi-gpu-" in pending, pending
+        assert "not allocatable" in pending and "cannot allocate all claims" not in pending, pending
         assert [c.example for c in result.claims if c.done] == ["mig"]
         # The prepare hook is not run while a claim is pending; run it on its own for the allocated one.
         prepared = prepare_one_claim(ctx, [c for c in result.claims if c.done])

@@ -370,6 +370,20 @@ def test_explain_agrees_with_the_scheduler(api_client: Any, case_env: Any, case:
         assert any(k.endswith(f": {case.request}") for k in chosen), (exp.sentence, chosen)
 
 
+def _delete_and_wait(kube: KubeApi, kind: str, ns: str, name: str, timeout: float = 30.0) -> None:
+    """Delete an object at once and return when the API server no longer has it (finalizers included)."""
+    body = {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0} if kind == "Pod" else None
+    try:
+        kube.request("DELETE", f"{collection(kind, ns)}/{name}", body=body)
+    except ApiError as exc:
+        if not exc.not_found:
+            raise
+    deadline = time.monotonic() + timeout
+    while any(o["metadata"]["name"] == name for o in kube.list(collection(kind, ns))["items"]):
+        assert time.monotonic() < deadline, f"{kind} {ns}/{name} was not deleted within {timeout:.0f} s"
+        time.sleep(0.25)
+
+
 def test_cli_explains_a_pending_pod_and_an_allocatable_template(cluster: Any, api_client: Any, case_env: Any) -> None:
     """`gpu-dra explain` as a process: the text verdict first (exit 1) for a pod the scheduler left pending,
     JSON (exit 0) for a template it then allocates."""
@@ -391,18 +405,10 @@ def test_cli_explains_a_pending_pod_and_an_allocatable_template(cluster: Any, ap
     assert f"{ns}/first (pod {ns}/first)" in first_line, first_line
     assert f"node {node}: not allocatable" in text.stdout
 
-    kube.request("DELETE", f"{collection('Pod', ns)}/first",
-                 body={"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0})
-    kube.request("DELETE", f"{collection('Pod', ns)}/late",
-                 body={"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0})
-    # Both claims go: once `first` releases gpu-0 the scheduler may still give it to `late` while the late pod
-    # is being deleted, and a standalone claim keeps its allocation after its pod is gone.
-    for name in ("first", "late"):
-        kube.request("DELETE", f"{collection('ResourceClaim', ns)}/{name}")
-    deadline = time.monotonic() + 30
-    while any(c["metadata"]["name"] in ("first", "late") for c in kube.list(collection("ResourceClaim", ns))["items"]):
-        assert time.monotonic() < deadline, "claims first and late were not deleted"
-        time.sleep(0.25)
+    # The late pod and its claim go first, and the test waits until they are gone: while the late pod exists,
+    # freeing gpu-0 lets the scheduler allocate claim late to it, and the template would then find gpu-0 held.
+    for kind, name in (("Pod", "late"), ("ResourceClaim", "late"), ("Pod", "first"), ("ResourceClaim", "first")):
+        _delete_and_wait(kube, kind, ns, name)
     apply_objects(kube, [_template("tpl", _driver_in(ONE, driver))], ns)
     out = cli("template/tpl", "-o", "json")
     assert out.returncode == 0, out.stdout + out.stderr

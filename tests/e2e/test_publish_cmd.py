@@ -97,3 +97,52 @@ def test_publish_keeps_running_repairs_and_follows_the_fleet_file(cluster: Any, 
         out, _ = proc.communicate(timeout=15)
     assert proc.returncode == 0, out
     assert "fleet file changed" in out
+
+
+def test_publish_never_touches_pools_a_node_plugin_publishes(cluster: Any, api_client: Any, driver_name: str,
+                                                             tmp_path: Path) -> None:
+    """A node plugin's pool (slices without publish's label) next to a fleet: --dry-run says what would be written
+    and leaves the plugin's pool alone, a run creates only the fleet's pools, a smaller fleet deletes only publish's
+    own, and a fleet naming the plugin's node is refused."""
+    from kube.resourceslices import DesiredPool, Owner, ResourceSliceController
+    from testbed.localcluster import simulated_node
+
+    prefix = driver_name.split(".")[0]
+    plugin_node = f"{prefix}-plugin"
+    kube = KubeApi(api_client)
+    kube.create(NODES, simulated_node(plugin_node, {}))
+    plugin = ResourceSliceController(api_client, driver_name, Owner.node(plugin_node))
+    plugin.update({plugin_node: DesiredPool(slices=[{"devices": [{"name": "gpu-0"}]}], node_name=plugin_node)})
+    plugin.run_once(timeout=30)
+
+    def plugin_slices() -> list[tuple[str, str]]:
+        return [(s["metadata"]["uid"], s["metadata"]["resourceVersion"]) for s in slices_of(api_client, driver_name)
+                if s["spec"]["pool"]["name"] == plugin_node]
+
+    before = plugin_slices()
+    assert len(before) == 1
+    fleet = tmp_path / "fleet.yaml"
+    _fleet(fleet, prefix)
+    dry = run_publish(cluster, fleet, driver_name, "--once", "--create-nodes", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert f"create               pool {prefix}-hgx:" in dry.stdout, dry.stdout
+    assert f"leave alone          pool {plugin_node}: 1 slice(s)" in dry.stdout, dry.stdout
+    assert {s["spec"]["pool"]["name"] for s in slices_of(api_client, driver_name)} == {plugin_node}
+    assert f"{prefix}-hgx" not in {n["metadata"]["name"] for n in kube.list(NODES)["items"]}
+
+    first = run_publish(cluster, fleet, driver_name, "--once", "--create-nodes")
+    assert first.returncode == 0, first.stderr
+    assert set(_devices_by_node(api_client, driver_name)) == {f"{prefix}-hgx", f"{prefix}-l4", plugin_node}
+    assert all(s["metadata"]["labels"] == {"gpu.dra-driver.io/published-by": "gpu-dra-publish"}
+               for s in slices_of(api_client, driver_name) if s["spec"]["pool"]["name"] != plugin_node)
+    _fleet(fleet, prefix, with_l4_node=False)
+    shrink = run_publish(cluster, fleet, driver_name, "--once")
+    assert shrink.returncode == 0, shrink.stderr
+    assert set(_devices_by_node(api_client, driver_name)) == {f"{prefix}-hgx", plugin_node}
+    assert plugin_slices() == before
+
+    fleet.write_text(yaml.safe_dump({"nodes": [{"name": plugin_node, "gpus": [{"model": "L4", "count": 1}]}]}))
+    clash = run_publish(cluster, fleet, driver_name, "--once")
+    assert clash.returncode == 2 and f"pool(s) {plugin_node} of driver {driver_name} are published by someone else" \
+        in clash.stderr, clash.stderr
+    assert plugin_slices() == before

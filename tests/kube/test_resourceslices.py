@@ -444,3 +444,27 @@ def test_an_update_conflict_is_re_read_and_synced_again(caplog: pytest.LogCaptur
     [warning] = [r.getMessage() for r in caplog.records]
     assert f"pool {NODE_NAME}: sync failed (attempt 1)" in warning
     assert "update conflicted with another change" in warning and "will re-read" in warning
+
+
+def test_a_labelled_publisher_changes_only_the_pools_it_created() -> None:
+    """`gpu-dra publish` (a labelled owner) next to a node plugin: the plugin's pool (no label) is neither listed,
+    changed nor deleted; the publisher's own pool leaves when it is no longer desired."""
+    api = InMemorySliceApi(["node-a", "node-b"])
+    plugin = ResourceSliceController(object(), DRIVER, NODE)
+    plugin.kube = api  # type: ignore[assignment]
+    plugin.update({"node-a": pool(devices("gpu-0"), devices("gpu-1"))})
+    plugin.run_once(timeout=10)
+    publisher = ResourceSliceController(object(), DRIVER, Owner.labelled("example.com/by", "publish"))
+    publisher.kube = api  # type: ignore[assignment]
+    publisher.update({"node-b": pool(devices("gpu-0"), node_name="node-b")})
+    publisher.run_once(timeout=10)
+    stored = api.list(SLICES, f"spec.driver={DRIVER}")["items"]
+    by_pool = {o["spec"]["pool"]["name"]: o for o in stored}
+    assert set(by_pool) == {"node-a", "node-b"}
+    assert by_pool["node-b"]["metadata"]["labels"] == {"example.com/by": "publish"}
+    assert "labels" not in by_pool["node-a"]["metadata"]
+    api.writes.clear()
+    publisher.update({})
+    publisher.run_once(timeout=10)
+    assert dict(api.writes) == {"delete": 1}
+    assert {o["spec"]["pool"]["name"] for o in api.list(SLICES, f"spec.driver={DRIVER}")["items"]} == {"node-a"}

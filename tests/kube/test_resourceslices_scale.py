@@ -65,9 +65,10 @@ class CountingApi(InMemorySliceApi):
         listed = InMemorySliceApi.list(self, collection, field_selector, label_selector)   # not counted as a list
         return {"items": [{"metadata": o["metadata"]} for o in listed["items"]], "resourceVersion": listed["resourceVersion"]}
 
-    def iter_list(self, collection: str, field_selector: str | None = None, page_size: int = 100) -> Iterator[dict[str, Any]]:
+    def iter_list(self, collection: str, field_selector: str | None = None, page_size: int = 100,
+                  label_selector: str | None = None) -> Iterator[dict[str, Any]]:
         self.calls["paged-list slices"] += 1
-        yield from InMemorySliceApi.list(self, collection, field_selector)["items"]
+        yield from InMemorySliceApi.list(self, collection, field_selector, label_selector)["items"]
 
     def get(self, path: str, **query: Any) -> dict[str, Any]:
         self.calls[f"get {'nodes' if path.startswith(NODES) else 'slices'}"] += 1

@@ -124,13 +124,34 @@ def test_usage_errors(capsys) -> None:
     assert "gpu-dra doctor: --fleet: " in capsys.readouterr().err
 
 
+def fake_sysfs(base: Path, vendors: dict[str, str]) -> Path:
+    """A /sys with PCI devices: address -> vendor ID (as sysfs writes it, e.g. 0x10de)."""
+    for address, vendor in vendors.items():
+        dev = base / "sys/bus/pci/devices" / address
+        dev.mkdir(parents=True)
+        (dev / "vendor").write_text(vendor + "\n")
+    (base / "sys/bus/pci/devices").mkdir(parents=True, exist_ok=True)
+    return base / "sys"
+
+
+def loaded_module(tree: FakeDriverTree) -> None:
+    (tree.proc_root / "driver/nvidia").mkdir(parents=True, exist_ok=True)
+    (tree.proc_root / "driver/nvidia/version").write_text(
+        f"NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  {DRIVER_VERSION}  Release Build\n")
+
+
 def test_real_node_whose_nvml_cannot_load(tmp_path: Path) -> None:
     """A real node (not simulated) whose driver root has a libnvidia-ml that is no library: the NVML check fails
     naming the file; the checks that need a GPU are skipped, the driver root is still inspected."""
     tree = tree_of(tmp_path)
     tree.add_hook()
+    loaded_module(tree)
+    sys_root = fake_sysfs(tmp_path, {"0000:3b:00.0": "0x10de", "0000:00:1f.0": "0x8086"})
     paths = NodePaths(driver_root=str(tree.root), dev_root=str(tree.dev_root), proc_root=str(tree.proc_root))
-    checks = {c.name: c for c in run_checks(NodeObjects(paths), DoctorOptions(container=False))}
+    checks = {c.name: c for c in run_checks(NodeObjects(paths), DoctorOptions(container=False,
+                                                                               sys_root=str(sys_root)))}
+    assert checks["gpu"].status == "PASS" and "1 NVIDIA PCI device(s) (0000:3b:00.0)" in checks["gpu"].summary
+    assert checks["gpu"].summary.endswith(f"; NVIDIA kernel module {DRIVER_VERSION} loaded")
     assert checks["nvml"].status == "FAIL" and "--driver-root: cannot open" in checks["nvml"].summary
     assert f"libnvidia-ml.so.{DRIVER_VERSION}" in checks["nvml"].summary
     assert checks["driver-root"].status == "PASS" and checks["cdi-spec"].status == "SKIP"
@@ -250,3 +271,47 @@ def test_container_check_is_skipped_without_root(tmp_path: Path) -> None:
     checks = {c.name: c for c in run_checks(objects, DoctorOptions(is_root=False))}
     assert checks["container"].status == "SKIP" and "needs root" in checks["container"].summary
     assert shutil.which("unshare") is None or exit_code(list(checks.values())) == 0
+
+
+def test_a_machine_without_an_nvidia_gpu_is_told_so_before_nvml(tmp_path: Path) -> None:
+    """No PCI device of vendor 0x10de: "no NVIDIA GPU on this machine", and NVML is not asked (its "does not
+    initialise, check the kernel module" would send the operator the wrong way)."""
+    tree = tree_of(tmp_path)
+    sys_root = fake_sysfs(tmp_path, {"0000:00:1f.0": "0x8086", "0000:00:03.0": "0x1af4"})
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "doctor", *path_args(tree), "--sys-root", str(sys_root),
+                           "--no-container"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert line(proc.stdout, "gpu").startswith(
+        f"FAIL  gpu            no NVIDIA GPU on this machine: no PCI device of vendor 0x10de under {sys_root}/bus/pci/devices")
+    assert line(proc.stdout, "nvml").startswith("SKIP") and "NVML does not initialise" not in proc.stdout
+
+
+def test_an_nvidia_gpu_without_its_kernel_module_is_named(tmp_path: Path) -> None:
+    tree = tree_of(tmp_path)
+    sys_root = fake_sysfs(tmp_path, {"0000:3b:00.0": "0x10de", "0000:86:00.0": "0x10de"})
+    paths = NodePaths(driver_root=str(tree.root), dev_root=str(tree.dev_root), proc_root=str(tree.proc_root))
+    checks = {c.name: c for c in run_checks(NodeObjects(paths), DoctorOptions(container=False,
+                                                                               sys_root=str(sys_root)))}
+    assert checks["gpu"].status == "FAIL"
+    assert checks["gpu"].summary == ("2 NVIDIA PCI device(s) (0000:3b:00.0, 0000:86:00.0) but the NVIDIA kernel "
+                                     f"module is not loaded: no {tree.proc_root}/driver/nvidia")
+    assert "modprobe nvidia" in checks["gpu"].fix and checks["nvml"].status == "SKIP"
+
+
+@pytest.mark.parametrize("library, status", [("libcuda.so.1", "FAIL"), ("libnvidia-ml.so.1", "FAIL"),
+                                             ("libnvidia-ptxjitcompiler.so.1", "WARN")])
+def test_a_dangling_soname_link_is_reported(capsys, tmp_path: Path, library: str, status: str) -> None:
+    """`libcuda.so.1 -> libcuda.so.<missing>`: the spec would leave the soname out and containers' CUDA would not
+    load; a FAIL naming the link (a WARN for a library every container does not need)."""
+    tree = tree_of(tmp_path)
+    tree.add_hook()
+    link = tree.root / tree.lib_dir / library
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    os.symlink(library.replace(".so.1", ".so.999.1.1"), link)
+    rc, out = doctor(capsys, *path_args(tree), "--no-container")
+    root = line(out, "driver-root")
+    assert root.startswith(status), out
+    assert "dangling link(s) " in root and "(target missing)" in root, root
+    assert f"/{tree.lib_dir}/{library} -> {library.replace('.so.1', '.so.999.1.1')}" in root, root
+    assert rc == (1 if status == "FAIL" else 0), out

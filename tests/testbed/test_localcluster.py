@@ -77,3 +77,33 @@ def test_the_bin_dir_override_serves_only_the_target_release(monkeypatch: pytest
     monkeypatch.setenv(BIN_ENV, str(target))
     assert find_binaries(build=False) == target
     assert find_binaries(build=False, version=pinned_version("K8S_SKEW_VERSION")) == skew
+
+
+def test_build_scripts_show_their_log_lines_while_they_run(tmp_path: Path) -> None:
+    """`gpu-dra demo` prints a cold build's progress: each log line of a hack/build-*.sh script reaches the
+    receiver while the script still runs (this script goes on only once its first line was shown)."""
+    from testbed.localcluster import ClusterError, bin_dir_from_script, set_build_progress
+
+    shown = tmp_path / "shown"
+    script = tmp_path / "build-fake.sh"
+    script.write_text(f"""
+printf '[build-fake.sh 12:00:00] building kubelet v1.37.2\\n' >&2
+echo 'go: downloading k8s.io/api v0.37.2' >&2
+for i in $(seq 600); do [ -e {shown} ] && break; sleep 0.1; done
+[ -e {shown} ] || exit 7
+printf '[build-fake.sh 12:00:09] node binaries ready\\n' >&2
+echo {tmp_path}
+""")
+    lines: list[str] = []
+
+    def show(line: str) -> None:
+        lines.append(line)
+        shown.touch()
+
+    set_build_progress(show)
+    try:
+        bin_dir = bin_dir_from_script(script, {"PATH": "/usr/bin:/bin"}, lambda _: [], ClusterError)
+    finally:
+        set_build_progress(None)
+    assert bin_dir == tmp_path
+    assert lines == ["[build-fake.sh 12:00:00] building kubelet v1.37.2", "[build-fake.sh 12:00:09] node binaries ready"]

@@ -137,3 +137,14 @@ def test_an_unreadable_host_view_is_said_not_mistaken_for_no_driver(tmp_path: Pa
     with pytest.raises(DriverRootError, match=r"cannot be looked at through .*/proc/1/root \(") as err:
         DriverRoot(tmp_path / "nothing", proc_root=proc).files()
     assert "none of" not in str(err.value)
+
+
+def test_libraries_without_a_version_say_what_is_wrong_not_an_internal_parameter(tmp_path: Path) -> None:
+    lib = tmp_path / "driver-root/usr/lib/x86_64-linux-gnu"
+    lib.mkdir(parents=True)
+    (lib / "libcuda.so.1").write_bytes(b"\x7fELF")          # a soname file with no versioned file behind it
+    with pytest.raises(DriverRootError) as err:
+        DriverRoot(tmp_path / "driver-root", proc_root=tmp_path / "proc").files()
+    message = str(err.value)
+    assert "cannot tell the driver version" in message and "libcuda.so.580.95.05" in message
+    assert "driver_version" not in message, message
