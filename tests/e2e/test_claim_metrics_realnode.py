@@ -10,11 +10,18 @@ the claim's reservedFor again.
 The path is the production one: the kubelet's PodResources socket (which container holds which claim device),
 the claims' reservedFor (pod UID to pod), each process's cgroup (its pod UID), and NVML's process lists, here the
 simulated NVML answering from what the stand-in's cuMemAlloc registered in the containers.
+
+A real Prometheus (hack/build-prometheus.sh) scrapes the plugin as the chart's monitor does (honor_labels, the
+plugin pod's namespace, pod and container as target labels) and answers every query of the chart's Grafana
+dashboard, with its variables set, with the two MPS pods' series.
 """
 from __future__ import annotations
 
+import json
+import re
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,6 +30,9 @@ from realnode_helpers import RealNode
 from standin.workloads import create, wait_until
 
 from api.names import DEFAULT_DRIVER_NAME
+from dra.sim.fleet import gpu_uuid as fleet_gpu_uuid
+from testbed import prometheus
+from testbed.helmchart import CHART
 from testbed.localnode import cuda_probe_image
 from testbed.nodeplugin import LocalNodePlugin
 from testbed.podprobe import for_local_node
@@ -93,6 +103,15 @@ def allocating_pod(name: str, template: str, mib: int, node_name: str) -> dict[s
     return pod
 
 
+def gpu_labels(real: RealNode, plugin: LocalNodePlugin, gpu_uuid: str) -> dict[str, str]:
+    """The DCGM exporter's labels of the GPU `gpu_uuid`: the node, the GPU's NVML index (the simulated fleet's UUIDs
+    derive from node and index), its UUID and product name as published."""
+    assert real.node is not None
+    gpu, = [a for a in real.devices(plugin).values() if a["type"] == "gpu" and a["uuid"] == gpu_uuid]
+    index = next(i for i in range(64) if fleet_gpu_uuid(real.node.name, i) == gpu_uuid)
+    return {"Hostname": real.node.name, "gpu": str(index), "UUID": gpu_uuid, "modelName": gpu["productName"]}
+
+
 def claim_series(plugin: LocalNodePlugin) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
     """The plugin's per-claim series: metric name → labels → value."""
     with urllib.request.urlopen(f"http://127.0.0.1:{plugin.metrics_port}/metrics", timeout=10) as resp:
@@ -127,7 +146,7 @@ def two_pods_on_mps_slots_are_two_series(real: RealNode, plugin: LocalNodePlugin
         result, = claim["status"]["allocation"]["devices"]["results"]
         labels = {"namespace": namespace, "pod": pod, "container": "cuda", "claim": claim["metadata"]["name"],
                   "request": "gpu", "device": result["device"], "gpu_uuid": parent, "mig_profile": "",
-                  "sharing": "mps"}
+                  "sharing": "mps", **gpu_labels(real, plugin, parent)}
         expected[tuple(sorted(labels.items()))] = mib * MiB
     assert len({dict(k)["device"] for k in expected}) == 2, "the two pods got one slot"
 
@@ -143,7 +162,8 @@ def two_pods_on_mps_slots_are_two_series(real: RealNode, plugin: LocalNodePlugin
     assert series["gpu_dra_claim_gpu_processes"] == {k: 1 for k in expected}
     assert set(series["gpu_dra_claim_gpu_sm_utilization_percent"]) == set(expected)
     # Each pod's process was found through its own container: none is left over on the GPU.
-    assert series.get("gpu_dra_gpu_unattributed_processes", {}).get((("gpu_uuid", parent),), 0) == 0
+    assert series["gpu_dra_gpu_unattributed_processes"] == {
+        tuple(sorted({"gpu_uuid": parent, **gpu_labels(real, plugin, parent)}.items())): 0}
     assert series["gpu_dra_claim_metrics_errors_total"] == {
         (("source", s),): 0 for s in ("apiserver", "nvml", "podresources")}
 
@@ -175,7 +195,7 @@ def test_a_claim_shared_by_two_pods_one_with_two_containers(real: RealNode, ours
     def labels(pod: str, container: str) -> tuple[tuple[str, str], ...]:
         return tuple(sorted({"namespace": namespace, "pod": pod, "container": container, "claim": "shared",
                              "request": "gpu", "device": result["device"], "gpu_uuid": parent, "mig_profile": "",
-                             "sharing": "mps"}.items()))
+                             "sharing": "mps", **gpu_labels(real, ours, parent)}.items()))
 
     expected = {labels("metrics-c", "cuda|side"): 150 * MiB, labels("metrics-d", "cuda"): 60 * MiB}
 
@@ -192,7 +212,8 @@ def test_a_claim_shared_by_two_pods_one_with_two_containers(real: RealNode, ours
     assert of_namespace("gpu_dra_claim_gpu_processes") == {labels("metrics-c", "cuda|side"): 2,
                                                             labels("metrics-d", "cuda"): 1}
     series = claim_series(ours)
-    assert series.get("gpu_dra_gpu_unattributed_processes", {}).get((("gpu_uuid", parent),), 0) == 0
+    unattributed = {"gpu_uuid": parent, **gpu_labels(real, ours, parent)}
+    assert series["gpu_dra_gpu_unattributed_processes"][tuple(sorted(unattributed.items()))] == 0
     assert series["gpu_dra_claim_metrics_errors_total"][(("source", "apiserver"),)] == 0
     for pod in pods:
         real.delete_pod(namespace, pod)
@@ -205,3 +226,91 @@ def _log(real: RealNode, namespace: str, pod: str, container: str = "cuda") -> s
     except Exception:  # noqa: BLE001 - no log file yet
         return ""
 
+
+
+DASHBOARD = CHART / "files" / "dashboards" / "gpu-dra-claims.json"
+MEMORY = "gpu_dra_claim_gpu_memory_used_bytes"
+
+
+def test_prometheus_scrapes_the_plugin_and_every_dashboard_query_shows_the_two_mps_pods(
+        real: RealNode, ours: LocalNodePlugin, tmp_path: Path) -> None:
+    """The dashboard as Grafana runs it, on a real Prometheus scraping the plugin: its variables (namespace, pod,
+    node, GPU) list the pods' values, and each panel's query answers with the two pods' series (or, grouped by
+    namespace or GPU, with theirs), the namespace filter matching the pods' namespace, not the plugin's."""
+    assert real.node is not None and real.kube is not None
+    namespace = "claim-metrics-prometheus"
+    slots = [a for a in real.devices(ours).values() if a["type"] == "slot" and a.get("sharing") == "mps"]
+    parent = slots[0]["parentUUID"]
+    real.namespace(namespace)
+    for pod, mib in ALLOC.items():
+        create(real.kube, namespace, mps_template(pod, parent))
+        create(real.kube, namespace, allocating_pod(pod, pod, mib, real.node.name))
+    for pod, mib in ALLOC.items():
+        wait_until(lambda: f"alloc: {mib} MiB on device 0" in _log(real, namespace, pod), 90,
+                   f"pod {namespace}/{pod} to allocate {mib} MiB")
+    # As the chart's ServiceMonitor has it: the target carries the plugin pod's namespace, pod and container, and
+    # honor_labels keeps the workload's on the per-claim series.
+    plugin_pod = {"namespace": "gpu-dra", "pod": "gpu-dra-kubelet-plugin-x7k2p", "container": "plugin"}
+    config = {"global": {"scrape_interval": "5s", "scrape_timeout": "5s", "evaluation_interval": "5s"},
+              "scrape_configs": [{"job_name": "gpu-dra-kubelet-plugin", "honor_labels": True,
+                                  "static_configs": [{"targets": [f"127.0.0.1:{ours.metrics_port}"],
+                                                      "labels": {**plugin_pod, "node": real.node.name}}]}]}
+    node = gpu_labels(real, ours, parent)["Hostname"]
+    with prometheus.running(config) as prom:
+        def up() -> list[dict[str, Any]]:
+            return [t for t in prom.targets() if t["health"] == "up"]
+
+        wait_until(up, 60, f"the plugin's target up (targets: {prom.targets()})")
+        # Two samples of every series, for the rate() of the error counters.
+        wait_until(lambda: len(prom.query(f"count_over_time({MEMORY}{{namespace='{namespace}'}}[1m]) >= 2")) == 2,
+                   60, "two samples of both pods' memory series")
+        # The plugin's own series keep the target's labels (honor_labels only keeps labels a series has).
+        registered, = prom.query("gpu_dra_kubelet_registered")
+        assert {k: registered["metric"][k] for k in plugin_pod} == plugin_pod
+        check_the_dashboard(prom, namespace, node, parent)
+
+
+def check_the_dashboard(prom: prometheus.Prometheus, namespace: str, node: str, gpu_uuid: str) -> None:
+    """Every variable and panel query of the dashboard, with the variables at the pods' namespace and node."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    values = {"namespace": namespace, "pod": ".*", "node": node, "gpu": ".*"}
+
+    def substituted(expr: str) -> str:
+        out = re.sub(r"\$(\w+)", lambda m: values[m.group(1)], expr)
+        assert "$" not in out, out
+        return out
+
+    pods = set(ALLOC)
+    variables = {"namespace": {namespace}, "pod": pods, "node": {node}, "gpu": {gpu_uuid}}
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] != "query":
+            continue
+        m = re.fullmatch(r"label_values\((.+), (\w+)\)", variable["query"]["query"])
+        assert m, variable["query"]["query"]
+        got = set(prom.label_values(m.group(2), substituted(m.group(1))))
+        assert variables[variable["name"]] <= got, (variable["name"], got)
+        if variable["name"] != "namespace":   # the other variables follow the namespace chosen
+            assert got == variables[variable["name"]], (variable["name"], got)
+
+    checked = 0
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            expr = substituted(target["expr"])
+            result = prom.query(expr)
+            assert result, f"panel {panel['title']!r}: no series for {expr}"
+            labels = [r["metric"] for r in result]
+            # Each label a panel groups by has the pods' values: both pods where it names pods.
+            if any("pod" in m for m in labels):
+                assert {m["pod"] for m in labels} == pods, (panel["title"], labels)
+            if any("namespace" in m for m in labels):
+                assert {m["namespace"] for m in labels} == {namespace}, (panel["title"], labels)
+            if any("gpu_uuid" in m for m in labels):
+                assert {m["gpu_uuid"] for m in labels} == {gpu_uuid}, (panel["title"], labels)
+            if "source" in labels[0]:
+                assert {m["source"] for m in labels} == {"podresources", "nvml", "apiserver"}, labels
+                assert all(float(r["value"][1]) == 0 for r in result), result
+            if MEMORY in expr:
+                total = sum(float(r["value"][1]) for r in result)
+                assert total == sum(ALLOC.values()) * MiB, (panel["title"], result)
+            checked += 1
+    assert checked == sum(len(p.get("targets", [])) for p in dashboard["panels"]) > 0
