@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
-from testbed.helmchart import CHART, helm, render, template_args
+from testbed.helmchart import CHART, ROOT, helm, render, template_args
+from testbed.prometheus import promtool
 
 PLUGIN = "gpu-dra-gpu-dra-driver-kubelet-plugin"
 OPERATOR = ("--api-versions", "monitoring.coreos.com/v1")
@@ -94,3 +96,18 @@ def test_the_dashboard_averages_utilisation_and_filters_by_node() -> None:
         for expr in exprs:
             if re.search(r"gpu_dra_claim_gpu_\w+\{", expr):
                 assert 'Hostname=~"$node"' in expr, (title, expr)
+
+
+def test_the_documented_scrape_config_is_one_prometheus_accepts(tmp_path: Path) -> None:
+    # docs/operations.md's job for a Prometheus without the operator, as promtool (the pinned release) checks it.
+    docs = (ROOT / "docs" / "operations.md").read_text()
+    section = docs[docs.index("### Scraping the plugins"):]
+    block, = re.findall(r"```yaml\n(scrape_configs:.*?)```", section, re.S)[:1]
+    assert "honor_labels: true" in block
+    path = tmp_path / "prometheus.yml"
+    path.write_text(block)
+    proc = promtool("check", "config", str(path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # promtool does refuse a broken one: the check is not a formality.
+    path.write_text(block.replace("role: pod", "role: pods"))
+    assert promtool("check", "config", str(path)).returncode != 0

@@ -32,7 +32,7 @@ from standin.workloads import create, wait_until
 from api.names import DEFAULT_DRIVER_NAME
 from dra.sim.fleet import gpu_uuid as fleet_gpu_uuid
 from testbed import prometheus
-from testbed.helmchart import CHART
+from testbed.helmchart import CHART, ROOT
 from testbed.localnode import cuda_probe_image
 from testbed.nodeplugin import LocalNodePlugin
 from testbed.podprobe import for_local_node
@@ -268,6 +268,10 @@ def test_prometheus_scrapes_the_plugin_and_every_dashboard_query_shows_the_two_m
         registered, = prom.query("gpu_dra_kubelet_registered")
         assert {k: registered["metric"][k] for k in plugin_pod} == plugin_pod
         check_the_dashboard(prom, namespace, node, parent)
+        # The queries docs/operations.md shows parse and run (the DCGM exporter's series are not here: empty).
+        docs = (ROOT / "docs" / "operations.md").read_text()
+        for expr in re.findall(r"```promql\n(.*?)```", docs, re.S):
+            prom.query(expr)
 
 
 def check_the_dashboard(prom: prometheus.Prometheus, namespace: str, node: str, gpu_uuid: str) -> None:
