@@ -21,7 +21,6 @@ import json
 import re
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -233,7 +232,7 @@ MEMORY = "gpu_dra_claim_gpu_memory_used_bytes"
 
 
 def test_prometheus_scrapes_the_plugin_and_every_dashboard_query_shows_the_two_mps_pods(
-        real: RealNode, ours: LocalNodePlugin, tmp_path: Path) -> None:
+        real: RealNode, ours: LocalNodePlugin) -> None:
     """The dashboard as Grafana runs it, on a real Prometheus scraping the plugin: its variables (namespace, pod,
     node, GPU) list the pods' values, and each panel's query answers with the two pods' series (or, grouped by
     namespace or GPU, with theirs), the namespace filter matching the pods' namespace, not the plugin's."""
@@ -260,10 +259,16 @@ def test_prometheus_scrapes_the_plugin_and_every_dashboard_query_shows_the_two_m
         def up() -> list[dict[str, Any]]:
             return [t for t in prom.targets() if t["health"] == "up"]
 
-        wait_until(up, 60, f"the plugin's target up (targets: {prom.targets()})")
-        # Two samples of every series, for the rate() of the error counters.
-        wait_until(lambda: len(prom.query(f"count_over_time({MEMORY}{{namespace='{namespace}'}}[1m]) >= 2")) == 2,
-                   60, "two samples of both pods' memory series")
+        wait_until(up, 60, "the plugin's target up")
+        # Both pods' allocations scraped, and two samples of every series (for the rate() of the error counters).
+        selector = f"{MEMORY}{{namespace='{namespace}'}}"
+
+        def scraped() -> bool:
+            total = prom.query(f"sum({selector})")
+            return (bool(total) and float(total[0]["value"][1]) == sum(ALLOC.values()) * MiB
+                    and len(prom.query(f"count_over_time({selector}[1m]) >= 2")) == len(ALLOC))
+
+        wait_until(scraped, 60, "both pods' allocations in two scrapes")
         # The plugin's own series keep the target's labels (honor_labels only keeps labels a series has).
         registered, = prom.query("gpu_dra_kubelet_registered")
         assert {k: registered["metric"][k] for k in plugin_pod} == plugin_pod
@@ -272,6 +277,8 @@ def test_prometheus_scrapes_the_plugin_and_every_dashboard_query_shows_the_two_m
         docs = (ROOT / "docs" / "operations.md").read_text()
         for expr in re.findall(r"```promql\n(.*?)```", docs, re.S):
             prom.query(expr)
+    for pod in ALLOC:
+        real.delete_pod(namespace, pod)
 
 
 def check_the_dashboard(prom: prometheus.Prometheus, namespace: str, node: str, gpu_uuid: str) -> None:
