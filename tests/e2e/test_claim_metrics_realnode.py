@@ -17,13 +17,13 @@ dashboard, with its variables set, with the two MPS pods' series.
 """
 from __future__ import annotations
 
-import json
 import re
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from dashboard_check import check_the_dashboard
 from prometheus_client.parser import text_string_to_metric_families
 from realnode_helpers import RealNode
 from standin.workloads import create, wait_until
@@ -31,7 +31,7 @@ from standin.workloads import create, wait_until
 from api.names import DEFAULT_DRIVER_NAME
 from dra.sim.fleet import gpu_uuid as fleet_gpu_uuid
 from testbed import prometheus
-from testbed.helmchart import CHART, ROOT
+from testbed.helmchart import ROOT
 from testbed.localnode import cuda_probe_image
 from testbed.nodeplugin import LocalNodePlugin
 from testbed.podprobe import for_local_node
@@ -227,7 +227,6 @@ def _log(real: RealNode, namespace: str, pod: str, container: str = "cuda") -> s
 
 
 
-DASHBOARD = CHART / "files" / "dashboards" / "gpu-dra-claims.json"
 MEMORY = "gpu_dra_claim_gpu_memory_used_bytes"
 
 
@@ -272,56 +271,11 @@ def test_prometheus_scrapes_the_plugin_and_every_dashboard_query_shows_the_two_m
         # The plugin's own series keep the target's labels (honor_labels only keeps labels a series has).
         registered, = prom.query("gpu_dra_kubelet_registered")
         assert {k: registered["metric"][k] for k in plugin_pod} == plugin_pod
-        check_the_dashboard(prom, namespace, node, parent)
+        check_the_dashboard(prom, namespace=namespace, node=node, gpu_uuid=parent, pods=set(ALLOC),
+                            memory=sum(ALLOC.values()) * MiB)
         # The queries docs/operations.md shows parse and run (the DCGM exporter's series are not here: empty).
         docs = (ROOT / "docs" / "operations.md").read_text()
         for expr in re.findall(r"```promql\n(.*?)```", docs, re.S):
             prom.query(expr)
     for pod in ALLOC:
         real.delete_pod(namespace, pod)
-
-
-def check_the_dashboard(prom: prometheus.Prometheus, namespace: str, node: str, gpu_uuid: str) -> None:
-    """Every variable and panel query of the dashboard, with the variables at the pods' namespace and node."""
-    dashboard = json.loads(DASHBOARD.read_text())
-    values = {"namespace": namespace, "pod": ".*", "node": node, "gpu": ".*"}
-
-    def substituted(expr: str) -> str:
-        out = re.sub(r"\$(\w+)", lambda m: values[m.group(1)], expr)
-        assert "$" not in out, out
-        return out
-
-    pods = set(ALLOC)
-    variables = {"namespace": {namespace}, "pod": pods, "node": {node}, "gpu": {gpu_uuid}}
-    for variable in dashboard["templating"]["list"]:
-        if variable["type"] != "query":
-            continue
-        m = re.fullmatch(r"label_values\((.+), (\w+)\)", variable["query"]["query"])
-        assert m, variable["query"]["query"]
-        got = set(prom.label_values(m.group(2), substituted(m.group(1))))
-        assert variables[variable["name"]] <= got, (variable["name"], got)
-        if variable["name"] != "namespace":   # the other variables follow the namespace chosen
-            assert got == variables[variable["name"]], (variable["name"], got)
-
-    checked = 0
-    for panel in dashboard["panels"]:
-        for target in panel.get("targets", []):
-            expr = substituted(target["expr"])
-            result = prom.query(expr)
-            assert result, f"panel {panel['title']!r}: no series for {expr}"
-            labels = [r["metric"] for r in result]
-            # Each label a panel groups by has the pods' values: both pods where it names pods.
-            if any("pod" in m for m in labels):
-                assert {m["pod"] for m in labels} == pods, (panel["title"], labels)
-            if any("namespace" in m for m in labels):
-                assert {m["namespace"] for m in labels} == {namespace}, (panel["title"], labels)
-            if any("gpu_uuid" in m for m in labels):
-                assert {m["gpu_uuid"] for m in labels} == {gpu_uuid}, (panel["title"], labels)
-            if "source" in labels[0]:
-                assert {m["source"] for m in labels} == {"podresources", "nvml", "apiserver"}, labels
-                assert all(float(r["value"][1]) == 0 for r in result), result
-            if MEMORY in expr:
-                total = sum(float(r["value"][1]) for r in result)
-                assert total == sum(ALLOC.values()) * MiB, (panel["title"], result)
-            checked += 1
-    assert checked == sum(len(p.get("targets", [])) for p in dashboard["panels"]) > 0
