@@ -84,7 +84,7 @@ lint: $(STAMP)
 	@! grep -rnP --include='*.py' --exclude-dir=.venv --exclude-dir=build --exclude-dir=generated \
 	  '# noqa(?!: [A-Z]+[0-9]+(, [A-Z]+[0-9]+)* - \S)' . || { echo 'a noqa without its reason: # noqa: CODE - why'; exit 1; }
 
-unit: $(STAMP) cdi-validate
+unit: $(STAMP) cdi-validate prometheus
 	$(PY) -m pytest -m 'not e2e'
 
 e2e: $(STAMP) control-plane node-binaries helm prometheus cdi-tools image
