@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # K8S_VERSION (the target release), K8S_SKEW_VERSION (the oldest supported one), ETCD_VERSION.
 include hack/versions.env
 
-.PHONY: demo test lint unit e2e bench control-plane control-plane-target control-plane-skew node-binaries helm cdi-tools cdi-hook cdi-validate image image-lock protos clean
+.PHONY: demo test lint unit e2e bench control-plane control-plane-target control-plane-skew node-binaries helm prometheus cdi-tools cdi-hook cdi-validate image image-lock protos clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,12 @@ node-binaries: control-plane-target
 helm:
 	HELM_VERSION=$(HELM_VERSION) bash hack/build-helm.sh
 
+# Builds (or reuses) Prometheus and promtool (PROMETHEUS_VERSION) from Prometheus' Go module into
+# ~/.cache/gpu-dra/prometheus/<version>/bin (about 5 minutes cold on 2 cores): the metrics tests scrape the kubelet
+# plugin with it and run the Grafana dashboard's queries; promtool checks the scrape configs.
+prometheus:
+	PROMETHEUS_VERSION=$(PROMETHEUS_VERSION) bash hack/build-prometheus.sh
+
 # Builds (or reuses) the CDI programs into ~/.cache/gpu-dra: nvidia-cdi-hook (NVIDIA_CTK_VERSION, from the NVIDIA
 # Container Toolkit's Go module; the hook every CDI spec of the driver runs, shipped in the image) and cdi-validate
 # (hack/cdi-validate: the CDI reference library's parser and validator, which the tests run on every spec).
@@ -66,7 +72,7 @@ demo: $(STAMP) control-plane-target
 	-@[ "$$(id -u)" != 0 ] || NVIDIA_CTK_VERSION=$(NVIDIA_CTK_VERSION) bash hack/build-cdi-tools.sh hook >/dev/null
 	$(VENV)/bin/gpu-dra demo
 
-test: $(STAMP) control-plane node-binaries helm cdi-tools image
+test: $(STAMP) control-plane node-binaries helm prometheus cdi-tools image
 	$(MAKE) --no-print-directory lint
 	$(PY) -m pytest
 
@@ -78,10 +84,10 @@ lint: $(STAMP)
 	@! grep -rnP --include='*.py' --exclude-dir=.venv --exclude-dir=build --exclude-dir=generated \
 	  '# noqa(?!: [A-Z]+[0-9]+(, [A-Z]+[0-9]+)* - \S)' . || { echo 'a noqa without its reason: # noqa: CODE - why'; exit 1; }
 
-unit: $(STAMP) cdi-validate
+unit: $(STAMP) cdi-validate prometheus
 	$(PY) -m pytest -m 'not e2e'
 
-e2e: $(STAMP) control-plane node-binaries helm cdi-tools image
+e2e: $(STAMP) control-plane node-binaries helm prometheus cdi-tools image
 	$(PY) -m pytest -m e2e
 
 bench: $(STAMP)

@@ -34,6 +34,11 @@ its target (an MPS server, a host program, a container given the GPU some other 
 was given the GPU some other way as well cannot be told from its pod's other containers: it counts for the pod's
 series on that target. A source that fails (the socket, NVML, a claim read from the API server) is counted in
 ``gpu_dra_claim_metrics_errors_total`` and the scrape goes on without what it would have given.
+
+Labels: the workload's ``namespace``, ``pod`` and ``container``, as the DCGM exporter, cAdvisor and
+kube-state-metrics name them (so a scrape keeps them with ``honor_labels``; docs/operations.md), and the DCGM
+exporter's GPU labels with its values, ``Hostname`` (the node), ``gpu`` (the NVML index), ``UUID`` (the physical
+GPU, a MIG device's parent) and ``modelName`` (NVML's product name), so a query joins DCGM's series on them.
 """
 from __future__ import annotations
 
@@ -56,7 +61,11 @@ from kubeletplugin.claims import ClaimError, reserved_pods
 
 log = structlog.get_logger("claim-metrics")
 
-LABELS = ("namespace", "pod", "container", "claim", "request", "device", "gpu_uuid", "mig_profile", "sharing")
+# The labels of one device of one claim, then of its physical GPU (GPU_LABELS: the DCGM exporter's names).
+GPU_LABELS = ("Hostname", "gpu", "UUID", "modelName")
+LABELS = ("namespace", "pod", "container", "claim", "request", "device", "gpu_uuid", "mig_profile", "sharing",
+          *GPU_LABELS)
+UNATTRIBUTED_LABELS = ("gpu_uuid", *GPU_LABELS)
 UTILIZATION_WINDOW_S = 30.0     # samples older than this are not "now"
 ERROR_SOURCES = ("podresources", "nvml", "apiserver")
 JOINED = "|"                    # between the values of containers (devices) a process cannot be told apart among
@@ -76,6 +85,8 @@ class ClaimDevice:
     sharing: str                # none | time-slicing | mps | share
     claim_uid: str = ""
     reserved_for: tuple[tuple[str, str], ...] = ()   # (pod name, pod UID) as recorded at prepare
+    gpu_index: int = -1         # the physical GPU's NVML index (DCGM's ``gpu``)
+    model_name: str = ""        # its product name (DCGM's ``modelName``)
 
 
 @dataclass
@@ -114,8 +125,15 @@ def claim_devices(records: Iterable[ClaimRecord], devices: Mapping[str, Device],
             out.append(ClaimDevice(record.namespace, record.name, ",".join(prepared.requests), prepared.device,
                                    target, device.gpu_uuid, device.mig_profile_name or "",
                                    sharing_of(device, record, target), record.uid,
-                                   tuple((p.name, p.uid) for p in record.reserved_for)))
+                                   tuple((p.name, p.uid) for p in record.reserved_for), device.gpu_index,
+                                   product_name(device)))
     return out
+
+
+def product_name(device: Device) -> str:
+    """The GPU's product name as published (``productName``, NVML's name: DCGM's ``modelName``)."""
+    value = device.attributes.get("productName", {}).get("string")
+    return value if isinstance(value, str) else ""
 
 
 def joined_labels(members: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
@@ -175,15 +193,17 @@ class ClaimMetricsCollector(Collector):
     pod_resources:   the kubelet's answer for this driver (``PodResourcesClient.list``)
     read_claim:      a ResourceClaim from the API server by namespace, name and UID (``ClaimSource.get_claim``);
                      None: only the pods recorded at prepare are known
-    nvml:            pynvml's API (or the simulated one)"""
+    nvml:            pynvml's API (or the simulated one)
+    node_name:       the node, every series' ``Hostname``"""
 
     def __init__(self, *, nvml: Any, claim_devices: Callable[[], list[ClaimDevice]],
                  pod_resources: Callable[[], list[ContainerDevice]],
                  read_claim: Callable[[str, str, str], Mapping[str, Any]] | None,
                  registry: CollectorRegistry, proc_root: Path | str = "/proc",
                  clock: Callable[[], float] = time.time, reread_interval: float = 10.0,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 monotonic: Callable[[], float] = time.monotonic, node_name: str = "") -> None:
         self.nvml = nvml
+        self.node_name = node_name
         self._claim_devices = claim_devices
         self._pod_resources = pod_resources
         self._pods = PodsByUid(read_claim, min_interval=reread_interval, clock=monotonic)
@@ -203,7 +223,8 @@ class ClaimMetricsCollector(Collector):
             GaugeMetricFamily("gpu_dra_claim_gpu_memory_used_bytes", "GPU memory used by a container's processes "
                               "on one device of a ResourceClaim (NVML, per process, summed).", labels=LABELS),
             GaugeMetricFamily("gpu_dra_claim_gpu_sm_utilization_percent", "SM utilisation of a container's "
-                              "processes on one device of a ResourceClaim (NVML process samples, summed).",
+                              "processes on one device of a ResourceClaim (NVML process samples, summed, at "
+                              "most 100; average it over devices).",
                               labels=LABELS),
             GaugeMetricFamily("gpu_dra_claim_gpu_memory_utilization_percent", "Memory bandwidth utilisation of a "
                               "container's processes on one device of a ResourceClaim (NVML process samples).",
@@ -211,7 +232,7 @@ class ClaimMetricsCollector(Collector):
             GaugeMetricFamily("gpu_dra_claim_gpu_processes", "Processes of a container on one device of a "
                               "ResourceClaim (0 while it runs none).", labels=LABELS),
             GaugeMetricFamily("gpu_dra_gpu_unattributed_processes", "Processes on a GPU of this driver that are "
-                              "in no container holding a claim device on it.", labels=["gpu_uuid"]),
+                              "in no container holding a claim device on it (0: none).", labels=UNATTRIBUTED_LABELS),
             CounterMetricFamily("gpu_dra_claim_metrics_errors", "Sources of the per-claim GPU metrics that failed "
                                 "at a scrape, by source (podresources, nvml, apiserver).", labels=["source"]),
         )
@@ -226,14 +247,14 @@ class ClaimMetricsCollector(Collector):
             sm.add_metric(labels, min(u.sm_percent, 100))
             mem_util.add_metric(labels, min(u.memory_percent, 100))
             procs.add_metric(labels, u.processes)
-        for gpu, count in sorted(unattributed.items()):
-            loose.add_metric([gpu], count)
+        for gpu_labels, count in sorted(unattributed.items()):
+            loose.add_metric(gpu_labels, count)
         for source, count in errors.items():
             failed.add_metric([source], count)
         yield from (memory, sm, mem_util, procs, loose, failed)
 
     # ----- one scrape -------------------------------------------------------------------------------------------
-    def _gather(self) -> tuple[dict[tuple[str, ...], _Usage], dict[str, int]]:
+    def _gather(self) -> tuple[dict[tuple[str, ...], _Usage], dict[tuple[str, ...], int]]:
         prepared = self._claim_devices()
         if not prepared:
             return {}, {}
@@ -252,25 +273,30 @@ class ClaimMetricsCollector(Collector):
                 continue   # another pool's device, or a claim not prepared here (any more)
             held[(d.target_uuid, row.namespace, row.pod)].add(
                 (row.container, d.claim, d.request, d.device, d.gpu_uuid, d.mig_profile, d.sharing))
+        # Each physical GPU's labels (GPU_LABELS), the same for every target on it.
+        gpus = {d.gpu_uuid: (self.node_name, str(d.gpu_index), d.gpu_uuid, d.model_name) for d in prepared}
+        gpu_of_target = {d.target_uuid: d.gpu_uuid for d in prepared}
         # One series per pod and target: its processes there cannot be told apart any finer (module docstring).
-        series = {key: (key[1], key[2], *joined_labels(members)) for key, members in held.items()}
+        series = {key: (key[1], key[2], *joined_labels(members), *gpus[gpu_of_target[key[0]]])
+                  for key, members in held.items()}
         usage: dict[tuple[str, ...], _Usage] = {labels: _Usage() for labels in series.values()}
         pods = self._pods.known(prepared)
-        unattributed: dict[str, int] = defaultdict(int)
+        # Every GPU with a prepared claim device has its count, 0 included (a panel shows "none", not nothing).
+        unattributed: dict[tuple[str, ...], int] = {(gpu, *labels): 0 for gpu, labels in gpus.items()}
         targets = sorted({(d.target_uuid, d.gpu_uuid) for d in prepared})
         for target, gpu in targets:
             for pid, used in self._processes(target).items():
                 pod = self._pod_of(pid, target, pods, prepared)
                 labels = series.get((target, *pod)) if pod else None
                 if labels is None:
-                    unattributed[gpu] += 1
+                    unattributed[(gpu, *gpus[gpu])] += 1
                     continue
                 u = usage[labels]
                 u.processes += 1
                 u.memory_bytes += used[0]
                 u.sm_percent += used[1]
                 u.memory_percent += used[2]
-        return usage, dict(unattributed)
+        return usage, unattributed
 
     def _pod_of(self, pid: int, target: str, pods: dict[str, tuple[str, str]],
                 prepared: list[ClaimDevice]) -> tuple[str, str] | None:

@@ -460,7 +460,8 @@ class KubeletPlugin:
         ClaimMetricsCollector(
             nvml=self.nvml, registry=self.metrics.registry, proc_root=o.proc_root,
             claim_devices=lambda: claim_devices(checkpoint.claims().values(), self.devices_by_name(), self.pool),
-            pod_resources=lambda: client.list(o.driver_name), read_claim=self.driver.claims.get_claim)
+            pod_resources=lambda: client.list(o.driver_name), read_claim=self.driver.claims.get_claim,
+            node_name=o.node_name)
         log.info("per-claim GPU metrics on", pod_resources_socket=o.pod_resources_socket)
 
     def _on_registration_status(self, registered: bool, error: str) -> None:

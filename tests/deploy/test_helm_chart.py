@@ -85,7 +85,7 @@ def test_default_render_has_every_object_once(default: list[dict[str, Any]]) -> 
     kinds = Counter(o["kind"] for o in default)
     assert kinds == {"DaemonSet": 1, "Deployment": 2, "ServiceAccount": 2, "ClusterRole": 2, "ClusterRoleBinding": 2,
                      "ConfigMap": 1, "DeviceClass": 8, "ValidatingAdmissionPolicy": 4,
-                     "ValidatingAdmissionPolicyBinding": 4, "Secret": 1, "Service": 1, "PodDisruptionBudget": 1,
+                     "ValidatingAdmissionPolicyBinding": 4, "Secret": 1, "Service": 2, "PodDisruptionBudget": 1,
                      "ValidatingWebhookConfiguration": 1, "NetworkPolicy": 3, "MutatingAdmissionPolicy": 1,
                      "MutatingAdmissionPolicyBinding": 1}, kinds
     for o in default:
@@ -227,7 +227,7 @@ def test_webhook_deployment_service_and_certificate(default: list[dict[str, Any]
     assert parsed.tls_cert_file == f"{mount['mountPath']}/tls.crt"
     secret_name = next(v for v in pod["volumes"] if v["name"] == "tls")["secret"]["secretName"]
 
-    svc = one(default, "Service")
+    svc = one(default, "Service", "webhook")
     labels = d["spec"]["template"]["metadata"]["labels"]
     assert svc["spec"]["selector"].items() <= labels.items()
     assert svc["spec"]["ports"] == [{"name": "https", "port": 443, "targetPort": port["name"]}]
@@ -363,7 +363,8 @@ def test_components_can_be_turned_off() -> None:
                      "--set", "deviceClasses.create=false", "--set", "validatingAdmissionPolicy.enabled=false",
                      "--set", "mps.tenancyTolerations=false")
     assert Counter(o["kind"] for o in objects) == {"DaemonSet": 1, "ServiceAccount": 1, "ClusterRole": 1,
-                                                   "ClusterRoleBinding": 1, "ConfigMap": 1, "NetworkPolicy": 1}
+                                                   "ClusterRoleBinding": 1, "ConfigMap": 1, "NetworkPolicy": 1,
+                                                   "Service": 1}   # the plugins' metrics Service
     single = render("--set", "webhook.replicas=1")
     assert "PodDisruptionBudget" not in by_kind(single)
 

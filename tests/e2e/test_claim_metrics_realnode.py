@@ -10,19 +10,28 @@ the claim's reservedFor again.
 The path is the production one: the kubelet's PodResources socket (which container holds which claim device),
 the claims' reservedFor (pod UID to pod), each process's cgroup (its pod UID), and NVML's process lists, here the
 simulated NVML answering from what the stand-in's cuMemAlloc registered in the containers.
+
+A real Prometheus (hack/build-prometheus.sh) scrapes the plugin as the chart's monitor does (honor_labels, the
+plugin pod's namespace, pod and container as target labels) and answers every query of the chart's Grafana
+dashboard, with its variables set, with the two MPS pods' series.
 """
 from __future__ import annotations
 
+import re
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from dashboard_check import check_the_dashboard
 from prometheus_client.parser import text_string_to_metric_families
 from realnode_helpers import RealNode
 from standin.workloads import create, wait_until
 
 from api.names import DEFAULT_DRIVER_NAME
+from dra.sim.fleet import gpu_uuid as fleet_gpu_uuid
+from testbed import prometheus
+from testbed.helmchart import ROOT
 from testbed.localnode import cuda_probe_image
 from testbed.nodeplugin import LocalNodePlugin
 from testbed.podprobe import for_local_node
@@ -93,6 +102,15 @@ def allocating_pod(name: str, template: str, mib: int, node_name: str) -> dict[s
     return pod
 
 
+def gpu_labels(real: RealNode, plugin: LocalNodePlugin, gpu_uuid: str) -> dict[str, str]:
+    """The DCGM exporter's labels of the GPU `gpu_uuid`: the node, the GPU's NVML index (the simulated fleet's UUIDs
+    derive from node and index), its UUID and product name as published."""
+    assert real.node is not None
+    gpu, = [a for a in real.devices(plugin).values() if a["type"] == "gpu" and a["uuid"] == gpu_uuid]
+    index = next(i for i in range(64) if fleet_gpu_uuid(real.node.name, i) == gpu_uuid)
+    return {"Hostname": real.node.name, "gpu": str(index), "UUID": gpu_uuid, "modelName": gpu["productName"]}
+
+
 def claim_series(plugin: LocalNodePlugin) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
     """The plugin's per-claim series: metric name → labels → value."""
     with urllib.request.urlopen(f"http://127.0.0.1:{plugin.metrics_port}/metrics", timeout=10) as resp:
@@ -127,7 +145,7 @@ def two_pods_on_mps_slots_are_two_series(real: RealNode, plugin: LocalNodePlugin
         result, = claim["status"]["allocation"]["devices"]["results"]
         labels = {"namespace": namespace, "pod": pod, "container": "cuda", "claim": claim["metadata"]["name"],
                   "request": "gpu", "device": result["device"], "gpu_uuid": parent, "mig_profile": "",
-                  "sharing": "mps"}
+                  "sharing": "mps", **gpu_labels(real, plugin, parent)}
         expected[tuple(sorted(labels.items()))] = mib * MiB
     assert len({dict(k)["device"] for k in expected}) == 2, "the two pods got one slot"
 
@@ -143,7 +161,8 @@ def two_pods_on_mps_slots_are_two_series(real: RealNode, plugin: LocalNodePlugin
     assert series["gpu_dra_claim_gpu_processes"] == {k: 1 for k in expected}
     assert set(series["gpu_dra_claim_gpu_sm_utilization_percent"]) == set(expected)
     # Each pod's process was found through its own container: none is left over on the GPU.
-    assert series.get("gpu_dra_gpu_unattributed_processes", {}).get((("gpu_uuid", parent),), 0) == 0
+    assert series["gpu_dra_gpu_unattributed_processes"] == {
+        tuple(sorted({"gpu_uuid": parent, **gpu_labels(real, plugin, parent)}.items())): 0}
     assert series["gpu_dra_claim_metrics_errors_total"] == {
         (("source", s),): 0 for s in ("apiserver", "nvml", "podresources")}
 
@@ -175,7 +194,7 @@ def test_a_claim_shared_by_two_pods_one_with_two_containers(real: RealNode, ours
     def labels(pod: str, container: str) -> tuple[tuple[str, str], ...]:
         return tuple(sorted({"namespace": namespace, "pod": pod, "container": container, "claim": "shared",
                              "request": "gpu", "device": result["device"], "gpu_uuid": parent, "mig_profile": "",
-                             "sharing": "mps"}.items()))
+                             "sharing": "mps", **gpu_labels(real, ours, parent)}.items()))
 
     expected = {labels("metrics-c", "cuda|side"): 150 * MiB, labels("metrics-d", "cuda"): 60 * MiB}
 
@@ -192,7 +211,8 @@ def test_a_claim_shared_by_two_pods_one_with_two_containers(real: RealNode, ours
     assert of_namespace("gpu_dra_claim_gpu_processes") == {labels("metrics-c", "cuda|side"): 2,
                                                             labels("metrics-d", "cuda"): 1}
     series = claim_series(ours)
-    assert series.get("gpu_dra_gpu_unattributed_processes", {}).get((("gpu_uuid", parent),), 0) == 0
+    unattributed = {"gpu_uuid": parent, **gpu_labels(real, ours, parent)}
+    assert series["gpu_dra_gpu_unattributed_processes"][tuple(sorted(unattributed.items()))] == 0
     assert series["gpu_dra_claim_metrics_errors_total"][(("source", "apiserver"),)] == 0
     for pod in pods:
         real.delete_pod(namespace, pod)
@@ -205,3 +225,57 @@ def _log(real: RealNode, namespace: str, pod: str, container: str = "cuda") -> s
     except Exception:  # noqa: BLE001 - no log file yet
         return ""
 
+
+
+MEMORY = "gpu_dra_claim_gpu_memory_used_bytes"
+
+
+def test_prometheus_scrapes_the_plugin_and_every_dashboard_query_shows_the_two_mps_pods(
+        real: RealNode, ours: LocalNodePlugin) -> None:
+    """The dashboard as Grafana runs it, on a real Prometheus scraping the plugin: its variables (namespace, pod,
+    node, GPU) list the pods' values, and each panel's query answers with the two pods' series (or, grouped by
+    namespace or GPU, with theirs), the namespace filter matching the pods' namespace, not the plugin's."""
+    assert real.node is not None and real.kube is not None
+    namespace = "claim-metrics-prometheus"
+    slots = [a for a in real.devices(ours).values() if a["type"] == "slot" and a.get("sharing") == "mps"]
+    parent = slots[0]["parentUUID"]
+    real.namespace(namespace)
+    for pod, mib in ALLOC.items():
+        create(real.kube, namespace, mps_template(pod, parent))
+        create(real.kube, namespace, allocating_pod(pod, pod, mib, real.node.name))
+    for pod, mib in ALLOC.items():
+        wait_until(lambda: f"alloc: {mib} MiB on device 0" in _log(real, namespace, pod), 90,
+                   f"pod {namespace}/{pod} to allocate {mib} MiB")
+    # As the chart's ServiceMonitor has it: the target carries the plugin pod's namespace, pod and container, and
+    # honor_labels keeps the workload's on the per-claim series.
+    plugin_pod = {"namespace": "gpu-dra", "pod": "gpu-dra-kubelet-plugin-x7k2p", "container": "plugin"}
+    config = {"global": {"scrape_interval": "5s", "scrape_timeout": "5s", "evaluation_interval": "5s"},
+              "scrape_configs": [{"job_name": "gpu-dra-kubelet-plugin", "honor_labels": True,
+                                  "static_configs": [{"targets": [f"127.0.0.1:{ours.metrics_port}"],
+                                                      "labels": {**plugin_pod, "node": real.node.name}}]}]}
+    node = gpu_labels(real, ours, parent)["Hostname"]
+    with prometheus.running(config) as prom:
+        def up() -> list[dict[str, Any]]:
+            return [t for t in prom.targets() if t["health"] == "up"]
+
+        wait_until(up, 60, "the plugin's target up")
+        # Both pods' allocations scraped, and two samples of every series (for the rate() of the error counters).
+        selector = f"{MEMORY}{{namespace='{namespace}'}}"
+
+        def scraped() -> bool:
+            total = prom.query(f"sum({selector})")
+            return (bool(total) and float(total[0]["value"][1]) == sum(ALLOC.values()) * MiB
+                    and len(prom.query(f"count_over_time({selector}[1m]) >= 2")) == len(ALLOC))
+
+        wait_until(scraped, 60, "both pods' allocations in two scrapes")
+        # The plugin's own series keep the target's labels (honor_labels only keeps labels a series has).
+        registered, = prom.query("gpu_dra_kubelet_registered")
+        assert {k: registered["metric"][k] for k in plugin_pod} == plugin_pod
+        check_the_dashboard(prom, namespace=namespace, node=node, gpu_uuid=parent, pods=set(ALLOC),
+                            memory=sum(ALLOC.values()) * MiB)
+        # The queries docs/operations.md shows parse and run (the DCGM exporter's series are not here: empty).
+        docs = (ROOT / "docs" / "operations.md").read_text()
+        for expr in re.findall(r"```promql\n(.*?)```", docs, re.S):
+            prom.query(expr)
+    for pod in ALLOC:
+        real.delete_pod(namespace, pod)

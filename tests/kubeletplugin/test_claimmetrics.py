@@ -183,7 +183,11 @@ def _proc(root: Path, pid: int, cgroup: str) -> None:
 
 def _device(name: str, kind: str = "slot", sharing: str = "mps", **kw: Any) -> Device:
     return Device(name=name, kind=kind, gpu_uuid=GPU, gpu_index=1, gpu_minor=1, gpu_pci_bus_id="0000:01:00.0",
-                  sharing=sharing, **kw)
+                  sharing=sharing, attributes={"productName": {"string": "NVIDIA H200"}}, **kw)
+
+
+# The physical GPU's labels on every series, the DCGM exporter's names and values: a query joins on them.
+GPU_LABELS = {"gpu_uuid": GPU, "Hostname": "node-a", "gpu": "1", "UUID": GPU, "modelName": "NVIDIA H200"}
 
 
 DEVICES = {d.name: d for d in (_device("gpu-1-slot-0"), _device("gpu-1-slot-1"),
@@ -212,8 +216,8 @@ def _series(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str
 def _labels(namespace: str, pod: str, claim: str, device: str, sharing: str = "mps", mig_profile: str = "",
             container: str = "main") -> tuple[tuple[str, str], ...]:
     return tuple(sorted({"namespace": namespace, "pod": pod, "container": container, "claim": claim,
-                         "request": "gpu", "device": device, "gpu_uuid": GPU, "mig_profile": mig_profile,
-                         "sharing": sharing}.items()))
+                         "request": "gpu", "device": device, "mig_profile": mig_profile,
+                         "sharing": sharing, **GPU_LABELS}.items()))
 
 
 def _claim(namespace: str, name: str, uid: str, pods: list[tuple[str, str]]) -> dict[str, Any]:
@@ -271,11 +275,11 @@ def scene(tmp_path: Path) -> dict[str, Any]:
     ClaimMetricsCollector(nvml=nvml, registry=registry, proc_root=proc, clock=lambda: now,
                           claim_devices=lambda: claim_devices(state["records"], DEVICES, "node-a"),
                           pod_resources=pod_resources, read_claim=read_claim, reread_interval=10,
-                          monotonic=lambda: state["monotonic"][0])
+                          monotonic=lambda: state["monotonic"][0], node_name="node-a")
     return state
 
 
-UNATTRIBUTED = ("gpu_dra_gpu_unattributed_processes", (("gpu_uuid", GPU),))
+UNATTRIBUTED = ("gpu_dra_gpu_unattributed_processes", tuple(sorted(GPU_LABELS.items())))
 
 
 def test_two_pods_on_mps_slots_of_one_gpu_are_two_series(scene: dict[str, Any]) -> None:
@@ -398,8 +402,8 @@ def test_devices_of_one_pod_on_one_gpu_are_one_series_naming_them_all(scene: dic
                      ContainerDevice("team-a", "train", "tools", "team-a", "gpu-e", DRIVER, "node-a", "gpu-1-slot-1")]
     got = _series(scene["registry"])
     joint = tuple(sorted({"namespace": "team-a", "pod": "train", "container": "main|tools", "claim": "gpu-a|gpu-e",
-                          "request": "gpu", "device": "gpu-1-slot-0|gpu-1-slot-1", "gpu_uuid": GPU,
-                          "mig_profile": "", "sharing": "mps"}.items()))
+                          "request": "gpu", "device": "gpu-1-slot-0|gpu-1-slot-1", "mig_profile": "",
+                          "sharing": "mps", **GPU_LABELS}.items()))
     assert got[("gpu_dra_claim_gpu_processes", joint)] == 1
     assert got[("gpu_dra_claim_gpu_memory_used_bytes", joint)] == 300 * MiB
     assert [k for k in got if k[0] == "gpu_dra_claim_gpu_processes"] == [("gpu_dra_claim_gpu_processes", joint)]
@@ -421,3 +425,11 @@ def test_operations_doc_lists_every_metric_the_plugin_serves() -> None:
     doc = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
     missing = {m for m in served if f"`{m}`" not in doc and not m.endswith("_created")}   # _created: one sentence
     assert served and not missing, f"metrics missing from docs/operations.md: {missing}"
+
+
+def test_a_gpu_without_unattributed_processes_says_0(scene: dict[str, Any]) -> None:
+    # Only pod a's process on the GPU: its count is 0, not absent (a panel shows "none", not an empty graph).
+    scene["nvml"].compute, scene["nvml"].mps = {}, {GPU: [(101, 300 * MiB)]}
+    got = _series(scene["registry"])
+    assert got[UNATTRIBUTED] == 0
+    assert got[("gpu_dra_claim_gpu_processes", _labels("team-a", "train", "gpu-a", "gpu-1-slot-0"))] == 1
