@@ -24,7 +24,6 @@ PROG = "gpu-dra convert"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = EXIT_CODES
     parser.add_argument("-f", "--filename", action="append", required=True, metavar="FILE",
                         help="device plugin config, mig-parted config, Nodes or workloads (YAML; a directory: its "
                              "YAML files; - for stdin); repeatable")
@@ -48,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 EXIT_CODES = ("exit status: 0 converted, nothing refused and nothing changed in meaning; 2 input that cannot be "
               "read (nothing written); 3 written, but some fields change meaning (the report's 'changed' lines); "
               "4 written, but fields, nodes or workloads were refused and left out (its 'not-convertible' lines)")
+HELP_NOTE = EXIT_CODES      # in --help before the example (cli.main)
 
 
 def _read(name: str) -> list[tuple[str, object]]:
