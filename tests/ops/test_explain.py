@@ -511,3 +511,46 @@ def test_cli_names_bad_arguments_in_one_line(capsys: pytest.CaptureFixture[str])
     assert main(["explain", "claim/x", "-n", "Not_A_Namespace", "--kubeconfig", "/nonexistent/kubeconfig"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "gpu-dra explain: --kubeconfig /nonexistent/kubeconfig: no such file"
+
+
+def test_a_pods_extended_resources_are_explained_as_the_scheduler_claims_them() -> None:
+    """`nvidia.com/gpu: 1` through a DeviceClass's extendedResourceName: before scheduling, the claim the scheduler
+    would create; after, the claim named in status.extendedResourceClaimStatus."""
+    from ops.explain.reads import ExplainTargetError, find_targets
+
+    classes = [{**c, "spec": {**c["spec"], "extendedResourceName": "nvidia.com/gpu"}} if c["metadata"]["name"] == D
+               else c for c in CLASSES]
+    pod = {"metadata": {"name": "p", "namespace": "ml"}, "spec": {"containers": [
+        {"name": "a", "resources": {"requests": {"cpu": "1", "nvidia.com/gpu": "2"}}},
+        {"name": "b", "resources": {"requests": {f"deviceclass.resource.kubernetes.io/mig.{D}": "1"}}}]}}
+    made = _allocated(_claim("p-gpu-x7k", _req()), "node-a", "gpu-0")
+
+    class Api:
+        def __init__(self, pod: dict[str, Any]) -> None:
+            self.pod = pod
+
+        def get(self, path: str, **query: Any) -> Any:
+            from kube.client import ApiError
+            if path.endswith("/pods/p"):
+                return self.pod
+            if path.endswith("/resourceclaims/p-gpu-x7k"):
+                return made
+            raise ApiError("GET", path, 404, "{}")
+
+        def list(self, path: str, **kw: Any) -> Any:
+            return {"items": classes}
+
+    found = find_targets(Api(pod), "pod/p", "ml")  # type: ignore[arg-type]
+    ((name, claim),) = found.claims
+    assert name == "ml/p (extended resources, as the scheduler would create it)"
+    assert claim["spec"]["devices"]["requests"] == [
+        {"name": "container-1-request-0", "exactly": {"deviceClassName": f"mig.{D}", "allocationMode": "ExactCount",
+                                                      "count": 1}},
+        {"name": "container-0-request-1", "exactly": {"deviceClassName": D, "allocationMode": "ExactCount",
+                                                      "count": 2}}]
+    exp = explain([Target(name, claim)], classes, _slices(gpus=3), [])
+    assert exp.verdict == ALLOCATABLE, exp.sentence
+    scheduled = {**pod, "status": {"extendedResourceClaimStatus": {"resourceClaimName": "p-gpu-x7k", "requestMappings": []}}}
+    assert find_targets(Api(scheduled), "pod/p", "ml").claims == [("ml/p-gpu-x7k (extended resources)", made)]  # type: ignore[arg-type]
+    with pytest.raises(ExplainTargetError, match="no resource claims and asks for no extended resource"):
+        find_targets(Api({**pod, "spec": {"containers": [{"name": "a"}]}}), "pod/p", "ml")  # type: ignore[arg-type]
