@@ -25,10 +25,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+def build_parser(only: str | None = None, prog: str = "gpu-dra") -> argparse.ArgumentParser:
     """The parser of every sub-command; with ``only``, that sub-command's arguments alone are loaded (the others
-    keep their help line), so starting one command does not import every other's modules."""
-    parser = argparse.ArgumentParser(prog="gpu-dra", description="Kubernetes DRA driver for NVIDIA GPUs")
+    keep their help line), so starting one command does not import every other's modules. ``prog``: the name
+    the help and usage lines give the command (``kubectl gpu`` for the kubectl plugin)."""
+    parser = argparse.ArgumentParser(prog=prog, description="Kubernetes DRA driver for NVIDIA GPUs")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module_name, help_text) in SUBCOMMANDS.items():
@@ -47,10 +48,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "gpu-dra") -> int:
     words = sys.argv[1:] if argv is None else argv
     # The sub-command is the first word (the top level has no options of its own besides --help).
-    args = build_parser(words[0] if words and words[0] in SUBCOMMANDS else None).parse_args(argv)
+    args = build_parser(words[0] if words and words[0] in SUBCOMMANDS else None, prog).parse_args(argv)
     if getattr(args, "_missing", False):
         print(f"gpu-dra: sub-command {args.command!r} is not available in this build", file=sys.stderr)
         return 2
