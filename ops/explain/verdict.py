@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from typing import Any
 
+from api.config import ConfigError, decode_opaque_config
 from api.quantity import quantity_value
 from dra.model.tenancy import tenancy_namespace, tenancy_reason
 from dra.scheduling.claimrequests import ALL, Alternative, ClaimSpec, Constraint, read_claim_spec
@@ -80,6 +81,7 @@ class AlternativeReport:
     capacity_left: list[str] = field(default_factory=list)  # consumable capacity of shared devices
     # MPS tenancy (dra.model.tenancy): namespace -> the GPUs whose matching devices are kept for its daemon
     tenancy: dict[str, list[str]] = field(default_factory=dict)
+    profiles: list[str] = field(default_factory=list)     # MIG profiles among the class's devices, in order
     error: str = ""
 
 
@@ -100,6 +102,9 @@ class Explanation:
     claims: list[str]
     nodes: list[NodeReport] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # Opaque configs of this driver the node plugin (and the webhook) refuses: the scheduler allocates the claim
+    # all the same, and preparing it then fails.
+    config_problems: list[str] = field(default_factory=list)
 
     @property
     def allocatable(self) -> bool:
@@ -225,6 +230,9 @@ def _candidates(ctx: _Context, node: str, alt: Alternative, report: AlternativeR
                 if not _selected(ctx, dev, class_exprs, f"class {alt.device_class}"):
                     continue
                 report.class_matching += 1
+                profile = (dev.raw.get("attributes") or {}).get("profile")
+                if profile and str(attribute_value(profile)) not in report.profiles:
+                    report.profiles.append(str(attribute_value(profile)))
                 if not _selected(ctx, dev, alt.selectors, f"claim {claim.split(' ')[0]}"):
                     continue
                 error = ""
@@ -516,6 +524,8 @@ def _request_reason(slot: _Slot, reports: list[AlternativeReport]) -> str | None
         if not cands:
             why = (f"no device of class {alt.device_class} on the node" if not rep.class_matching else
                    f"none of the {rep.class_matching} devices of class {alt.device_class} matches the selectors")
+            if rep.profiles:
+                why += f" (MIG profiles there: {', '.join(rep.profiles)})"
         elif alt.mode == ALL:
             why = f"all {len(cands)} matching devices are needed, {len(cands) - free} cannot be allocated: " + \
                 "; ".join(rep.why_not)
@@ -682,7 +692,34 @@ def explain(targets: Sequence[Target], classes: Sequence[dict[str, Any]], slices
         node_names = [n for n in node_names if n in fixed]
         notes.append(f"already allocated claims of the pod tie it to node {next(iter(fixed))}")
     reports = [_explain_node(ctx, n, specs) for n in node_names]
-    return Explanation(*_verdict(reports, node_names), names, reports, notes)
+    problems = [p for t in pending for p in config_problems(t.name, t.claim, _our_drivers(ctx))]
+    verdict, sentence = _verdict(reports, node_names)
+    if problems and verdict == ALLOCATABLE:
+        where = ", ".join(n for n in [r.node for r in reports if r.verdict == ALLOCATABLE][:2])
+        sentence = clip_line(f"allocatable on {where}, but the node plugin will not prepare it: {problems[0]}")
+    return Explanation(verdict, sentence, names, reports, notes, problems)
+
+
+def _our_drivers(ctx: _Context) -> set[str]:
+    """The drivers of this project among the published pools: those with this project's DeviceClasses (the class
+    named after the driver and its mig. class), whose opaque configs the plugin decodes."""
+    return {p.driver for p in ctx.pools if p.driver in ctx.classes and f"mig.{p.driver}" in ctx.classes}
+
+
+def config_problems(name: str, claim: dict[str, Any], drivers: set[str]) -> list[str]:
+    """The claim's opaque configs for one of `drivers` that do not decode, in the webhook's words (the same
+    decoder, api.config), NVIDIA's config types accepted as in compatibility mode."""
+    configs = ((claim.get("spec") or {}).get("devices") or {}).get("config") or []
+    problems = []
+    for i, entry in enumerate(configs if isinstance(configs, list) else []):
+        opaque = entry.get("opaque") if isinstance(entry, dict) else None
+        if not isinstance(opaque, dict) or opaque.get("driver") not in drivers:
+            continue
+        try:
+            decode_opaque_config(opaque.get("parameters"), compat_nvidia=True)
+        except ConfigError as exc:
+            problems.append(f"{name}: " + str(exc.with_prefix(f"spec.devices.config[{i}].opaque.parameters")))
+    return problems
 
 
 def _verdict(reports: list[NodeReport], node_names: list[str]) -> tuple[str, str]:
@@ -721,6 +758,7 @@ def _full_verdict(reports: list[NodeReport], node_names: list[str]) -> tuple[str
 def format_text(exp: Explanation) -> str:
     """The verdict sentence first, then per node the requests and GPUs."""
     lines = [exp.sentence, ""]
+    lines += [f"config refused: {p}" for p in exp.config_problems]
     lines += [f"note: {n}" for n in exp.notes]
     for node in exp.nodes:
         head = f"node {node.node}: {node.verdict}"

@@ -177,6 +177,7 @@ class Case:
     admin: bool = False
     second_claim: dict[str, Any] | None = None            # the pod also uses this claim
     request: str = ""                                     # allocated request name the explain must pick too
+    says: str = ""                                        # words explain's text must contain, whatever the verdict
 
 
 def _sub(name: str, cls: str, cel: str | None = None) -> dict[str, Any]:
@@ -195,6 +196,12 @@ NO_SCHEDULE = {"key": "example.com/maintenance", "value": "planned", "effect": "
 FIRST_AVAILABLE = _spec({"name": "gpu", "firstAvailable": [
     _sub("h100", GPU, "device.attributes['D'].productName.startsWith('NVIDIA H100')"),
     _sub("big", GPU, "device.capacity['D'].memory.compareTo(quantity('20Gi')) >= 0")]})
+
+TYPO_CONFIG = {"devices": {
+    "requests": [{"name": "gpu", "exactly": {"deviceClassName": GPU}}],
+    "config": [{"requests": ["gpu"], "opaque": {"driver": "D", "parameters": {
+        "apiVersion": "gpu.dra-driver.io/v1alpha1", "kind": "GpuConfig",
+        "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentge": 25}}}}}]}}
 
 CASES = [
     Case("selector-matches-nothing", H100, _spec(_req("gpu", _exactly(GPU, "device.attributes['D'].productName == 'NVIDIA B300'"))),
@@ -278,6 +285,15 @@ CASES = [
     Case("distinct-parents-beyond-the-gpus", [{"model": "H100-80GB", "count": 3}],
          _spec(_req("mig", _exactly(MIG, "device.attributes['D'].profile == '1g.10gb'", count=4)),
                constraints=[{"distinctAttribute": "D/parentUUID"}]), False, "with distinct", policy=MIG_ONLY),
+    # An MPS config with a typo: the scheduler allocates (it does not read opaque configs); explain agrees and
+    # names what the node plugin and the webhook refuse.
+    Case("opaque-config-typo", L4, TYPO_CONFIG, True,
+         says="sharing.mps.activeThreadPercentge: unknown field (known fields: activeThreadPercentage"),
+    # No MIG profile matches: the profiles there are named; a memory share beyond the request policy: its range.
+    Case("mig-profile-that-does-not-exist", H100, _spec(_req("mig", _exactly(MIG, "device.attributes['D'].profile == '1g.12gb'"))),
+         False, "MIG profiles there: ", policy=MIG_ONLY),
+    Case("memory-share-beyond-the-range", H100, _spec(_req("share", _exactly(SHARED, capacity={"requests": {"memory": "200Gi"}}))),
+         False, "(valid: ", policy=SHARES),
     Case("distinct-parents-one-per-gpu", [{"model": "H100-80GB", "count": 3}],
          _spec(_req("mig", _exactly(MIG, "device.attributes['D'].profile == '1g.10gb'", count=3)),
                constraints=[{"distinctAttribute": "D/parentUUID"}]), True, policy=MIG_ONLY),
@@ -391,6 +407,7 @@ def test_explain_agrees_with_the_scheduler(api_client: Any, case_env: Any, case:
         of_pod = explain_target(kube, "pod/under-test", ns)
         assert_agree(of_pod, outcome, f"{case.name} (pod)")
         assert case.reason in format_text(of_pod), format_text(of_pod)
+    assert case.says in format_text(exp), format_text(exp)
     if case.request:
         assert outcome.requests == [case.request], outcome.requests
         chosen = next(r for r in exp.nodes if r.node == outcome.node).chosen

@@ -554,3 +554,32 @@ def test_a_pods_extended_resources_are_explained_as_the_scheduler_claims_them() 
     assert find_targets(Api(scheduled), "pod/p", "ml").claims == [("ml/p-gpu-x7k (extended resources)", made)]  # type: ignore[arg-type]
     with pytest.raises(ExplainTargetError, match="no resource claims and asks for no extended resource"):
         find_targets(Api({**pod, "spec": {"containers": [{"name": "a"}]}}), "pod/p", "ml")  # type: ignore[arg-type]
+
+
+def test_no_matching_mig_profile_names_those_there_are() -> None:
+    exp = run(_claim("c", _req("mig", f"mig.{D}", PROFILE % "1g.12gb")))
+    assert exp.verdict == NOT_ALLOCATABLE
+    assert "matches the selectors (MIG profiles there: 7g.80gb, 1g.10gb)" in format_text(exp), format_text(exp)
+
+
+def test_a_memory_share_outside_the_request_policy_names_the_valid_range() -> None:
+    assert capacity_needs(SHARE, D, (("memory", 80 * GI),))[1] == \
+        "outside the memory request policy: no valid amount for 80Gi (valid: 1Gi to 79Gi in steps of 1Gi)"
+
+
+def test_an_opaque_config_the_plugin_refuses_is_named_in_the_webhooks_words() -> None:
+    """The scheduler allocates a claim whatever its opaque config says; the node plugin then refuses to prepare
+    it. explain keeps the scheduler's verdict and says so, with the decoder's message."""
+    claim = _claim("c", _req())
+    claim["spec"]["devices"]["config"] = [{"opaque": {"driver": D, "parameters": {
+        "apiVersion": "gpu.dra-driver.io/v1alpha1", "kind": "GpuConfig",
+        "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentge": 25}}}}},
+        {"opaque": {"driver": "nic.example.com", "parameters": {"anything": 1}}}]     # another driver's: not ours
+    exp = run(claim)
+    assert exp.verdict == ALLOCATABLE
+    assert exp.sentence.startswith("allocatable on node-a, but the node plugin will not prepare it: ml/c: "), exp.sentence
+    assert exp.config_problems == [
+        "ml/c: gpu.dra-driver.io/v1alpha1 GpuConfig: spec.devices.config[0].opaque.parameters.sharing.mps."
+        "activeThreadPercentge: unknown field (known fields: activeThreadPercentage, pinnedMemoryLimit, "
+        "perDevicePinnedMemoryLimit)"]
+    assert f"config refused: {exp.config_problems[0]}" in format_text(exp)
