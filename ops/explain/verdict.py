@@ -728,11 +728,11 @@ def _verdict(reports: list[NodeReport], node_names: list[str]) -> tuple[str, str
 
 
 def clip_line(text: str, limit: int = FIRST_LINE_MAX) -> str:
-    """The text cut to `limit` characters at a word boundary, saying the rest is below (the node lines)."""
-    if len(text) <= limit:
+    """The text cut below `limit` characters at a word boundary, saying the rest is below (the node lines)."""
+    if len(text) < limit:
         return text
     tail = " … (details below)"
-    cut = text[:limit - len(tail)]
+    cut = text[:limit - 1 - len(tail)]
     return cut[:max(cut.rfind(" "), limit // 2)].rstrip(",;:") + tail
 
 
