@@ -240,9 +240,10 @@ def _candidates(ctx: _Context, node: str, alt: Alternative, report: AlternativeR
                 error = str(exc)
             cand = _classify(ctx, pool, dev, alt)
             if error:
-                # The allocator skips devices in use and never sees tainted ones before it evaluates selectors;
-                # any other device it reaches with a failing selector makes it give up on the node.
-                if cand.state in (TAINTED,) or (cand.state == TAKEN and not alt.admin_access):
+                # Looking for devices one by one, the allocator skips those in use before it evaluates selectors
+                # (taints and counters come after); for allocationMode All it evaluates every device first. Any
+                # other device it reaches with a failing selector makes it give up on the node.
+                if alt.mode != ALL and cand.state == TAKEN and not alt.admin_access:
                     continue
                 cand = _Candidate(dev, CEL_ERROR, error, {})
             out.append((pool, cand))

@@ -383,9 +383,15 @@ def test_a_cel_error_counts_only_where_the_scheduler_reaches_the_device() -> Non
     holder = _allocated(_claim("h", _req()), "node-a", "gpu-0")
     exp = run(_claim("c", _req(cel=failing_on_gpu0)), slices, [holder])
     assert exp.verdict == ALLOCATABLE and exp.sentence.endswith("gpu -> gpu-1"), exp.sentence
-    # allocationMode All checks every device's selectors first.
+    # allocationMode All checks every device's selectors first, held ones too; a taint is checked after them.
     exp = run(_claim("c", _req(cel=failing_on_gpu1, allocationMode="All")), _slices(gpus=2))
     assert exp.verdict == NOT_ALLOCATABLE and "CEL runtime error: no such key" in format_text(exp)
+    exp = run(_claim("c", _req(cel=failing_on_gpu0, allocationMode="All")), slices, [holder])
+    assert exp.verdict == NOT_ALLOCATABLE and "gpu-0: CEL runtime error: no such key" in format_text(exp)
+    tainted = copy.deepcopy(slices)
+    tainted[1]["spec"]["devices"][0]["taints"] = [{"key": "maint", "effect": "NoSchedule"}]
+    exp = run(_claim("c", _req(cel=failing_on_gpu0)), tainted)
+    assert exp.verdict == NOT_ALLOCATABLE and "gpu-0: CEL runtime error: no such key" in format_text(exp)
 
 
 def test_the_claim_limit_of_32_devices() -> None:
