@@ -439,7 +439,8 @@ def test_explain_agrees_on_a_pods_extended_resource(api_client: Any, case_env: A
         current = kube.get(f"{collection('Pod', ns)}/ext")
         cond = next((c for c in (current.get("status") or {}).get("conditions") or []
                      if c.get("type") == "PodScheduled"), {})
-        if current["spec"].get("nodeName") or cond.get("status") == "False":
+        # A gated pod is PodScheduled False too (SchedulingGated): wait for the scheduler's own answer.
+        if current["spec"].get("nodeName") or (cond.get("status") == "False" and cond.get("reason") != "SchedulingGated"):
             break
         assert time.monotonic() < deadline, "the scheduler neither bound nor gave up on pod ext"
         time.sleep(0.25)
