@@ -263,7 +263,9 @@ def _candidates(ctx: _Context, node: str, alt: Alternative, report: AlternativeR
     for _, c in out:
         if c.state != FREE:
             by_why[c.why].append(c.dev.name)
-    report.why_not = [f"{_names(devs)} {'is' if len(devs) == 1 else 'are'} {why}" for why, devs in by_why.items()]
+    failing = {c.why for _, c in out if c.state == CEL_ERROR}
+    report.why_not = [f"{_names(devs)} {'is' if len(devs) == 1 else 'are'} {why}" if why not in failing else
+                      f"{_names(devs)} cannot be evaluated: {why}" for why, devs in by_why.items()]
     return out
 
 
