@@ -3,8 +3,9 @@ kube-scheduler decides it, from the live DeviceClasses, ResourceSlices and Resou
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+
+from cli.kubeflags import add_connection_arguments, dump, namespace_of
 
 PROG = "gpu-dra explain"
 
@@ -12,9 +13,9 @@ PROG = "gpu-dra explain"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", metavar="CLAIM|TEMPLATE|POD",
                         help="NAME (a claim, else a template, else a pod), or claim/NAME, template/NAME, pod/NAME")
-    parser.add_argument("-n", "--namespace", default="default", help="namespace of the target (default: default)")
-    parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then $KUBECONFIG / ~/.kube/config)")
-    parser.add_argument("-o", "--output", choices=["text", "json"], default="text", help="output format")
+    add_connection_arguments(parser, namespaced=True)
+    parser.add_argument("-o", "--output", choices=["text", "json", "yaml"], default="text",
+                        help="output format (default: text, the verdict first)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,12 +26,13 @@ def run(args: argparse.Namespace) -> int:
     from ops.explain.verdict import CANNOT_EVALUATE, format_text
 
     try:
-        result = explain_target(KubeApi(api_client_from(args.kubeconfig)), args.target, args.namespace)
+        namespace = namespace_of(args)
+        result = explain_target(KubeApi(api_client_from(args.kubeconfig, args.context)), args.target, namespace)
     except (ConnectError, ExplainTargetError, ClaimSpecError, ApiError, ApiUnavailable) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
-    if args.output == "json":
-        print(json.dumps(result.to_dict(), indent=2))
+    if args.output in ("json", "yaml"):
+        sys.stdout.write(dump(result.to_dict(), args.output))
     else:
         sys.stdout.write(format_text(result))
     # 0: allocatable or allocated, 1: not allocatable, 3: cannot be decided here.

@@ -68,10 +68,11 @@ def _epilog(name: str, module: object | None) -> str:
     return (textwrap.fill(note, 100) + "\n\n" if note else "") + f"example:\n  {EXAMPLES[name]}"
 
 
-def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+def build_parser(only: str | None = None, prog: str = "gpu-dra") -> argparse.ArgumentParser:
     """The parser of every sub-command; with ``only``, that sub-command's arguments alone are loaded (the others
-    keep their help line), so starting one command does not import every other's modules."""
-    parser = argparse.ArgumentParser(prog="gpu-dra", description="Kubernetes DRA driver for NVIDIA GPUs",
+    keep their help line), so starting one command does not import every other's modules. ``prog``: the name
+    the help and usage lines give the command (``kubectl gpu`` for the kubectl plugin)."""
+    parser = argparse.ArgumentParser(prog=prog, description="Kubernetes DRA driver for NVIDIA GPUs",
                                      epilog="example:\n  gpu-dra status\n  gpu-dra explain claim/my-claim -n team-a",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"gpu-dra {version()}")
@@ -95,13 +96,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "gpu-dra") -> int:
     words = sys.argv[1:] if argv is None else argv
     if words == ["--version"]:          # without loading every sub-command's parser
         print(f"gpu-dra {version()}")
         return 0
     # The sub-command is the first word (the top level has no options of its own besides --help and --version).
-    args = build_parser(words[0] if words and words[0] in SUBCOMMANDS else None).parse_args(argv)
+    args = build_parser(words[0] if words and words[0] in SUBCOMMANDS else None, prog).parse_args(argv)
     if getattr(args, "_missing", False):
         print(f"gpu-dra: sub-command {args.command!r} is not available in this build", file=sys.stderr)
         return 2

@@ -8,21 +8,23 @@ free ones are summed up as the profiles still placeable instead.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from api.names import DEFAULT_DRIVER_NAME
+from cli.kubeflags import add_connection_arguments, dump
 
 PROG = "gpu-dra status"
-FORMATS = ("table", "json", "yaml")
+# kubectl's: the table, the table with more columns, the document, one "node/NAME" line per node.
+FORMATS = ("table", "wide", "json", "yaml", "name")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("node", nargs="?", metavar="NODE", help="only this node (default: every node with GPUs)")
-    parser.add_argument("-o", "--output", default="table", choices=FORMATS, help="output format (default: table)")
-    parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then $KUBECONFIG / ~/.kube/config)")
+    parser.add_argument("-o", "--output", default="table", choices=FORMATS,
+                        help="output format (default: table; wide adds memory and taints per device)")
+    add_connection_arguments(parser)
     parser.add_argument("--driver-name", default=DEFAULT_DRIVER_NAME, metavar="NAME",
                         help=f"DRA driver name (default {DEFAULT_DRIVER_NAME})")
     parser.add_argument("--all", action="store_true", dest="all_devices",
@@ -50,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{PROG}: {what} {value[:260]!r}: not a Kubernetes name (lower-case DNS subdomain)", file=sys.stderr)
             return 2
     try:
-        api = api_client_from(args.kubeconfig)
+        api = api_client_from(args.kubeconfig, args.context)
     except ConnectError as err:
         print(f"{PROG}: {err}", file=sys.stderr)
         return 2
@@ -72,21 +74,18 @@ def render(nodes: Sequence[Any], output: str = "table", *, all_devices: bool = F
     from dra.scheduling.occupancy import fleet_summary
 
     if output in ("json", "yaml"):
-        doc = {"summary": fleet_summary(nodes), "nodes": [n.to_dict() for n in nodes]}
-        if output == "json":
-            return json.dumps(doc, indent=2) + "\n"
-        import yaml
-
-        return yaml.safe_dump(doc, sort_keys=False)
+        return dump({"summary": fleet_summary(nodes), "nodes": [n.to_dict() for n in nodes]}, output)
+    if output == "name":
+        return "".join(f"node/{n.name}\n" for n in nodes)
     lines: list[str] = []
     for n in nodes:
-        render_node(n, lines.append, all_devices=all_devices)
+        render_node(n, lines.append, all_devices=all_devices, wide=output == "wide")
     if not nodes:
         lines.append("no devices published")
     return "\n".join(lines) + "\n"
 
 
-def render_node(node: Any, out: Callable[[str], None], *, all_devices: bool = False) -> None:
+def render_node(node: Any, out: Callable[[str], None], *, all_devices: bool = False, wide: bool = False) -> None:
     from api.quantity import format_bytes
 
     gpus = node.gpus
@@ -108,7 +107,8 @@ def render_node(node: Any, out: Callable[[str], None], *, all_devices: bool = Fa
         for d in rows:
             detail = f"{d.kind} {d.detail}".strip()
             holder = "; ".join(h.describe() for h in d.holders)
-            out(f"    {d.name.ljust(width)}  {detail:<18} {d.state:<7} {holder}".rstrip())
+            extra = f"{d.memory or '-':<9} {','.join(d.taints) or '-':<12} " if wide else ""
+            out(f"    {d.name.ljust(width)}  {detail:<18} {d.state:<7} {extra}{holder}".rstrip())
         free: list[str] = []
         if g.whole_free is not None:
             free.append(f"whole GPU {'yes' if g.whole_free else 'no'}")

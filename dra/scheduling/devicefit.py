@@ -81,7 +81,8 @@ def capacity_needs(device: dict[str, Any], driver: str,
         if name in wanted:
             rounded = _rounded(policy, wanted[name]) if policy else wanted[name]
             if rounded is None:
-                return {}, f"outside the {name} request policy: no valid amount for {_fmt(wanted[name])}"
+                return {}, (f"outside the {name} request policy: no valid amount for {_fmt(wanted[name])} "
+                            f"({_policy_text(policy)})")
             amount = rounded
         elif policy.get("default") is not None:
             amount = quantity_value(str(policy["default"]))
@@ -91,6 +92,16 @@ def capacity_needs(device: dict[str, Any], driver: str,
             return {}, f"too small: {name} {_fmt(total)}, {_fmt(amount)} requested"
         needs[name] = amount
     return needs, ""
+
+
+def _policy_text(policy: dict[str, Any]) -> str:
+    """What a requestPolicy grants, e.g. "valid: 1Gi to 79Gi in steps of 1Gi" or "valid: 10Gi, 20Gi"."""
+    if policy.get("validValues"):
+        return "valid: " + ", ".join(_fmt(quantity_value(str(v))) for v in policy["validValues"])
+    rng = policy.get("validRange") or {}
+    text = f"valid: {_fmt(quantity_value(str(rng.get('min', '0'))))}"
+    text += f" to {_fmt(quantity_value(str(rng['max'])))}" if rng.get("max") is not None else " or more"
+    return text + (f" in steps of {_fmt(quantity_value(str(rng['step'])))}" if rng.get("step") else "")
 
 
 def _fmt(v: Fraction) -> str:

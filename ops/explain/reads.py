@@ -1,13 +1,16 @@
 """The API reads of `gpu-dra explain`: the cluster state the scheduler allocates from (DeviceClasses,
 ResourceSlices, ResourceClaims, DeviceTaintRules, Nodes) and the claims to explain, found from a claim, a
 ResourceClaimTemplate (the claim it would generate) or a pod (its claims, templates' claims through
-status.resourceClaimStatuses). Everything stays a wire-format dict."""
+status.resourceClaimStatuses, and the claim for its extended resources: the one the scheduler made, named in
+status.extendedResourceClaimStatus, else the one it would make from the DeviceClasses' extendedResourceName).
+Everything stays a wire-format dict."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
 from api.k8snames import is_dns_label, is_dns_subdomain
+from api.quantity import quantity_value
 from kube.client import DEVICE_CLASSES, NODES, RESOURCE_V1, SLICES, ApiError, KubeApi
 from ops.explain.verdict import Explanation, Target, explain
 
@@ -129,9 +132,82 @@ def _pod_targets(kube: KubeApi, pod: dict[str, Any], namespace: str) -> ExplainT
                              f"{ref['resourceClaimTemplateName']}")
             out.claims.append((f"{namespace}/{ref['resourceClaimTemplateName']} (template, as generated)",
                                generated_claim(tpl, namespace)))
+    extended = _extended_resource_claim(kube, pod, namespace, out)
+    if extended is not None:
+        out.claims.append(extended)
     if not out.claims:
-        raise ExplainTargetError(f"pod {pod['metadata']['name']} has no resource claims")
+        raise ExplainTargetError(f"pod {pod['metadata']['name']} has no resource claims and asks for no extended "
+                                 "resource of a DeviceClass")
     return out
+
+
+# The extended resource name every DeviceClass answers to besides its spec.extendedResourceName.
+CLASS_RESOURCE_PREFIX = "deviceclass.resource.kubernetes.io/"
+
+
+def extended_resource_classes(classes: list[dict[str, Any]]) -> dict[str, str]:
+    """Extended resource name -> DeviceClass name, as the scheduler maps them: each class's
+    "deviceclass.resource.kubernetes.io/<name>" and its spec.extendedResourceName, the newest class winning
+    where two name the same resource."""
+    out: dict[str, tuple[str, str]] = {}
+    for cls in sorted(classes, key=lambda c: c["metadata"]["name"]):
+        name = cls["metadata"]["name"]
+        created = str(cls["metadata"].get("creationTimestamp") or "")
+        for resource in (CLASS_RESOURCE_PREFIX + name, (cls.get("spec") or {}).get("extendedResourceName")):
+            if resource and (resource not in out or created > out[resource][0]):
+                out[resource] = (created, name)
+    return {r: n for r, (_, n) in out.items()}
+
+
+def pod_extended_resource_claim(pod: dict[str, Any], classes: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The claim the scheduler would create for the pod's extended resources backed by a DeviceClass: per
+    resource (in name order) and per container asking for it, a request "container-<i>-request-<j>" (i: the
+    container's index after the init containers, j: the resource's index among the container's requests in
+    name order) for that many devices of the class. None when the pod asks for none."""
+    mapping = extended_resource_classes(classes)
+    spec = pod.get("spec") or {}
+    inits = spec.get("initContainers") or []
+    requests = []
+    for resource in sorted({r for c in spec.get("containers") or [] for r in
+                            ((c.get("resources") or {}).get("requests") or {}) if r in mapping}):
+        for i, container in enumerate(spec.get("containers") or []):
+            asked = (container.get("resources") or {}).get("requests") or {}
+            count = _whole(asked.get(resource))
+            if count:
+                requests.append({"name": f"container-{len(inits) + i}-request-{sorted(asked).index(resource)}",
+                                 "exactly": {"deviceClassName": mapping[resource], "allocationMode": "ExactCount",
+                                             "count": count}})
+    if not requests:
+        return None
+    meta = pod["metadata"]
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"namespace": meta.get("namespace", ""), "name": f"{meta['name']}-extended-resources"},
+            "spec": {"devices": {"requests": requests}}}
+
+
+def _whole(value: Any) -> int:
+    try:
+        amount = quantity_value(str(value)) if value is not None else 0
+    except ValueError:
+        return 0
+    return int(amount) if amount == int(amount) else 0
+
+
+def _extended_resource_claim(kube: KubeApi, pod: dict[str, Any], namespace: str,
+                             out: ExplainTargets) -> tuple[str, dict[str, Any]] | None:
+    made = ((pod.get("status") or {}).get("extendedResourceClaimStatus") or {}).get("resourceClaimName")
+    if made:
+        claim = _get(kube, f"{_claims_path(namespace)}/{made}")
+        if claim is not None:
+            return f"{namespace}/{made} (extended resources)", claim
+    if any(((c.get("resources") or {}).get("requests") or {}) for c in (pod.get("spec") or {}).get("initContainers") or []):
+        out.notes.append("init containers' extended resources are not explained")
+    claim = pod_extended_resource_claim(pod, kube.list(DEVICE_CLASSES)["items"])
+    if claim is None:
+        return None
+    out.notes.append(f"pod {pod['metadata']['name']}: extended resources explained as the claim the scheduler "
+                     "would create for them (on nodes that do not offer them through a device plugin)")
+    return f"{namespace}/{pod['metadata']['name']} (extended resources, as the scheduler would create it)", claim
 
 
 def explain_target(kube: KubeApi, target: str, namespace: str) -> Explanation:

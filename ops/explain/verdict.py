@@ -11,12 +11,15 @@ Everything here is plain dicts in and records out, with no API access: ``ops.exp
 """
 from __future__ import annotations
 
+import re
+import time
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from typing import Any
 
+from api.config import ConfigError, decode_opaque_config
 from api.quantity import quantity_value
 from dra.model.tenancy import tenancy_namespace, tenancy_reason
 from dra.scheduling.claimrequests import ALL, Alternative, ClaimSpec, Constraint, read_claim_spec
@@ -44,11 +47,17 @@ from dra.scheduling.poolview import (
     usage_of,
 )
 
-# Bound on the devices the search tries per node; past it the node is reported as undecided, not guessed.
+# Bounds on the search per node (devices tried, seconds); past them the node is reported as undecided, with
+# the request the search was at, not guessed.
 SEARCH_LIMIT = 200_000
-FREE, TAKEN, COUNTERS, TAINTED, CAPACITY = "free", "taken", "counters", "tainted", "capacity"
+SEARCH_SECONDS = 1.0
+# resource.k8s.io's AllocationResultsMaxSize: the most devices one claim can be allocated.
+CLAIM_DEVICE_LIMIT = 32
+# The verdict's first line stays short; every detail is in the lines below it.
+FIRST_LINE_MAX = 200
+FREE, TAKEN, COUNTERS, TAINTED, CAPACITY, CEL_ERROR = "free", "taken", "counters", "tainted", "capacity", "cel error"
 _STATE_WORDS = {FREE: "free", TAKEN: "taken", COUNTERS: "blocked by shared counters", TAINTED: "tainted",
-                CAPACITY: "without the capacity"}
+                CAPACITY: "without the capacity", CEL_ERROR: "failing the selectors with a CEL runtime error"}
 ALLOCATABLE, NOT_ALLOCATABLE, CANNOT_EVALUATE, ALLOCATED = "allocatable", "not allocatable", "cannot evaluate", "allocated"
 
 
@@ -72,6 +81,7 @@ class AlternativeReport:
     capacity_left: list[str] = field(default_factory=list)  # consumable capacity of shared devices
     # MPS tenancy (dra.model.tenancy): namespace -> the GPUs whose matching devices are kept for its daemon
     tenancy: dict[str, list[str]] = field(default_factory=dict)
+    profiles: list[str] = field(default_factory=list)     # MIG profiles among the class's devices, in order
     error: str = ""
 
 
@@ -92,6 +102,9 @@ class Explanation:
     claims: list[str]
     nodes: list[NodeReport] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # Opaque configs of this driver the node plugin (and the webhook) refuses: the scheduler allocates the claim
+    # all the same, and preparing it then fails.
+    config_problems: list[str] = field(default_factory=list)
 
     @property
     def allocatable(self) -> bool:
@@ -105,7 +118,11 @@ class Explanation:
 
 
 class _SearchLimit(Exception):
-    pass
+    """The search ran past its bounds; the message says at which request, so what is left undecided."""
+
+
+class _CelAbort(Exception):
+    """The scheduler's allocator reached a device whose selector fails to evaluate: it gives up on the node."""
 
 
 @dataclass
@@ -169,12 +186,14 @@ def _classify(ctx: _Context, pool: Pool, dev: PoolDevice, alt: Alternative) -> _
     needs, why = capacity_needs(dev.raw, dev.key[0], alt.capacity)
     if why:
         return _Candidate(dev, CAPACITY, why, {})
-    if alt.admin_access:
-        return _Candidate(dev, FREE, "", {})      # admin access ignores what others hold
     holders = ctx.usage.exclusive(dev.key)
-    if holders and not dev.multi:
+    if alt.admin_access:
+        # Admin access ignores who holds the device, but not the shared counters: the scheduler checks them for
+        # every device it allocates (a slot of a GPU held whole stays unavailable).
+        needs = {}
+    elif holders and not dev.multi:
         return _Candidate(dev, TAKEN, "held by " + ", ".join(h.describe() for h in holders), needs)
-    if dev.multi:
+    elif dev.multi:
         total = dev.raw.get("capacity") or {}
         for n, amount in needs.items():
             left = _capacity_total(total, n) - ctx.capacity_taken.get(dev.key, {}).get(n, Fraction(0))
@@ -200,21 +219,34 @@ def _capacity_total(caps: dict[str, Any], name: str) -> Fraction:
     return quantity_value(str((caps.get(name) or {}).get("value", "0")))
 
 
-def _candidates(ctx: _Context, node: str, alt: Alternative, report: AlternativeReport) -> list[tuple[Pool, _Candidate]]:
+def _candidates(ctx: _Context, node: str, alt: Alternative, report: AlternativeReport,
+                claim: str = "") -> list[tuple[Pool, _Candidate]]:
     """The devices of the node matching the alternative's class and selectors, each with its state."""
     class_exprs = ctx.class_selectors(alt.device_class)
     out = []
     for pool in ctx.pools_for(node):
         for dev in pool.devices:
             try:
-                if not all(ctx.matches(e, dev) for e in class_exprs):
+                if not _selected(ctx, dev, class_exprs, f"class {alt.device_class}"):
                     continue
                 report.class_matching += 1
-                if not all(ctx.matches(e, dev) for e in alt.selectors):
+                profile = (dev.raw.get("attributes") or {}).get("profile")
+                if profile and str(attribute_value(profile)) not in report.profiles:
+                    report.profiles.append(str(attribute_value(profile)))
+                if not _selected(ctx, dev, alt.selectors, f"claim {claim.split(' ')[0]}"):
                     continue
+                error = ""
             except CelRuntimeError as exc:
-                raise CelRuntimeError(f"device {dev.name}: {exc}") from exc
-            out.append((pool, _classify(ctx, pool, dev, alt)))
+                error = str(exc)
+            cand = _classify(ctx, pool, dev, alt)
+            if error:
+                # Looking for devices one by one, the allocator skips those in use before it evaluates selectors
+                # (taints and counters come after); for allocationMode All it evaluates every device first. Any
+                # other device it reaches with a failing selector makes it give up on the node.
+                if alt.mode != ALL and cand.state == TAKEN and not alt.admin_access:
+                    continue
+                cand = _Candidate(dev, CEL_ERROR, error, {})
+            out.append((pool, cand))
     report.matching = len(out)
     for _, c in out:
         if c.dev.multi:
@@ -231,8 +263,35 @@ def _candidates(ctx: _Context, node: str, alt: Alternative, report: AlternativeR
     for _, c in out:
         if c.state != FREE:
             by_why[c.why].append(c.dev.name)
-    report.why_not = [f"{_names(devs)} {'is' if len(devs) == 1 else 'are'} {why}" for why, devs in by_why.items()]
+    failing = {c.why for _, c in out if c.state == CEL_ERROR}
+    report.why_not = [f"{_names(devs)} {'is' if len(devs) == 1 else 'are'} {why}" if why not in failing else
+                      f"{_names(devs)} cannot be evaluated: {why}" for why, devs in by_why.items()]
     return out
+
+
+def _selected(ctx: _Context, dev: PoolDevice, expressions: Sequence[str], whose: str) -> bool:
+    """Whether every expression matches the device; a failing one raises CelRuntimeError worded as the
+    scheduler words it ("<whose>: selector #i on device <driver/pool/device>: CEL runtime error: ...")."""
+    for i, e in enumerate(expressions):
+        try:
+            if not ctx.matches(e, dev):
+                return False
+        except CelRuntimeError as exc:
+            raise CelRuntimeError(f"{whose}: selector #{i} on device {'/'.join(dev.key)}: CEL runtime error: "
+                                  f"{cel_error_text(str(exc))}") from exc
+    return True
+
+
+def cel_error_text(text: str) -> str:
+    """The CEL runtime's message in the words of the Go runtime kube-scheduler uses (cel-go and the Kubernetes
+    CEL library), with the hint Kubernetes adds to a missing key."""
+    m = re.match(r'NOT_FOUND: Key not found in map\s*:\s*"?(.*?)"?$', text)
+    if m:
+        return (f"no such key: {m.group(1)}. consider using CEL optional chaining (.? followed by orValue()) "
+                "or guarding the check with has() for optional fields")
+    if text.startswith("UNKNOWN: No matching overloads found"):
+        return "no such overload" + text.removeprefix("UNKNOWN: No matching overloads found").replace(" : ", ": ")
+    return re.sub(r"^[A-Z_]+: ", "", text)
 
 
 def _gpu_of(dev: PoolDevice) -> str:
@@ -261,6 +320,9 @@ class _Search:
         self.ctx, self.slots, self.use_constraints = ctx, slots, use_constraints
         self.steps = 0
         self.chosen: set[DeviceKey] = set()
+        self.admin_chosen: set[tuple[str, DeviceKey]] = set()     # (claim, device) picked with admin access
+        self.deadline = time.monotonic() + SEARCH_SECONDS
+        self.per_claim: Counter[str] = Counter()                   # devices picked so far per claim
         self.counters: dict[CounterKey, dict[str, Fraction]] = defaultdict(lambda: defaultdict(Fraction))
         self.capacity: dict[DeviceKey, dict[str, Fraction]] = defaultdict(lambda: defaultdict(Fraction))
         self.values: dict[tuple[str, int], list[Any]] = defaultdict(list)    # (claim, constraint#) -> values
@@ -274,7 +336,7 @@ class _Search:
             return True
         slot = self.slots[i]
         for alt, cands in slot.alternatives:
-            usable = [(p, c) for p, c in cands if c.state == FREE]
+            usable = [(p, c) for p, c in cands if c.state in (FREE, CEL_ERROR)]
             if alt.mode == ALL:
                 if not cands or len(usable) != len(cands):
                     continue
@@ -308,11 +370,23 @@ class _Search:
                 return True
             del self.result[f"{slot.claim}: {alt.request}"]
             return False
-        for j in range(start, len(usable) - left + 1):
+        if self._short_of_values(slot, alt, usable, start, left):
+            return False
+        # With a device whose selector fails among them, every device is tried as the scheduler tries them
+        # (it gives up on the node when it reaches that device), else only where enough are left after it.
+        end = len(usable) if any(c.state == CEL_ERROR for _, c in usable[start:]) else len(usable) - left + 1
+        for j in range(start, end):
             self.steps += 1
-            if self.steps > SEARCH_LIMIT:
-                raise _SearchLimit()
+            if self.steps > SEARCH_LIMIT or (self.steps % 512 == 0 and time.monotonic() > self.deadline):
+                bound = f"{SEARCH_LIMIT} steps" if self.steps > SEARCH_LIMIT else f"{SEARCH_SECONDS:g}s"
+                raise _SearchLimit(f"search stopped after {bound} at {slot.claim}: request {alt.request}")
             pool, c = usable[j]
+            if c.state == CEL_ERROR:
+                if c.dev.key in self.chosen and not alt.admin_access:
+                    continue        # picked by an earlier request: in use, skipped before its selectors
+                raise _CelAbort(c.why)
+            if self.per_claim[slot.claim] >= CLAIM_DEVICE_LIMIT:
+                return False        # the claim limit (the allocator checks it before each device)
             if not self._fits(slot, alt, pool, c):
                 continue
             undo = self._apply(slot, alt, pool, c)
@@ -323,15 +397,41 @@ class _Search:
             self._release(*undo)
         return False
 
+    def _short_of_values(self, slot: _Slot, alt: Alternative, usable: list[tuple[Pool, _Candidate]], start: int,
+                         left: int) -> bool:
+        """Whether the devices from `start` on cannot give `left` more devices under the claim's constraints:
+        too few distinct values left for a distinctAttribute, too few of the matched value for a
+        matchAttribute. Prunes what would otherwise be a search over every combination."""
+        if not self.use_constraints or left <= 1:
+            return False
+        for ci, con in enumerate(slot.constraints):
+            if not con.applies_to(alt.request):
+                continue
+            seen = self.values[(slot.claim, ci)]
+            rest = [_attribute(c.dev, con.match_attribute or con.distinct_attribute or "") for _, c in usable[start:]
+                    if c.state == FREE]
+            if con.distinct_attribute:
+                fresh = {_hashable(v) for v in rest if v is not _MISSING} - {_hashable(v) for v in seen}
+                if len(fresh) < left:
+                    return True
+            elif seen:
+                if sum(1 for v in rest if v == seen[0]) < left:
+                    return True
+            elif max(Counter(_hashable(v) for v in rest if v is not _MISSING).values(), default=0) < left:
+                return True
+        return False
+
     def _fits(self, slot: _Slot, alt: Alternative, pool: Pool, c: _Candidate) -> bool:
         dev = c.dev
-        if not alt.admin_access:
-            if dev.key in self.chosen and not dev.multi:
+        if alt.admin_access and not dev.multi and (slot.claim, dev.key) in self.admin_chosen:
+            return False
+        if not alt.admin_access and dev.key in self.chosen and not dev.multi:
+            return False
+        for cs, counters in dev.consumes().items():
+            mine = self.counters.get((pool.driver, pool.name, cs), {})
+            if any(v + mine.get(n, 0) > self.ctx.counter_free(pool, cs, n) for n, v in counters.items()):
                 return False
-            for cs, counters in dev.consumes().items():
-                mine = self.counters.get((pool.driver, pool.name, cs), {})
-                if any(v + mine.get(n, 0) > self.ctx.counter_free(pool, cs, n) for n, v in counters.items()):
-                    return False
+        if not alt.admin_access:
             if dev.multi:
                 caps = dev.raw.get("capacity") or {}
                 taken = self.ctx.capacity_taken.get(dev.key, {})
@@ -355,11 +455,15 @@ class _Search:
     def _apply(self, slot: _Slot, alt: Alternative, pool: Pool, c: _Candidate) -> tuple[Any, ...]:
         dev = c.dev
         added = dev.key not in self.chosen
-        if not alt.admin_access:
+        self.per_claim[slot.claim] += 1
+        for cs, counters in dev.consumes().items():
+            for n, v in counters.items():
+                self.counters[(pool.driver, pool.name, cs)][n] += v
+        if alt.admin_access:
+            added = (slot.claim, dev.key) not in self.admin_chosen
+            self.admin_chosen.add((slot.claim, dev.key))
+        else:
             self.chosen.add(dev.key)
-            for cs, counters in dev.consumes().items():
-                for n, v in counters.items():
-                    self.counters[(pool.driver, pool.name, cs)][n] += v
             for n, v in c.needs.items():
                 self.capacity[dev.key][n] += v
         pushed = []
@@ -373,12 +477,16 @@ class _Search:
     def _release(self, slot: _Slot, alt: Alternative, pool: Pool, c: _Candidate, added: bool,
                  pushed: list[int]) -> None:
         dev = c.dev
-        if not alt.admin_access:
+        self.per_claim[slot.claim] -= 1
+        for cs, counters in dev.consumes().items():
+            for n, v in counters.items():
+                self.counters[(pool.driver, pool.name, cs)][n] -= v
+        if alt.admin_access:
+            if added:
+                self.admin_chosen.discard((slot.claim, dev.key))
+        else:
             if added:
                 self.chosen.discard(dev.key)
-            for cs, counters in dev.consumes().items():
-                for n, v in counters.items():
-                    self.counters[(pool.driver, pool.name, cs)][n] -= v
             for n, v in c.needs.items():
                 self.capacity[dev.key][n] -= v
         for ci in pushed:
@@ -386,6 +494,10 @@ class _Search:
 
 
 _MISSING = object()
+
+
+def _hashable(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _attribute(dev: PoolDevice, qualified: str) -> Any:
@@ -415,6 +527,8 @@ def _request_reason(slot: _Slot, reports: list[AlternativeReport]) -> str | None
         if not cands:
             why = (f"no device of class {alt.device_class} on the node" if not rep.class_matching else
                    f"none of the {rep.class_matching} devices of class {alt.device_class} matches the selectors")
+            if rep.profiles:
+                why += f" (MIG profiles there: {', '.join(rep.profiles)})"
         elif alt.mode == ALL:
             why = f"all {len(cands)} matching devices are needed, {len(cands) - free} cannot be allocated: " + \
                 "; ".join(rep.why_not)
@@ -459,23 +573,33 @@ def _explain_node(ctx: _Context, node: str, targets: list[tuple[str, ClaimSpec]]
     report = NodeReport(node, NOT_ALLOCATABLE)
     slots = []
     reasons = []
+    # The allocator's order: per claim, per request, the class and (for allocationMode All) every device's
+    # selectors, then the claim's device count so far against the claim limit; then the search.
     for name, spec in targets:
+        counted = 0
         for req in spec.requests:
             alts, reps = [], []
             for alt in req.alternatives:
                 rep = AlternativeReport(alt.request if len(targets) == 1 else f"{name}: {alt.request}", alt.describe())
                 try:
-                    cands = _candidates(ctx, node, alt, rep)
+                    cands = _candidates(ctx, node, alt, rep, name)
                 except LookupError as exc:
                     rep.error, cands = str(exc), []
-                except CelRuntimeError as exc:
-                    rep.error = f"CEL runtime error: {exc}"
-                    report.requests.append(rep)
-                    report.reason = f"{name}: request {alt.request}: {rep.error}"
-                    return report
                 report.requests.append(rep)
+                failing = [c for _, c in cands if c.state == CEL_ERROR]
+                if alt.mode == ALL and failing:
+                    report.gpus = _gpu_lines(ctx, node)
+                    report.reason = f"{name}: request {alt.request}: {failing[0].why}"
+                    return report
                 alts.append((alt, cands))
                 reps.append(rep)
+            least = min((len(cands) if alt.mode == ALL else alt.count for alt, cands in alts), default=0)
+            if least > CLAIM_DEVICE_LIMIT - counted:
+                report.gpus = _gpu_lines(ctx, node)
+                report.reason = (f"{name}: request {req.name}: adding {least} devices exceeds the claim limit of "
+                                 f"{CLAIM_DEVICE_LIMIT}, with {counted} already accounted for")
+                return report
+            counted += least
             slot = _Slot(name, req.name, spec.constraints, alts)
             slots.append(slot)
             why = _request_reason(slot, reps)
@@ -483,7 +607,8 @@ def _explain_node(ctx: _Context, node: str, targets: list[tuple[str, ClaimSpec]]
             if why:
                 reasons.append(f"{name}: request {req.name}: {errors[0]}" if len(errors) == len(reps) else why)
     report.gpus = _gpu_lines(ctx, node)
-    if reasons:
+    failing_somewhere = any(c.state == CEL_ERROR for s in slots for _, cands in s.alternatives for _, c in cands)
+    if reasons and not failing_somewhere:
         report.reason = reasons[0]
         return report
     try:
@@ -491,15 +616,37 @@ def _explain_node(ctx: _Context, node: str, targets: list[tuple[str, ClaimSpec]]
         if chosen is not None:
             report.verdict, report.chosen = ALLOCATABLE, chosen
             return report
-        if any(s.constraints for s in slots) and _Search(ctx, slots, use_constraints=False).run() is not None:
-            cons = sorted({c.match_attribute or c.distinct_attribute or "" for s in slots for c in s.constraints})
-            report.reason = f"the free devices cannot meet the constraint on {', '.join(cons)}"
+        if reasons:
+            report.reason = reasons[0]
+        elif any(s.constraints for s in slots) and _Search(ctx, slots, use_constraints=False).run() is not None:
+            report.reason = _constraint_reason(slots)
         else:
             report.reason = "the requests together need more than the free devices, counters or capacity allow"
-    except _SearchLimit:
+    except _CelAbort as exc:
+        report.reason = str(exc)
+    except _SearchLimit as exc:
         report.verdict = CANNOT_EVALUATE
-        report.reason = f"search stopped after {SEARCH_LIMIT} steps without an answer"
+        report.reason = f"{exc}: cannot decide whether the requests can be met together"
     return report
+
+
+def _constraint_reason(slots: list[_Slot]) -> str:
+    """Why the constraints cannot be met: a request needing more distinct values than its free devices have,
+    or, failing that, the constraints named."""
+    for slot in slots:
+        for ci, con in enumerate(slot.constraints):
+            if not con.distinct_attribute:
+                continue
+            for alt, cands in slot.alternatives:
+                if con.applies_to(alt.request) and alt.mode != ALL:
+                    values = {_hashable(v) for v in (_attribute(c.dev, con.distinct_attribute) for _, c in cands
+                                                     if c.state == FREE) if v is not _MISSING}
+                    if alt.count > len(values):
+                        return (f"{slot.claim}: request {alt.request} needs {alt.count} devices with distinct "
+                                f"{con.distinct_attribute}; the free matching devices have {len(values)} distinct "
+                                "values")
+    cons = sorted({c.match_attribute or c.distinct_attribute or "" for s in slots for c in s.constraints})
+    return f"the free devices cannot meet the constraint on {', '.join(cons)}"
 
 
 # ------------------------------------------------------------------------------------------ the whole
@@ -548,14 +695,55 @@ def explain(targets: Sequence[Target], classes: Sequence[dict[str, Any]], slices
         node_names = [n for n in node_names if n in fixed]
         notes.append(f"already allocated claims of the pod tie it to node {next(iter(fixed))}")
     reports = [_explain_node(ctx, n, specs) for n in node_names]
-    return Explanation(*_verdict(reports, node_names), names, reports, notes)
+    problems = [p for t in pending for p in config_problems(t.name, t.claim, _our_drivers(ctx))]
+    verdict, sentence = _verdict(reports, node_names)
+    if problems and verdict == ALLOCATABLE:
+        where = ", ".join(n for n in [r.node for r in reports if r.verdict == ALLOCATABLE][:2])
+        sentence = clip_line(f"allocatable on {where}, but the node plugin will not prepare it: {problems[0]}")
+    return Explanation(verdict, sentence, names, reports, notes, problems)
+
+
+def _our_drivers(ctx: _Context) -> set[str]:
+    """The drivers of this project among the published pools: those with this project's DeviceClasses (the class
+    named after the driver and its mig. class), whose opaque configs the plugin decodes."""
+    return {p.driver for p in ctx.pools if p.driver in ctx.classes and f"mig.{p.driver}" in ctx.classes}
+
+
+def config_problems(name: str, claim: dict[str, Any], drivers: set[str]) -> list[str]:
+    """The claim's opaque configs for one of `drivers` that do not decode, in the webhook's words (the same
+    decoder, api.config), NVIDIA's config types accepted as in compatibility mode."""
+    configs = ((claim.get("spec") or {}).get("devices") or {}).get("config") or []
+    problems = []
+    for i, entry in enumerate(configs if isinstance(configs, list) else []):
+        opaque = entry.get("opaque") if isinstance(entry, dict) else None
+        if not isinstance(opaque, dict) or opaque.get("driver") not in drivers:
+            continue
+        try:
+            decode_opaque_config(opaque.get("parameters"), compat_nvidia=True)
+        except ConfigError as exc:
+            problems.append(f"{name}: " + str(exc.with_prefix(f"spec.devices.config[{i}].opaque.parameters")))
+    return problems
 
 
 def _verdict(reports: list[NodeReport], node_names: list[str]) -> tuple[str, str]:
+    verdict, sentence = _full_verdict(reports, node_names)
+    return verdict, clip_line(sentence)
+
+
+def clip_line(text: str, limit: int = FIRST_LINE_MAX) -> str:
+    """The text cut below `limit` characters at a word boundary, saying the rest is below (the node lines)."""
+    if len(text) < limit:
+        return text
+    tail = " … (details below)"
+    cut = text[:limit - 1 - len(tail)]
+    return cut[:max(cut.rfind(" "), limit // 2)].rstrip(",;:") + tail
+
+
+def _full_verdict(reports: list[NodeReport], node_names: list[str]) -> tuple[str, str]:
     ok = [r for r in reports if r.verdict == ALLOCATABLE]
     if ok:
         first = ok[0]
-        picks = "; ".join(f"{k} -> {', '.join(v)}" for k, v in first.chosen.items())
+        picks = "; ".join(f"{k} -> {_names(v)}" for k, v in first.chosen.items())
         more = f" (and {len(ok) - 1} other node{'s' * (len(ok) > 2)})" if len(ok) > 1 else ""
         return ALLOCATABLE, f"allocatable on {first.node}{more}: {picks}"
     undecided = [r for r in reports if r.verdict == CANNOT_EVALUATE]
@@ -573,6 +761,7 @@ def _verdict(reports: list[NodeReport], node_names: list[str]) -> tuple[str, str
 def format_text(exp: Explanation) -> str:
     """The verdict sentence first, then per node the requests and GPUs."""
     lines = [exp.sentence, ""]
+    lines += [f"config refused: {p}" for p in exp.config_problems]
     lines += [f"note: {n}" for n in exp.notes]
     for node in exp.nodes:
         head = f"node {node.node}: {node.verdict}"

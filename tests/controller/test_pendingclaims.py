@@ -68,7 +68,7 @@ def test_explain_names_the_namespace_a_tainted_gpus_daemon_serves() -> None:
     exp = judge(slot_claim("x"), slot_slices(tenants={0: "team-a", 1: "team-a"}))
     assert exp.verdict == NOT_ALLOCATABLE
     assert (f"gpu-0-slot-0, gpu-0-slot-1 and 2 more are tainted {D}/mps-namespace=team-a:NoExecute, not tolerated "
-            "(MPS daemon serves namespace team-a)") in exp.sentence
+            "(MPS daemon serves namespace team-a)") in format_text(exp)
     assert "(MPS daemon serves namespace team-a)" in format_text(exp)
     (rep,) = exp.nodes[0].requests
     assert rep.tenancy == {"team-a": ["GPU-node-a-0", "GPU-node-a-1"]}

@@ -22,9 +22,9 @@ import yaml
 from allocation_helpers import EXAMPLES, FLEETS, PublishedFleet, renamed_fleet
 
 from dra.scheduling.poolview import allocation_results
-from kube.client import RESOURCE_V1, ApiError, KubeApi
+from kube.client import DEVICE_CLASSES, RESOURCE_V1, ApiError, KubeApi
 from ops.explain.reads import explain_target
-from ops.explain.verdict import ALLOCATABLE, NOT_ALLOCATABLE, Explanation
+from ops.explain.verdict import ALLOCATABLE, FIRST_LINE_MAX, NOT_ALLOCATABLE, Explanation, format_text
 from testbed.demo_examples import apply_objects, collection, delete_namespace, load_example, load_examples
 
 pytestmark = pytest.mark.e2e
@@ -177,6 +177,7 @@ class Case:
     admin: bool = False
     second_claim: dict[str, Any] | None = None            # the pod also uses this claim
     request: str = ""                                     # allocated request name the explain must pick too
+    says: str = ""                                        # words explain's text must contain, whatever the verdict
 
 
 def _sub(name: str, cls: str, cel: str | None = None) -> dict[str, Any]:
@@ -195,6 +196,12 @@ NO_SCHEDULE = {"key": "example.com/maintenance", "value": "planned", "effect": "
 FIRST_AVAILABLE = _spec({"name": "gpu", "firstAvailable": [
     _sub("h100", GPU, "device.attributes['D'].productName.startsWith('NVIDIA H100')"),
     _sub("big", GPU, "device.capacity['D'].memory.compareTo(quantity('20Gi')) >= 0")]})
+
+TYPO_CONFIG = {"devices": {
+    "requests": [{"name": "gpu", "exactly": {"deviceClassName": GPU}}],
+    "config": [{"requests": ["gpu"], "opaque": {"driver": "D", "parameters": {
+        "apiVersion": "gpu.dra-driver.io/v1alpha1", "kind": "GpuConfig",
+        "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentge": 25}}}}}]}}
 
 CASES = [
     Case("selector-matches-nothing", H100, _spec(_req("gpu", _exactly(GPU, "device.attributes['D'].productName == 'NVIDIA B300'"))),
@@ -256,6 +263,40 @@ CASES = [
     Case("class-does-not-exist", L4, _spec(_req("gpu", _exactly("nosuch.D"))), False, "does not exist"),
     Case("two-claims-one-gpu", L4, ONE, False, "together", second_claim=ONE),
     Case("two-claims-two-gpus", [{"model": "L4", "count": 2}], ONE, True, second_claim=ONE),
+    # The claim limit of 32 devices: allocationMode All over 50 MIG placements, or requests adding up to 33.
+    Case("claim-limit-all-mode", [{"model": "H100-80GB", "count": 2}], _spec(_req("mig", _exactly(MIG, allocationMode="All"))),
+         False, "exceeds the claim limit of 32", policy=MIG_ONLY),
+    Case("claim-limit-two-requests", [{"model": "H100-80GB", "count": 2}],
+         _spec(_req("a", _exactly(MIG, count=17)), _req("b", _exactly(MIG, count=16))), False,
+         "adding 16 devices exceeds the claim limit of 32, with 17 already accounted for", policy=MIG_ONLY),
+    # Admin access does not skip shared counters: a slot of a GPU held whole stays unavailable.
+    Case("admin-access-slot-of-a-held-gpu", L4, _spec(_req("slot", _exactly(SLOT, adminAccess=True))), False,
+         "is used up by gpu-0 held by", policy=TS_SLOTS, first=[ONE], admin=True),
+    # A CEL error on a device the scheduler never reaches (the first device fits) is no error; on the first
+    # device it tries, it is, in the scheduler's words.
+    Case("cel-error-on-a-device-never-reached", [{"model": "H100-80GB", "count": 1}, {"model": "L4", "count": 1}],
+         _spec(_req("gpu", _exactly(GPU, "device.attributes['D'].productName.startsWith('NVIDIA H100') || "
+                                         "device.attributes['D'].nosuch == 'x'"))), True),
+    Case("cel-error-on-the-first-device", [{"model": "H100-80GB", "count": 1}, {"model": "L4", "count": 1}],
+         _spec(_req("gpu", _exactly(GPU, "device.attributes['D'].productName.startsWith('NVIDIA L4') || "
+                                         "device.attributes['D'].nosuch == 'x'"))), False,
+         "CEL runtime error: no such key: nosuch"),
+    # distinctAttribute on the parent GPU: more distinct values than there are GPUs, and as many.
+    Case("distinct-parents-beyond-the-gpus", [{"model": "H100-80GB", "count": 3}],
+         _spec(_req("mig", _exactly(MIG, "device.attributes['D'].profile == '1g.10gb'", count=4)),
+               constraints=[{"distinctAttribute": "D/parentUUID"}]), False, "with distinct", policy=MIG_ONLY),
+    # An MPS config with a typo: the scheduler allocates (it does not read opaque configs); explain agrees and
+    # names what the node plugin and the webhook refuse.
+    Case("opaque-config-typo", L4, TYPO_CONFIG, True,
+         says="sharing.mps.activeThreadPercentge: unknown field (known fields: activeThreadPercentage"),
+    # No MIG profile matches: the profiles there are named; a memory share beyond the request policy: its range.
+    Case("mig-profile-that-does-not-exist", H100, _spec(_req("mig", _exactly(MIG, "device.attributes['D'].profile == '1g.12gb'"))),
+         False, "MIG profiles there: ", policy=MIG_ONLY),
+    Case("memory-share-beyond-the-range", H100, _spec(_req("share", _exactly(SHARED, capacity={"requests": {"memory": "200Gi"}}))),
+         False, "(valid: ", policy=SHARES),
+    Case("distinct-parents-one-per-gpu", [{"model": "H100-80GB", "count": 3}],
+         _spec(_req("mig", _exactly(MIG, "device.attributes['D'].profile == '1g.10gb'", count=3)),
+               constraints=[{"distinctAttribute": "D/parentUUID"}]), True, policy=MIG_ONLY),
 ]
 
 
@@ -358,12 +399,15 @@ def test_explain_agrees_with_the_scheduler(api_client: Any, case_env: Any, case:
     assert outcome.allocated == case.allocated, \
         f"{case.name}: the scheduler {'allocated' if outcome.allocated else 'did not allocate'} ({outcome.message})"
     assert_agree(exp, outcome, case.name)
+    assert len(exp.sentence) < FIRST_LINE_MAX, exp.sentence
     if not outcome.allocated:
-        assert case.reason in exp.sentence, f"{case.name}: {exp.sentence!r} does not say {case.reason!r}"
+        # The first line is short; the reason may be in the details below it.
+        assert case.reason in format_text(exp), f"{case.name}: {format_text(exp)!r} does not say {case.reason!r}"
         # The pending pod itself (its claims through status.resourceClaimStatuses) gets the same verdict.
         of_pod = explain_target(kube, "pod/under-test", ns)
         assert_agree(of_pod, outcome, f"{case.name} (pod)")
-        assert case.reason in of_pod.sentence, of_pod.sentence
+        assert case.reason in format_text(of_pod), format_text(of_pod)
+    assert case.says in format_text(exp), format_text(exp)
     if case.request:
         assert outcome.requests == [case.request], outcome.requests
         chosen = next(r for r in exp.nodes if r.node == outcome.node).chosen
@@ -382,6 +426,52 @@ def _delete_and_wait(kube: KubeApi, kind: str, ns: str, name: str, timeout: floa
     while any(o["metadata"]["name"] == name for o in kube.list(collection(kind, ns))["items"]):
         assert time.monotonic() < deadline, f"{kind} {ns}/{name} was not deleted within {timeout:.0f} s"
         time.sleep(0.25)
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["free", "held"])
+def test_explain_agrees_on_a_pods_extended_resource(api_client: Any, case_env: Any, held: bool) -> None:
+    """A pod asking `<domain>/gpu: 1`, which a DeviceClass names as its extendedResourceName: explained before
+    the scheduler made its claim (the claim it would make), and after (status.extendedResourceClaimStatus)."""
+    kube = KubeApi(api_client)
+    driver, node, ns, n = case_env(Case("extended", L4, ONE, not held))
+    resource = f"x{n}.example.com/gpu"
+    kube.request("PATCH", f"{DEVICE_CLASSES}/{driver}", body={"spec": {"extendedResourceName": resource}},
+                 content_type="application/merge-patch+json")
+    if held:
+        apply_objects(kube, [_claim("first", _driver_in(ONE, driver)), _pod("first", [("c", "claim:first")])], ns)
+        assert scheduler_outcome(kube, ns, "first").allocated
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "ext"},
+           "spec": {"restartPolicy": "Never", "schedulingGates": [{"name": "example.com/explain-first"}],
+                    "containers": [{"name": "c", "image": "example.invalid/none",
+                                    "resources": {"requests": {resource: "1"}, "limits": {resource: "1"}}}]}}
+    apply_objects(kube, [pod], ns)
+    exp = explain_target(kube, "pod/ext", ns)
+    kube.request("PATCH", f"{collection('Pod', ns)}/ext", body={"spec": {"schedulingGates": None}},
+                 content_type="application/merge-patch+json")
+    deadline = time.monotonic() + 40
+    while True:
+        current = kube.get(f"{collection('Pod', ns)}/ext")
+        cond = next((c for c in (current.get("status") or {}).get("conditions") or []
+                     if c.get("type") == "PodScheduled"), {})
+        # A gated pod is PodScheduled False too (SchedulingGated): wait for the scheduler's own answer.
+        if current["spec"].get("nodeName") or (cond.get("status") == "False" and cond.get("reason") != "SchedulingGated"):
+            break
+        assert time.monotonic() < deadline, "the scheduler neither bound nor gave up on pod ext"
+        time.sleep(0.25)
+    outcome = Outcome(bool(current["spec"].get("nodeName")), current["spec"].get("nodeName", ""),
+                      message=str(cond.get("message", "")))
+    assert outcome.allocated == (not held), outcome
+    assert_agree(exp, outcome, f"extended resource ({'held' if held else 'free'})")
+    if held:
+        assert "is held by" in format_text(exp), format_text(exp)
+    else:
+        made = (current.get("status") or {}).get("extendedResourceClaimStatus") or {}
+        while not made.get("resourceClaimName"):
+            assert time.monotonic() < deadline, "no extendedResourceClaimStatus on the bound pod"
+            time.sleep(0.25)
+            made = (kube.get(f"{collection('Pod', ns)}/ext").get("status") or {}).get("extendedResourceClaimStatus") or {}
+        after = explain_target(kube, "pod/ext", ns)
+        assert after.verdict == "allocated" and node in after.sentence, after.sentence
 
 
 def test_cli_explains_a_pending_pod_and_an_allocatable_template(cluster: Any, api_client: Any, case_env: Any) -> None:

@@ -100,11 +100,11 @@ def test_status_shows_holders_free_capacity_and_the_mig_row_to_a_read_only_user(
         assert held == {"gpu-0-mig-1g10gb-19-3": [(ns, "small-mig", ["small-mig"])],
                         "gpu-0-mig-3g40gb-9-4": [(ns, "big-mig", ["big-mig"])],
                         "gpu-1": [(ns, "whole", ["whole"])]}
-        assert g0["memory_slices"] == "[...|A|BBBB]"
-        assert g0["mig_free"] == {"1g.10gb": 3, "1g.10gb+me": 1, "1g.20gb": 1, "2g.20gb": 1}
-        assert g0["whole_free"] is False and g1["whole_free"] is False and g1["mig_free"] == {}
-        assert doc["summary"] == {"nodes": 1, "gpus": 2, "whole_gpus_free": 0, "unhealthy_gpus": 0, "slots_free": 0,
-                                  "slots_total": 0, "mig_placeable": {"1g.10gb": 3, "1g.10gb+me": 1, "1g.20gb": 1,
+        assert g0["memorySlices"] == "[...|A|BBBB]"
+        assert g0["migFree"] == {"1g.10gb": 3, "1g.10gb+me": 1, "1g.20gb": 1, "2g.20gb": 1}
+        assert g0["wholeFree"] is False and g1["wholeFree"] is False and g1["migFree"] == {}
+        assert doc["summary"] == {"nodes": 1, "gpus": 2, "wholeGpusFree": 0, "unhealthyGpus": 0, "slotsFree": 0,
+                                  "slotsTotal": 0, "migPlaceable": {"1g.10gb": 3, "1g.10gb+me": 1, "1g.20gb": 1,
                                                                       "2g.20gb": 1}}
 
         # A user who may only read slices, claims and pods sees the same, through the kubectl plugin.

@@ -222,7 +222,7 @@ def test_a_held_gpu_blocks_its_partitions_and_the_holder_is_named() -> None:
     exp = run(_claim("c", _req("mig", f"mig.{D}", PROFILE % "1g.10gb")), one_gpu, [holder])
     assert exp.verdict == NOT_ALLOCATABLE
     assert "gpu-0-mig-1g10gb-19-0 is unavailable: counter set gpu-0-counters is used up by gpu-0 held by " \
-           "train/job-7 (pod train/job-7-pod)" in exp.sentence
+           "train/job-7 (pod train/job-7-pod)" in format_text(exp)
     (node,) = exp.nodes
     assert node.gpus == ["gpu-0-counters: gpu-0 held by train/job-7 (pod train/job-7-pod); "
                          "largest MIG profile still placeable: none"]
@@ -235,7 +235,7 @@ def test_a_held_gpu_blocks_its_partitions_and_the_holder_is_named() -> None:
 def test_a_small_partition_leaves_only_smaller_profiles_placeable() -> None:
     holder = _allocated(_claim("small", _req()), "node-a", "gpu-0-mig-1g10gb-19-0")
     exp = run(_claim("c", _req("mig", f"mig.{D}", PROFILE % "7g.80gb")), _slices(gpus=1), [holder])
-    assert exp.verdict == NOT_ALLOCATABLE and "used up by gpu-0-mig-1g10gb-19-0 held by ml/small" in exp.sentence
+    assert exp.verdict == NOT_ALLOCATABLE and "used up by gpu-0-mig-1g10gb-19-0 held by ml/small" in format_text(exp)
     assert "largest MIG profile still placeable: none" in exp.nodes[0].gpus[0]
 
 
@@ -243,20 +243,32 @@ def test_taken_devices_name_claim_and_pod() -> None:
     holders = [_allocated(_claim(f"h{i}", _req()), "node-a", f"gpu-{i}", pod=f"p{i}") for i in range(2)]
     exp = run(_claim("c", _req(cel=f"device.attributes['{D}'].type == 'gpu'")), None, holders)
     assert exp.verdict == NOT_ALLOCATABLE
-    assert "gpu-0 is held by ml/h0 (pod ml/p0)" in exp.sentence and "gpu-1 is held by ml/h1 (pod ml/p1)" in exp.sentence
+    assert "gpu-0 is held by ml/h0 (pod ml/p0)" in format_text(exp) and "gpu-1 is held by ml/h1 (pod ml/p1)" in format_text(exp)
 
 
-def test_admin_access_ignores_what_others_hold() -> None:
+def test_admin_access_ignores_who_holds_a_device_but_not_the_shared_counters() -> None:
+    # The scheduler checks a device's counters whatever the request's adminAccess: a device that consumes no
+    # counters is allocatable while held; one whose counter set its holder used up is not.
+    no_counters = _slices(gpus=2)
+    for dev in no_counters[1]["spec"]["devices"]:
+        if dev["name"] == "gpu-1":
+            del dev["consumesCounters"]
     holders = [_allocated(_claim(f"h{i}", _req()), "node-a", f"gpu-{i}") for i in range(2)]
-    exp = run(_claim("c", _req(adminAccess=True)), None, holders)
-    assert exp.verdict == ALLOCATABLE and exp.sentence.endswith("gpu -> gpu-0")
+    exp = run(_claim("c", _req(adminAccess=True)), no_counters, holders)
+    assert exp.verdict == ALLOCATABLE and exp.sentence.endswith("gpu -> gpu-1"), exp.sentence
+    exp = run(_claim("c", _req("mig", f"mig.{D}", PROFILE % "1g.10gb", adminAccess=True)), None, holders)
+    assert exp.verdict == NOT_ALLOCATABLE and "counter set gpu-0-counters is used up by gpu-0" in format_text(exp)
+    # An admin-access holder takes no counters (the scheduler leaves admin allocations out of what is in use).
+    admin_holder = _allocated(_claim("h", _req(adminAccess=True)), "node-a", "gpu-0", adminAccess=True)
+    exp = run(_claim("c", _req("mig", f"mig.{D}", PROFILE % "1g.10gb", adminAccess=True)), None, [admin_holder])
+    assert exp.verdict == ALLOCATABLE, exp.sentence
 
 
 def test_taints_block_unless_tolerated() -> None:
     taint = {"key": "maint", "value": "planned", "effect": "NoSchedule"}
     slices = _slices(gpus=1, taints={"gpu-0": [taint]})
     exp = run(_claim("c", _req()), slices)
-    assert exp.verdict == NOT_ALLOCATABLE and "gpu-0 is tainted maint=planned:NoSchedule, not tolerated" in exp.sentence
+    assert exp.verdict == NOT_ALLOCATABLE and "gpu-0 is tainted maint=planned:NoSchedule, not tolerated" in format_text(exp)
     tolerant = _claim("c", _req(tolerations=[{"key": "maint", "operator": "Exists"}]))
     assert run(tolerant, slices).verdict == ALLOCATABLE
     # A DeviceTaintRule taints the same way.
@@ -268,7 +280,7 @@ def test_taints_block_unless_tolerated() -> None:
 def test_match_attribute_within_and_across_requests() -> None:
     same_root = _claim("c", _req(count=2), constraints=[{"matchAttribute": "resource.kubernetes.io/pcieRoot"}])
     exp = run(same_root)
-    assert exp.verdict == NOT_ALLOCATABLE and "constraint on resource.kubernetes.io/pcieRoot" in exp.sentence
+    assert exp.verdict == NOT_ALLOCATABLE and "constraint on resource.kubernetes.io/pcieRoot" in format_text(exp)
     pair = _claim("c", _req("a", f"mig.{D}", PROFILE % "1g.10gb"), _req("b", f"mig.{D}", PROFILE % "1g.10gb"),
                   constraints=[{"requests": ["a", "b"], "matchAttribute": f"{D}/parentUUID"}])
     assert run(pair).verdict == NOT_ALLOCATABLE               # both would need memory slice 0 of one GPU
@@ -281,13 +293,13 @@ def test_match_attribute_within_and_across_requests() -> None:
 
 def test_count_and_all_mode() -> None:
     exp = run(_claim("c", _req(count=3)))
-    assert exp.verdict == NOT_ALLOCATABLE and "needs 3 devices, only 2 match" in exp.sentence
+    assert exp.verdict == NOT_ALLOCATABLE and "needs 3 devices, only 2 match" in format_text(exp)
     assert run(_claim("c", _req(count=2))).verdict == ALLOCATABLE
     exp = run(_claim("c", _req(allocationMode="All")))
     assert exp.verdict == ALLOCATABLE and exp.nodes[0].chosen == {"ml/c: gpu": ["gpu-0", "gpu-1"]}
     holder = _allocated(_claim("h", _req()), "node-a", "gpu-1-mig-1g10gb-19-0")
     exp = run(_claim("c", _req(allocationMode="All")), None, [holder])
-    assert exp.verdict == NOT_ALLOCATABLE and "all 2 matching devices are needed, 1 cannot be allocated" in exp.sentence
+    assert exp.verdict == NOT_ALLOCATABLE and "all 2 matching devices are needed, 1 cannot be allocated" in format_text(exp)
 
 
 def test_first_available_takes_the_first_subrequest_that_fits() -> None:
@@ -299,7 +311,7 @@ def test_first_available_takes_the_first_subrequest_that_fits() -> None:
     assert exp.verdict == ALLOCATABLE and exp.sentence.endswith("ml/c: gpu/any -> gpu-0")
     holders = [_allocated(_claim(f"h{i}", _req()), "node-a", f"gpu-{i}") for i in range(2)]
     exp = run(claim, None, holders)
-    assert "request gpu: no alternative fits (gpu/h200: none of the 2 devices" in exp.sentence
+    assert "request gpu: no alternative fits (gpu/h200: none of the 2 devices" in format_text(exp)
 
 
 def test_consumable_capacity_left_on_a_memory_share() -> None:
@@ -310,19 +322,19 @@ def test_consumable_capacity_left_on_a_memory_share() -> None:
     holder = _allocated(_claim("big", _req("share", share)), "node-a", "gpu-7-shared", consumedCapacity={"memory": "70Gi"})
     wants = _claim("c", _req("share", share, capacity={"requests": {"memory": "20Gi"}}))
     exp = run(wants, slices, [holder])
-    assert exp.verdict == NOT_ALLOCATABLE and "gpu-7-shared is short of memory: 10Gi left, 20Gi needed" in exp.sentence
+    assert exp.verdict == NOT_ALLOCATABLE and "gpu-7-shared is short of memory: 10Gi left, 20Gi needed" in format_text(exp)
     fits = _claim("c", _req("share", share, capacity={"requests": {"memory": "10Gi"}}))
     assert run(fits, slices, [holder]).verdict == ALLOCATABLE
     two = _claim("c", _req("a", share, capacity={"requests": {"memory": "6Gi"}}),
                  _req("b", share, capacity={"requests": {"memory": "6Gi"}}))
     exp = run(two, slices, [holder])                       # each fits alone, not both together
-    assert exp.verdict == NOT_ALLOCATABLE and "together need more" in exp.sentence
+    assert exp.verdict == NOT_ALLOCATABLE and "together need more" in format_text(exp)
 
 
 def test_claims_of_one_pod_are_allocated_together() -> None:
     a, b = _claim("a", _req()), _claim("b", _req())
     exp = explain([Target("ml/a", a), Target("ml/b", b)], CLASSES, _slices(gpus=1), [a, b])
-    assert exp.verdict == NOT_ALLOCATABLE and "together" in exp.sentence
+    assert exp.verdict == NOT_ALLOCATABLE and "together" in format_text(exp)
     exp = explain([Target("ml/a", a), Target("ml/b", b)], CLASSES, _slices(gpus=2), [a, b])
     assert exp.verdict == ALLOCATABLE and exp.nodes[0].chosen == {"ml/a: gpu": ["gpu-0"], "ml/b: gpu": ["gpu-1"]}
     # A claim of the pod that is already allocated ties the others to its node.
@@ -342,18 +354,90 @@ def test_incomplete_pools_missing_classes_and_unknown_functions() -> None:
     exp = run(_claim("c", _req()), _slices(count=3))
     assert exp.verdict == NOT_ALLOCATABLE and exp.notes == ["pool node-a is incomplete (2 of 3 slices at generation 1)"]
     exp = run(_claim("c", _req(cls="nosuch.example.com")))
-    assert exp.verdict == NOT_ALLOCATABLE and "DeviceClass nosuch.example.com does not exist" in exp.sentence
+    assert exp.verdict == NOT_ALLOCATABLE and "DeviceClass nosuch.example.com does not exist" in format_text(exp)
     exp = run(_claim("c", _req(cel="device.attributes['x'].list.isSorted()")))
     assert exp.verdict == CANNOT_EVALUATE and exp.sentence.startswith("cannot evaluate: ")
-    assert "isSorted" in exp.sentence
+    assert "isSorted" in format_text(exp)
     exp = run(_claim("c", _req(cel=f"device.attributes['{D}'].nosuch == 'x'")))
-    assert exp.verdict == NOT_ALLOCATABLE and "CEL runtime error: device gpu-0" in exp.sentence
+    assert exp.verdict == NOT_ALLOCATABLE
+    assert f"claim ml/c: selector #0 on device {D}/node-a/gpu-0: CEL runtime error: no such key: nosuch" in format_text(exp)
+
+
+def test_a_cel_error_counts_only_where_the_scheduler_reaches_the_device() -> None:
+    """The allocator goes through the devices in order and stops at the first fit: an error on a later device
+    is never seen; one on the first device it tries stops it; held devices are skipped before the selectors."""
+    failing_on_gpu1 = f"device.attributes['{D}'].index == 0"      # gpu-0 has index 0, gpu-1 none
+    slices = _slices(gpus=2)
+    slices[1]["spec"]["devices"][0]["attributes"]["index"] = {"int": 0}
+    exp = run(_claim("c", _req(cel=failing_on_gpu1)), slices)
+    assert exp.verdict == ALLOCATABLE and exp.sentence.endswith("gpu -> gpu-0"), exp.sentence
+    exp = run(_claim("c", _req(cel=failing_on_gpu1, count=2)), slices)
+    assert exp.verdict == NOT_ALLOCATABLE and "on device gpu.example.com/node-a/gpu-1: CEL runtime error: no such key: index" \
+        in format_text(exp), exp.sentence
+    failing_on_gpu0 = f"device.attributes['{D}'].index == 1"
+    slices[1]["spec"]["devices"][0]["attributes"]["index"] = {"int": 0}
+    slices[1]["spec"]["devices"][3]["attributes"]["index"] = {"int": 1}
+    del slices[1]["spec"]["devices"][0]["attributes"]["index"]
+    exp = run(_claim("c", _req(cel=failing_on_gpu0)), slices)
+    assert exp.verdict == NOT_ALLOCATABLE and "gpu-0: CEL runtime error: no such key" in format_text(exp)
+    holder = _allocated(_claim("h", _req()), "node-a", "gpu-0")
+    exp = run(_claim("c", _req(cel=failing_on_gpu0)), slices, [holder])
+    assert exp.verdict == ALLOCATABLE and exp.sentence.endswith("gpu -> gpu-1"), exp.sentence
+    # allocationMode All checks every device's selectors first, held ones too; a taint is checked after them.
+    exp = run(_claim("c", _req(cel=failing_on_gpu1, allocationMode="All")), _slices(gpus=2))
+    assert exp.verdict == NOT_ALLOCATABLE and "CEL runtime error: no such key" in format_text(exp)
+    exp = run(_claim("c", _req(cel=failing_on_gpu0, allocationMode="All")), slices, [holder])
+    assert exp.verdict == NOT_ALLOCATABLE and "gpu-0: CEL runtime error: no such key" in format_text(exp)
+    tainted = copy.deepcopy(slices)
+    tainted[1]["spec"]["devices"][0]["taints"] = [{"key": "maint", "effect": "NoSchedule"}]
+    exp = run(_claim("c", _req(cel=failing_on_gpu0)), tainted)
+    assert exp.verdict == NOT_ALLOCATABLE and "gpu-0: CEL runtime error: no such key" in format_text(exp)
+
+
+def test_the_claim_limit_of_32_devices() -> None:
+    """AllocationResultsMaxSize: allocationMode All over more than 32 devices, or requests adding up to more,
+    are refused as the scheduler refuses them."""
+    mig = f"mig.{D}"
+    exp = run(_claim("c", _req("all", mig, allocationMode="All")), _slices(gpus=17))       # 34 MIG devices
+    assert exp.verdict == NOT_ALLOCATABLE
+    assert "ml/c: request all: adding 34 devices exceeds the claim limit of 32, with 0 already accounted for" \
+        in format_text(exp), exp.sentence
+    exp = run(_claim("c", _req("a", mig, PROFILE % "1g.10gb", count=17), _req("b", mig, PROFILE % "7g.80gb", count=17)),
+              _slices(gpus=40))
+    assert exp.verdict == NOT_ALLOCATABLE
+    assert "request b: adding 17 devices exceeds the claim limit of 32, with 17 already accounted for" in format_text(exp)
+    exp = run(_claim("c", _req("a", mig, PROFILE % "1g.10gb", count=16), _req("b", mig, PROFILE % "7g.80gb", count=16)),
+              _slices(gpus=40))
+    assert exp.verdict == ALLOCATABLE, exp.sentence
+    assert len(exp.sentence) < 200 and len(format_text(exp).splitlines()[0]) < 200
+
+
+def test_distinct_attribute_beyond_the_distinct_values_is_answered_quickly() -> None:
+    import time
+    mig = f"mig.{D}"
+    slices = _slices(gpus=8)
+    for g in range(8):       # six more 1g.10gb placements per GPU, each on its own memory slice
+        for k in range(1, 7):
+            slices[1]["spec"]["devices"].append(
+                {"name": f"gpu-{g}-mig-1g10gb-19-{k}", "attributes": _attrs("mig", g, profile="1g.10gb"),
+                 "capacity": {"memory": {"value": "10Gi"}},
+                 "consumesCounters": [{"counterSet": f"gpu-{g}-counters", "counters": {f"memory-slice-{k}": {"value": "1"}}}]})
+    began = time.monotonic()
+    exp = run(_claim("c", _req("mig", mig, PROFILE % "1g.10gb", count=9),
+                     constraints=[{"distinctAttribute": f"{D}/parentUUID"}]), slices)
+    assert time.monotonic() - began < 1.0
+    assert exp.verdict == NOT_ALLOCATABLE, exp.sentence
+    assert f"needs 9 devices with distinct {D}/parentUUID; the free matching devices have 8 distinct values" \
+        in format_text(exp), exp.sentence
+    exp = run(_claim("c", _req("mig", mig, PROFILE % "1g.10gb", count=8),
+                     constraints=[{"distinctAttribute": f"{D}/parentUUID"}]), slices)
+    assert exp.verdict == ALLOCATABLE, exp.sentence
 
 
 def test_a_search_past_its_limit_is_undecided_not_guessed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(explain_mod, "SEARCH_LIMIT", 1)
     exp = run(_claim("c", _req(count=2), constraints=[{"matchAttribute": "resource.kubernetes.io/pcieRoot"}]))
-    assert exp.verdict == CANNOT_EVALUATE and "search stopped after 1 steps" in exp.sentence
+    assert exp.verdict == CANNOT_EVALUATE and "search stopped after 1 steps at ml/c: request gpu" in format_text(exp)
 
 
 def test_json_form_carries_the_verdict() -> None:
@@ -433,3 +517,75 @@ def test_cli_names_bad_arguments_in_one_line(capsys: pytest.CaptureFixture[str])
     assert main(["explain", "claim/x", "-n", "Not_A_Namespace", "--kubeconfig", "/nonexistent/kubeconfig"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "gpu-dra explain: --kubeconfig /nonexistent/kubeconfig: no such file"
+
+
+def test_a_pods_extended_resources_are_explained_as_the_scheduler_claims_them() -> None:
+    """`nvidia.com/gpu: 1` through a DeviceClass's extendedResourceName: before scheduling, the claim the scheduler
+    would create; after, the claim named in status.extendedResourceClaimStatus."""
+    from ops.explain.reads import ExplainTargetError, find_targets
+
+    classes = [{**c, "spec": {**c["spec"], "extendedResourceName": "nvidia.com/gpu"}} if c["metadata"]["name"] == D
+               else c for c in CLASSES]
+    pod = {"metadata": {"name": "p", "namespace": "ml"}, "spec": {"containers": [
+        {"name": "a", "resources": {"requests": {"cpu": "1", "nvidia.com/gpu": "2"}}},
+        {"name": "b", "resources": {"requests": {f"deviceclass.resource.kubernetes.io/mig.{D}": "1"}}}]}}
+    made = _allocated(_claim("p-gpu-x7k", _req()), "node-a", "gpu-0")
+
+    class Api:
+        def __init__(self, pod: dict[str, Any]) -> None:
+            self.pod = pod
+
+        def get(self, path: str, **query: Any) -> Any:
+            from kube.client import ApiError
+            if path.endswith("/pods/p"):
+                return self.pod
+            if path.endswith("/resourceclaims/p-gpu-x7k"):
+                return made
+            raise ApiError("GET", path, 404, "{}")
+
+        def list(self, path: str, **kw: Any) -> Any:
+            return {"items": classes}
+
+    found = find_targets(Api(pod), "pod/p", "ml")  # type: ignore[arg-type]
+    ((name, claim),) = found.claims
+    assert name == "ml/p (extended resources, as the scheduler would create it)"
+    assert claim["spec"]["devices"]["requests"] == [
+        {"name": "container-1-request-0", "exactly": {"deviceClassName": f"mig.{D}", "allocationMode": "ExactCount",
+                                                      "count": 1}},
+        {"name": "container-0-request-1", "exactly": {"deviceClassName": D, "allocationMode": "ExactCount",
+                                                      "count": 2}}]
+    exp = explain([Target(name, claim)], classes, _slices(gpus=3), [])
+    assert exp.verdict == ALLOCATABLE, exp.sentence
+    scheduled = {**pod, "status": {"extendedResourceClaimStatus": {"resourceClaimName": "p-gpu-x7k", "requestMappings": []}}}
+    assert find_targets(Api(scheduled), "pod/p", "ml").claims == [("ml/p-gpu-x7k (extended resources)", made)]  # type: ignore[arg-type]
+    with pytest.raises(ExplainTargetError, match="no resource claims and asks for no extended resource"):
+        find_targets(Api({**pod, "spec": {"containers": [{"name": "a"}]}}), "pod/p", "ml")  # type: ignore[arg-type]
+
+
+def test_no_matching_mig_profile_names_those_there_are() -> None:
+    exp = run(_claim("c", _req("mig", f"mig.{D}", PROFILE % "1g.12gb")))
+    assert exp.verdict == NOT_ALLOCATABLE
+    assert "matches the selectors (MIG profiles there: 7g.80gb, 1g.10gb)" in format_text(exp), format_text(exp)
+
+
+def test_a_memory_share_outside_the_request_policy_names_the_valid_range() -> None:
+    assert capacity_needs(SHARE, D, (("memory", 80 * GI),))[1] == \
+        "outside the memory request policy: no valid amount for 80Gi (valid: 1Gi to 79Gi in steps of 1Gi)"
+
+
+def test_an_opaque_config_the_plugin_refuses_is_named_in_the_webhooks_words() -> None:
+    """The scheduler allocates a claim whatever its opaque config says; the node plugin then refuses to prepare
+    it. explain keeps the scheduler's verdict and says so, with the decoder's message."""
+    claim = _claim("c", _req())
+    claim["spec"]["devices"]["config"] = [{"opaque": {"driver": D, "parameters": {
+        "apiVersion": "gpu.dra-driver.io/v1alpha1", "kind": "GpuConfig",
+        "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentge": 25}}}}},
+        {"opaque": {"driver": "nic.example.com", "parameters": {"anything": 1}}}]     # another driver's: not ours
+    exp = run(claim)
+    assert exp.verdict == ALLOCATABLE
+    assert exp.sentence.startswith("allocatable on node-a, but the node plugin will not prepare it: ml/c: "), exp.sentence
+    assert exp.config_problems == [
+        "ml/c: gpu.dra-driver.io/v1alpha1 GpuConfig: spec.devices.config[0].opaque.parameters.sharing.mps."
+        "activeThreadPercentge: unknown field (known fields: activeThreadPercentage, pinnedMemoryLimit, "
+        "perDevicePinnedMemoryLimit)"]
+    assert f"config refused: {exp.config_problems[0]}" in format_text(exp)

@@ -252,11 +252,31 @@ def test_json_and_yaml_carry_the_same_document() -> None:
     status = fleet_status(published("node-a"), [claim("c", "gpu-1", pods=("p",))], [], DRIVER)
     doc = json.loads(render(status, "json"))
     assert doc == yaml.safe_load(render(status, "yaml"))
-    assert doc["summary"]["gpus"] == 4 and doc["summary"]["whole_gpus_free"] == 2
+    # Kubernetes' JSON conventions: camelCase keys; names used as keys (MIG profiles) as they are.
+    assert doc["summary"]["gpus"] == 4 and doc["summary"]["wholeGpusFree"] == 2
     g1 = doc["nodes"][0]["gpus"][1]
-    assert g1["memory_slices"] == "[AAAAAAAA]" and g1["healthy"] is True
+    assert g1["memorySlices"] == "[AAAAAAAA]" and g1["healthy"] is True
     assert g1["legend"] == [{"letter": "A", "holder": "gpu-1: team/c → p"}]
-    assert doc["nodes"][0]["gpus"][3]["share_free"] == "81559Mi"
+    assert doc["nodes"][0]["gpus"][3]["shareFree"] == "81559Mi"
+    assert "otherDevices" in doc["nodes"][0] and "1g.10gb" in doc["summary"]["migPlaceable"]
+    assert not [k for k in _keys(doc) if "_" in k]
+
+
+def _keys(doc: Any) -> list[str]:
+    """Every key of every mapping in the document."""
+    if isinstance(doc, dict):
+        return [*doc, *(k for v in doc.values() for k in _keys(v))]
+    return [k for v in doc for k in _keys(v)] if isinstance(doc, list) else []
+
+
+def test_wide_and_name_outputs() -> None:
+    status = fleet_status(published("node-a"), [claim("c", "gpu-1", pods=("p",))], [], DRIVER)
+    wide = render(status, "wide").splitlines()
+    row = next(line for line in wide if line.strip().startswith("gpu-1 "))
+    assert "80Gi" in row or "Mi" in row, row           # the memory column
+    assert len(row) > len(next(line for line in render(status, "table").splitlines()
+                               if line.strip().startswith("gpu-1 ")))
+    assert render(status, "name") == "node/node-a\n"
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -264,13 +284,25 @@ def test_json_and_yaml_carry_the_same_document() -> None:
     (["node-a"], ["status", "node-a"]),
     (["status", "node-a", "-o", "json"], ["status", "node-a", "-o", "json"]),
     (["-o", "yaml"], ["status", "-o", "yaml"]),
+    # Flags anywhere, as kubectl takes them: before the command, with their values.
+    (["--kubeconfig", "K", "status", "node-b"], ["status", "--kubeconfig", "K", "node-b"]),
+    (["--context", "prod", "-o", "wide"], ["status", "--context", "prod", "-o", "wide"]),
+    (["-n", "ml", "explain", "pod/p"], ["explain", "-n", "ml", "pod/p"]),
+    (["--kubeconfig=K", "explain", "pod/p"], ["explain", "--kubeconfig=K", "pod/p"]),
 ])
 def test_kubectl_gpu_runs_status_by_default(monkeypatch: pytest.MonkeyPatch, argv: list[str],
                                             expected: list[str]) -> None:
     seen: list[list[str]] = []
-    monkeypatch.setattr(kubectl_gpu, "gpu_dra", lambda args: seen.append(args) or 0)
+    monkeypatch.setattr(kubectl_gpu, "gpu_dra", lambda args, prog="gpu-dra": seen.append(args) or 0)
     assert kubectl_gpu.main(argv) == 0
     assert seen == [expected]
+
+
+def test_kubectl_gpu_help_names_kubectl_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        kubectl_gpu.main(["--kubeconfig", "K", "status", "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: kubectl gpu status") and "--context" in out and "gpu-dra" not in out
 
 
 def test_kubectl_gpu_is_a_console_script() -> None:
