@@ -61,11 +61,16 @@ def version() -> str:
             return "unknown"
 
 
-def _epilog(name: str, module: object | None) -> str:
+def _example(name: str, prog: str) -> str:
+    """The sub-command's example as ``prog`` runs it (``kubectl gpu status …`` under the kubectl plugin)."""
+    return f"example:\n  {prog}{EXAMPLES[name].removeprefix('gpu-dra')}"
+
+
+def _epilog(name: str, module: object | None, prog: str) -> str:
     import textwrap
 
     note = getattr(module, "HELP_NOTE", "")
-    return (textwrap.fill(note, 100) + "\n\n" if note else "") + f"example:\n  {EXAMPLES[name]}"
+    return (textwrap.fill(note, 100) + "\n\n" if note else "") + _example(name, prog)
 
 
 def build_parser(only: str | None = None, prog: str = "gpu-dra") -> argparse.ArgumentParser:
@@ -79,7 +84,7 @@ def build_parser(only: str | None = None, prog: str = "gpu-dra") -> argparse.Arg
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text, epilog=f"example:\n  {EXAMPLES[name]}",
+        p = sub.add_parser(name, help=help_text, description=help_text, epilog=_example(name, prog),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.set_defaults(_module=module_name)
         if only is not None and name != only:
@@ -91,7 +96,7 @@ def build_parser(only: str | None = None, prog: str = "gpu-dra") -> argparse.Arg
                 raise
             p.set_defaults(_missing=True)
             continue
-        p.epilog = _epilog(name, module)
+        p.epilog = _epilog(name, module, prog)
         module.add_arguments(p)
     return parser
 
