@@ -139,21 +139,26 @@ def test_unreachable_api_server_at_start_is_waited_for_and_sigterm_stops_it(base
         "users": [{"name": "u", "user": {"token": "t"}}],
         "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
     (base / "boot_id").write_text("b1\n")
-    metrics_port = closed_port()
     log_path = base / "plugin.log"
-    argv = [sys.executable, "-m", "cli.main", "kubelet-plugin", "--node-name", NODE, "--kubeconfig", str(kubeconfig),
-            "--registry-dir", str(base / "reg"), "--plugin-dir", str(base / "plug"), "--cdi-root", str(base / "cdi"),
-            "--fleet", str(write_fleet(base)), "--driver-root", str(base / "noroot"),
-            "--boot-id-path", str(base / "boot_id"), "--metrics-port", str(metrics_port), "--log-format", "text"]
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
+    # A port found free may be taken by someone else before the plugin listens on it (a busy machine's outgoing
+    # connections use the same range): then the plugin says so and exits 2, and it is started on another.
+    for attempt in range(5):
+        metrics_port = closed_port()
+        argv = [sys.executable, "-m", "cli.main", "kubelet-plugin", "--node-name", NODE, "--kubeconfig",
+                str(kubeconfig), "--registry-dir", str(base / "reg"), "--plugin-dir", str(base / "plug"),
+                "--cdi-root", str(base / "cdi"), "--fleet", str(write_fleet(base)), "--driver-root", str(base / "noroot"),
+                "--boot-id-path", str(base / "boot_id"), "--metrics-port", str(metrics_port), "--log-format", "text"]
+        with open(log_path, "wb") as out:
+            proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.monotonic() + 30
-        while "not usable yet" not in log_path.read_text():
-            assert proc.poll() is None, log_path.read_text()
+        while "not usable yet" not in log_path.read_text() and proc.poll() is None:
             assert time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.1)
+        if proc.poll() is None or "cannot listen: Address already in use" not in log_path.read_text():
+            break
+    try:
+        assert proc.poll() is None, log_path.read_text()
         time.sleep(2.5)                     # attempts after 0.5, 1.5 and 3.5 s: all of the same kind
         status, body = get(f"http://127.0.0.1:{metrics_port}/healthz")
         assert status == 503 and "waiting for the API server" in body and "connection refused" in body, body
