@@ -33,6 +33,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -131,10 +132,19 @@ def _missing(bin_dir: Path) -> list[str]:
     return missing
 
 
+# Nodes started at once (threads) build the binaries once: the others wait, then find the cache complete.
+_FIND_LOCK = threading.Lock()
+
+
 def find_node_binaries(build: bool = True) -> Path:
     """The bin directory with kubelet, containerd, ctr, containerd-shim-runc-v2 and runc; the image archives
     are in its sibling ``images``. $GPU_DRA_NODE_BIN if set, else hack/build-node.sh (which reuses its cache
     or builds; it prints the bin directory on its last line). Without `build`, only a complete cache counts."""
+    with _FIND_LOCK:
+        return _find_node_binaries(build)
+
+
+def _find_node_binaries(build: bool) -> Path:
     env = os.environ.get(NODE_BIN_ENV)
     if env:
         bin_dir = Path(env).expanduser()
