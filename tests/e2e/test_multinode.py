@@ -131,9 +131,11 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             start_plugin(cl, cl.nodes[node.name])
         for cls in device_classes(DRIVER):
             kube.create(DEVICE_CLASSES, cls)
-    except ClusterError as exc:  # NodeError included
+    except BaseException as exc:  # a failed start (NodeError, a plugin that does not register) too
         stop_all(cl, nodes)
-        pytest.fail(f"the two real nodes did not start: {exc}", pytrace=False)
+        if isinstance(exc, ClusterError):
+            pytest.fail(f"the two real nodes did not start: {exc}", pytrace=False)
+        raise
     try:
         yield cl
     finally:
