@@ -260,7 +260,7 @@ def test_gpu_dra_demo_command_end_to_end(tmp_path: Path) -> None:
     assert all(re.search(r"; cuda: 1 device (GPU|MIG)-[0-9a-f-]{36}, \d+ MiB$", line) for line in saw), saw
     assert all(line.endswith(", 23034 MiB") for line in on_b), on_b
     # The two pods of the shared claim: the same GPU, and the demo says so.
-    uuids = {line.split("/", 1)[0]: line.rsplit("cuda: 1 device ", 1)[1].split(",")[0] for line in on_b}
+    uuids = {line.strip().split("/", 1)[0]: line.rsplit("cuda: 1 device ", 1)[1].split(",")[0] for line in on_b}
     assert uuids["shared-slot-a"] == uuids["shared-slot-b"], on_b
     assert (f"claim shared-slot is shared by pods shared-slot-a and shared-slot-b on node-b: they see the same GPU "
             f"{uuids['shared-slot-a']}") in out
