@@ -46,7 +46,7 @@ from testbed.podprobe import ContainerView, for_local_node, parse_probe
 pytestmark = pytest.mark.e2e
 
 DRIVER = DEFAULT_DRIVER_NAME
-GPU_CLASS = f"gpu.{DRIVER}"
+GPU_CLASS = DRIVER   # whole GPUs: the class named after the driver
 FLEET: dict[str, Any] = {"nodes": [
     {"name": "node-a", "gpus": [{"model": "H100-80GB", "count": 4}],
      "policy": {"default": {"wholeGpu": True, "mig": "none"}}},
@@ -219,7 +219,10 @@ def running(cl: Cluster, ns: str, name: str) -> dict[str, Any] | None:
 
 
 def wait_running(cl: Cluster, ns: str, name: str, node: str, timeout: float = 90.0) -> dict[str, Any]:
-    p = wait_until(lambda: running(cl, ns, name), timeout, f"pod {ns}/{name} Running with its probe done")
+    try:
+        p = wait_until(lambda: running(cl, ns, name), timeout, f"pod {ns}/{name} Running with its probe done")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{pods_report(cl, ns)}") from None
     assert p["spec"]["nodeName"] == node, f"pod {name} runs on {p['spec']['nodeName']}, not {node}"
     return p
 
@@ -323,7 +326,7 @@ def test_draining_node_b_unprepares_its_claims_and_reschedules_the_pods_onto_nod
         # Start on node-b: node-a is cordoned while the Deployment's pods are scheduled.
         set_unschedulable(two, "node-a", True)
         two.kube.create(DEPLOYMENTS.format(ns=ns), deployment)
-        first = wait_until(lambda: all_running(two, ns, "app=drain", 2), 120, "the Deployment's two pods Running")
+        first = wait_all_running(two, ns, "app=drain", 2)
         assert len(first) == 2 and {p["spec"]["nodeName"] for p in first} == {"node-b"}, first
         uids = {p["metadata"]["name"]: claim_of(two, ns, p)["metadata"]["uid"] for p in first}
         assert all(prepared_on(two.b, uid) for uid in uids.values())
@@ -345,11 +348,7 @@ def test_draining_node_b_unprepares_its_claims_and_reschedules_the_pods_onto_nod
                    "node-b's CDI specs and checkpoint entries of the evicted pods' claims to be gone")
 
         # The ReplicaSet's new pods run on node-a's free GPUs.
-        def moved() -> list[dict[str, Any]] | None:
-            now = all_running(two, ns, "app=drain", 2)
-            return now if now and not {p["metadata"]["name"] for p in now} & set(uids) else None
-
-        second = wait_until(moved, 120, "the Deployment's pods Running again after the drain")
+        second = wait_all_running(two, ns, "app=drain", 2, fresh=frozenset(uids))
         assert {p["spec"]["nodeName"] for p in second} == {"node-a"}, second
         seen = [seen_gpu(two, ns, p) for p in second]
         assert {mib for _, mib in seen} == {H100_MIB} and len({u for u, _ in seen}) == 2, seen
@@ -366,6 +365,31 @@ def all_running(cl: Cluster, ns: str, selector: str, count: int) -> list[dict[st
     now = pods(cl, ns, selector)
     ok = [p for p in (running(cl, ns, q["metadata"]["name"]) for q in now) if p is not None]
     return ok if len(now) == len(ok) == count else None
+
+
+def wait_all_running(cl: Cluster, ns: str, selector: str, count: int, timeout: float = 120.0,
+                     fresh: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    """`all_running`, waited for; none of the pods named in `fresh` may be among them. Fails with every pod's
+    phase, node and last events."""
+    def ready() -> list[dict[str, Any]] | None:
+        now = all_running(cl, ns, selector, count)
+        return now if now and not {p["metadata"]["name"] for p in now} & fresh else None
+
+    try:
+        return wait_until(ready, timeout, f"{count} pod(s) {selector} Running")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{pods_report(cl, ns)}") from None
+
+
+def pods_report(cl: Cluster, ns: str) -> str:
+    """Every pod of the namespace with its phase, node and last events."""
+    lines = []
+    for p in cl.kube.list(PODS.format(ns=ns))["items"]:
+        name = p["metadata"]["name"]
+        events = cl.kube.list(f"/api/v1/namespaces/{ns}/events", field_selector=f"involvedObject.name={name}")
+        last = "; ".join(f"{e.get('reason')}: {e.get('message')}" for e in events["items"][-3:])
+        lines.append(f"  {name} on {p['spec'].get('nodeName')}: {p.get('status', {}).get('phase')} ({last})")
+    return "\n".join(lines)
 
 
 def node_pods(cl: Cluster, node: str, ns: str) -> list[str]:
@@ -454,7 +478,7 @@ def test_a_daemonset_gets_one_claim_per_node_and_each_pod_its_nodes_gpu(two: Clu
     try:
         two.kube.create(DAEMONSETS.format(ns=ns), ds)
 
-        ran = wait_until(lambda: all_running(two, ns, "app=per-node", 2), 120, "one DaemonSet pod Running on each node")
+        ran = wait_all_running(two, ns, "app=per-node", 2)
         by_node = {p["spec"]["nodeName"]: p for p in ran}
         assert set(by_node) == {"node-a", "node-b"}, [p["spec"]["nodeName"] for p in ran]
         claims = {claim_of(two, ns, p)["metadata"]["name"] for p in ran}
