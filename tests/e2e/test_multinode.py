@@ -408,6 +408,7 @@ def test_node_a_kubelet_restarting_while_node_b_serves(two: Cluster) -> None:
         uid = claim["metadata"]["uid"]
         assert prepared_on(two.a, uid)
 
+        old_slices = {x["metadata"]["uid"] for x in node_slices(two.kube, DRIVER, "node-a")}
         two.a.node.stop_kubelet()
         assert two.a.node.kubelet_pid is None
         # node-b starts a pod while node-a has no kubelet.
@@ -421,7 +422,12 @@ def test_node_a_kubelet_restarting_while_node_b_serves(two: Cluster) -> None:
         # The new kubelet registers node-a's plugin again and its slices are published again.
         wait_until(lambda: registered_count(two.a.plugin) > registrations, 60,
                    "node-a's new kubelet to register the plugin")
-        wait_until(lambda: complete_pool(node_slices(two.kube, DRIVER, "node-a")), 60, "node-a's slices again")
+        # The starting kubelet wiped node-a's slices; the plugin publishes them again once registered.
+        def republished() -> bool:
+            now = node_slices(two.kube, DRIVER, "node-a")
+            return complete_pool(now) and not old_slices & {x["metadata"]["uid"] for x in now}
+
+        wait_until(republished, 60, "node-a's slices published again")
 
         # node-a's pod kept running in the same container, its claim allocated, reserved and prepared.
         after = wait_running(two, ns, "steady", "node-a")
