@@ -64,8 +64,9 @@ image: $(STAMP) cdi-hook
 image-lock: $(STAMP)
 	$(PY) hack/build-image.py lock
 
-# The demo runs on the target release only. Its real node is optional: not root, no cgroups or node binaries
-# that cannot be built (no Go, gcc, libseccomp download), and the demo says why in one line and only schedules.
+# The demo runs on the target release only. Its real nodes (one per fleet node; --real-nodes N) are optional:
+# not root, no cgroups or node binaries that cannot be built (no Go, gcc, libseccomp download), and the demo says
+# why in one line and only schedules.
 demo: $(STAMP) control-plane-target
 	-@[ "$$(id -u)" != 0 ] || K8S_VERSION=$(K8S_VERSION) CONTAINERD_VERSION=$(CONTAINERD_VERSION) \
 	  RUNC_VERSION=$(RUNC_VERSION) bash hack/build-node.sh >/dev/null

@@ -1,16 +1,18 @@
 """`gpu-dra demo` (what `make demo` runs): a real local control plane, a simulated GPU fleet, every example
-allocated by the real scheduler, and the pods on one node actually running.
+allocated by the real scheduler, and every example pod actually running on the node the scheduler picked.
 
 Steps: start LocalCluster (etcd, kube-apiserver, kube-scheduler, kube-controller-manager) → start a real node
-for the fleet's first node (`testbed.demo_node`: kubelet, containerd, runc; when it cannot start, one line says why
-and the demo only schedules) → register the fleet's other nodes (no kubelet) → publish their ResourceSlices
-with the in-process slice controller, then once more with a second controller instance as a restart would (it
-must write nothing) → run `gpu-dra kubelet-plugin` for the real node (it registers with the kubelet, then
-publishes that node's slices) → create the DeviceClasses → apply every examples/*/claim.yaml in one namespace,
-pods made runnable on the real node (`testbed.podprobe`: busybox printing what the container sees) → wait until
-every claim is allocated and every pod bound, then until the real node's pods run → print the slices, the
-allocations with each pod's phase and what its container saw, the write counts and the CDI spec of one claim
-(the kubelet had it prepared; without a real node the demo prepares it over the plugin's DRA socket).
+for each fleet node (`--real-nodes`; `testbed.demo_node`: kubelet, containerd, runc per node, started at once;
+when one cannot start, one line says why and its pods stay Pending) → register the fleet's other nodes (no
+kubelet) → publish their ResourceSlices with the in-process slice controller, then once more with a second
+controller instance as a restart would (it must write nothing) → run `gpu-dra kubelet-plugin` for each real
+node (it registers with its kubelet, then publishes that node's slices) → create the DeviceClasses → apply
+every examples/*/claim.yaml in one namespace, pods made runnable on the real nodes (`testbed.podprobe`: the
+cuda-probe image printing what the container sees) → wait until every claim is allocated and every pod bound,
+then until the real nodes' pods run → print the slices, the allocations with each pod's phase and what its
+container saw (and whether the pods of a shared claim see the same GPU), the write counts and the CDI spec of
+one claim (the kubelet had it prepared; without a real node the demo prepares it over the plugin's DRA socket).
+Exits non-zero when a pod on a real node does not run, or the pods of a shared claim see different GPUs.
 """
 from __future__ import annotations
 
@@ -32,6 +34,9 @@ DEFAULT_FLEET = _REPO / "examples" / "fleets" / "demo.yaml"
 DEFAULT_EXAMPLES = _REPO / "examples"
 DEFAULT_NAMESPACE = "gpu-demo"
 DESCRIBE_DEVICES = 2
+# A real node (kubelet, containerd, the plugin, the pods' shims) takes a few hundred MiB: below this much
+# available memory the demo runs one real node unless --real-nodes says otherwise.
+SMALL_MACHINE_MIB = 3072
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,10 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="node whose ResourceSlice is described (default: the fleet's last node)")
     parser.add_argument("--no-prepare", action="store_true",
                         help="skip preparing a claim through the kubelet plugin")
-    parser.add_argument("--real-node", metavar="NODE",
-                        help="fleet node run by a real kubelet, containerd and runc (default: the fleet's first)")
-    parser.add_argument("--no-real-node", action="store_true",
-                        help="no real node: schedule only (pods stay Pending)")
+    parser.add_argument("--real-nodes", type=int, metavar="N",
+                        help="how many fleet nodes run a real kubelet, containerd, runc and kubelet plugin, so "
+                             "their pods run (default: every node of the fleet, or those --real-node names; 1 "
+                             f"with less than {SMALL_MACHINE_MIB} MiB of memory available; 0: schedule only, "
+                             "the pods stay Pending)")
+    parser.add_argument("--real-node", metavar="NODE", action="append",
+                        help="a fleet node to run for real, before the others (repeatable)")
+    parser.add_argument("--no-real-node", action="store_true", help="the same as --real-nodes 0")
     add_log_level(parser, "warning")
 
 
@@ -72,6 +81,7 @@ class DemoResult:
     prepare_error: str | None = None
     pods: dict[str, Any] = field(default_factory=dict)     # pod -> testbed.demo_node.PodRun
     not_running: list[str] = field(default_factory=list)   # one line per real-node pod that did not run
+    shared: list[Any] = field(default_factory=list)        # testbed.demo_report.SharedClaim
 
 
 class DemoError(RuntimeError):
@@ -93,7 +103,11 @@ class DemoContext:
     namespace: str
     out: Callable[[str], None]
     slices: list[dict[str, Any]] = field(default_factory=list)
-    real: Any = None                                       # testbed.demo_node.RealNode, or None: scheduling only
+    reals: list[Any] = field(default_factory=list)         # testbed.demo_node.RealNode; none: scheduling only
+
+    @property
+    def real_names(self) -> list[str]:
+        return [r.name for r in self.reals]
 
 
 def _step(out: Callable[[str], None], text: str) -> None:
@@ -127,9 +141,8 @@ def run(args: argparse.Namespace) -> int:
         if args.describe_node and args.describe_node not in fleet.node_names:
             raise ValueError(f"--describe-node {args.describe_node}: not a node of {args.fleet} "
                              f"(nodes: {', '.join(fleet.node_names)})")
-        if args.real_node and args.real_node not in fleet.node_names:
-            raise ValueError(f"--real-node {args.real_node}: not a node of {args.fleet} "
-                             f"(nodes: {', '.join(fleet.node_names)})")
+        real_names = real_node_names(fleet.node_names, args.real_node or [],
+                                     0 if args.no_real_node else args.real_nodes, args.fleet)
     except (FleetError, ExampleError, ValueError, OSError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
@@ -147,10 +160,9 @@ def run(args: argparse.Namespace) -> int:
     out(f"    ready in {cluster.times}")
     api = cluster.api_client()
     ctx = DemoContext(cluster, api, Path(args.fleet), driver, args.namespace, out)
-    if not args.no_real_node:
-        ctx.real = start_real_node(cluster, args.real_node or fleet.node_names[0], out)
-    hook = None if args.no_prepare else (spec_from_real_node if ctx.real is not None else prepare_one_claim)
     try:
+        ctx.reals = start_real_nodes(cluster, small_machine_cap(real_names, args, available_memory_mib(), out), out)
+        hook = None if args.no_prepare else (spec_from_real_node if ctx.reals else prepare_one_claim)
         result = run_demo(ctx, fleet, examples, timeout=args.timeout, describe_node=args.describe_node,
                           prepared_claim_hook=hook)
         report(ctx, result)
@@ -159,17 +171,17 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         api.close()
-        if ctx.real is not None:
-            _step(out, f"stopping the real node {ctx.real.name} (its pods, containerd, kubelet; the host as found)")
-            try:
-                ctx.real.stop()
-            except ClusterError as exc:
-                print(f"{PROG}: {exc}", file=sys.stderr)
+        if ctx.reals:
+            _step(out, f"stopping the real node{'s' if len(ctx.reals) > 1 else ''} {', '.join(ctx.real_names)} "
+                       "(pods, plugin, containerd, kubelet; the host as found)")
+            for problem in stop_real_nodes(ctx.reals):
+                print(f"{PROG}: {problem}", file=sys.stderr)
         if args.keep:
             _print_keep(cluster, args.namespace, out)
         else:
             _step(out, "stopping the control plane")
             cluster.stop()
+    _closing(ctx, result)
     if result.pending:
         print(f"{PROG}: {len(result.pending)} claim(s) not allocated within {args.timeout:.0f}s:", file=sys.stderr)
         for line in result.pending:
@@ -179,27 +191,98 @@ def run(args: argparse.Namespace) -> int:
         print(f"{PROG}: preparing a claim through the kubelet plugin failed: {result.prepare_error}", file=sys.stderr)
         return 1
     if result.not_running:
-        print(f"{PROG}: {len(result.not_running)} pod(s) on the real node did not run within {args.timeout:.0f}s:",
+        print(f"{PROG}: {len(result.not_running)} pod(s) on a real node did not run within {args.timeout:.0f}s:",
               file=sys.stderr)
         for line in result.not_running:
             print(f"  {line}", file=sys.stderr)
         return 1
+    different = [s.line() for s in result.shared if not s.same_gpu]
+    if different:
+        for line in different:
+            print(f"{PROG}: {line}", file=sys.stderr)
+        return 1
     return 0
 
 
-def start_real_node(cluster: Any, name: str, out: Callable[[str], None]) -> Any:
-    """The real node for fleet node `name`, or None after one line saying why there is none."""
-    from cli.publish_cmd import SIMULATED_LABEL
-    from testbed.demo_node import RealNode, RealNodeUnavailable
+def _closing(ctx: DemoContext, result: DemoResult) -> None:
+    from testbed.demo_report import closing_line
 
-    _step(out, f"starting a real node for {name}: kubelet, containerd and runc (built on first use: minutes)")
+    _step(ctx.out, closing_line(result.pods, ctx.real_names))
+
+
+def real_node_names(fleet_nodes: list[str], named: list[str], count: int | None, fleet_file: str) -> list[str]:
+    """The fleet nodes that run for real: those `named` first, then the fleet's others in order, `count` of
+    them (default: the named ones, or else every node). Raises ValueError naming a bad option."""
+    for name in named:
+        if name not in fleet_nodes:
+            raise ValueError(f"--real-node {name}: not a node of {fleet_file} (nodes: {', '.join(fleet_nodes)})")
+    if count is not None and not 0 <= count <= len(fleet_nodes):
+        raise ValueError(f"--real-nodes {count}: must be between 0 and the fleet's {len(fleet_nodes)} node(s)")
+    order = list(dict.fromkeys([*named, *fleet_nodes]))
+    return order[:count if count is not None else (len(named) or len(fleet_nodes))]
+
+
+def available_memory_mib() -> int | None:
+    """MemAvailable of /proc/meminfo in MiB (None where there is none)."""
     try:
-        real = RealNode.start(cluster, name, {SIMULATED_LABEL: "true"})
-    except RealNodeUnavailable as exc:
-        out(f"==> no real node ({exc}): scheduling only, the pods will stay Pending")
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) // 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def small_machine_cap(names: list[str], args: argparse.Namespace, available_mib: int | None,
+                      out: Callable[[str], None]) -> list[str]:
+    """`names`, cut to one on a machine with less than SMALL_MACHINE_MIB available, unless the real nodes
+    were asked for (--real-nodes, --real-node); says so in one line."""
+    if len(names) <= 1 or args.real_nodes is not None or args.real_node or available_mib is None \
+            or available_mib >= SMALL_MACHINE_MIB:
+        return names
+    out(f"==> one real node ({names[0]}): this machine has {available_mib} MiB of memory available, under "
+        f"{SMALL_MACHINE_MIB} MiB; --real-nodes {len(names)} runs all of them")
+    return names[:1]
+
+
+def start_real_nodes(cluster: Any, names: list[str], out: Callable[[str], None]) -> list[Any]:
+    """The real nodes for fleet nodes `names`, started at once; one line for each that could not start, saying
+    why (its pods stay Pending)."""
+    from cli.publish_cmd import SIMULATED_LABEL
+    from testbed.demo_node import RealNodeUnavailable, start_real_nodes
+
+    if not names:
+        return []
+    _step(out, f"starting a real node for {', '.join(names)}: kubelet, containerd and runc each "
+               "(built on first use: minutes)")
+    started = start_real_nodes(cluster, names, {SIMULATED_LABEL: "true"})
+    failed = {name: str(r) for name, r in started.items() if isinstance(r, RealNodeUnavailable)}
+    reals = [r for r in started.values() if not isinstance(r, RealNodeUnavailable)]
+    if failed and not reals and len(set(failed.values())) == 1:
+        out(f"==> no real node ({next(iter(failed.values()))}): scheduling only, the pods will stay Pending")
+        return []
+    for name, why in failed.items():
+        out(f"==> no real node for {name} ({why}): its pods will stay Pending")
+    for real in reals:
+        out(f"    {real.name} ready in {sum(real.node.times.values()):.1f}s")
+    return reals
+
+
+def stop_real_nodes(reals: list[Any]) -> list[str]:
+    """Stops the real nodes at once; what could not be cleaned, one entry per node."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from testbed.localcluster import ClusterError
+
+    def stop(real: Any) -> str | None:
+        try:
+            real.stop()
+        except ClusterError as exc:
+            return str(exc)
         return None
-    out(f"    ready in {sum(real.node.times.values()):.1f}s")
-    return real
+
+    with ThreadPoolExecutor(max_workers=len(reals)) as pool:
+        return [p for p in pool.map(stop, reals) if p]
 
 
 def _printer() -> Callable[[str], None]:
@@ -219,23 +302,26 @@ def run_demo(ctx: DemoContext, fleet: Any, examples: list[Any], *, timeout: floa
     from kube.serverversion import api_features
     from testbed.demo_examples import apply_objects, create_namespace, describe_pending, wait_for_allocation
     from testbed.demo_node import wait_for_pods
+    from testbed.demo_report import shared_claims
     from testbed.localnode import cuda_probe_image
     from testbed.podprobe import for_local_node
 
     out, kube, result = ctx.out, KubeApi(ctx.api), DemoResult()
-    real = ctx.real
+    reals = ctx.reals
     try:
         # A real node registered its Node itself (its kubelet) and publishes its slices itself (its plugin).
-        others = [n.name for n in fleet.nodes if real is None or n.name != real.name]
-        _step(out, f"registering {len(others)} simulated node(s) without a kubelet: {', '.join(others) or '-'}")
+        others = [n.name for n in fleet.nodes if n.name not in ctx.real_names]
+        if others:
+            _step(out, f"registering {len(others)} simulated node(s) without a kubelet: {', '.join(others)}")
         for name in others:
             ctx.cluster.add_node(name, {SIMULATED_LABEL: "true"})
 
         features = api_features(ctx.api)
         pools = {name: pool for name, pool in desired_fleet_pools(fleet, str(ctx.fleet_path), ctx.driver,
                                                                    features).items() if name in others}
-        _step(out, f"publishing ResourceSlices of {', '.join(others) or 'no node'} with the slice controller "
-                   "(first start)")
+        _step(out, f"publishing ResourceSlices of {', '.join(others)} with the slice controller (first start)"
+              if others else "every node of the fleet has a kubelet and a kubelet plugin, which publishes its "
+                             "slices: the slice controller has nothing to publish (first start)")
         first = ResourceSliceController(ctx.api, ctx.driver, Owner.cluster())
         first.update(pools)
         first.run_once(timeout=60)
@@ -245,8 +331,8 @@ def run_demo(ctx: DemoContext, fleet: Any, examples: list[Any], *, timeout: floa
         second.update(pools)
         second.run_once(timeout=60)
         result.restart_writes = second.writes_by_operation
-        if real is not None:
-            _start_real_node_plugin(ctx, kube)
+        if reals:
+            _start_real_node_plugins(ctx, kube)
 
         classes = device_classes(ctx.driver)
         ClusterController(ctx.api, ctx.driver, classes).run_until_success(30)
@@ -257,7 +343,7 @@ def run_demo(ctx: DemoContext, fleet: Any, examples: list[Any], *, timeout: floa
         _step(out, f"applying {len(examples)} example(s) in namespace {ctx.namespace}: "
                    f"{', '.join(e.name for e in examples)}")
         for example in examples:
-            objects = example.objects if real is None else [
+            objects = example.objects if not reals else [
                 for_local_node(o, cuda_probe_image()) if o["kind"] == "Pod" else o for o in example.objects]
             try:
                 apply_objects(kube, objects, ctx.namespace)
@@ -266,23 +352,26 @@ def run_demo(ctx: DemoContext, fleet: Any, examples: list[Any], *, timeout: floa
         started = time.monotonic()
         state = wait_for_allocation(kube, examples, ctx.namespace, timeout)
         result.claims = state.claims
+        idle = sorted({c.node for c in state.claims if c.node and c.node not in ctx.real_names})
         if state.complete:
-            why = ("pods stay Pending: there is no kubelet" if real is None else
-                   f"pods elsewhere than on {real.name} stay Pending: only {real.name} has a kubelet")
-            _step(out, f"every claim allocated and every pod bound in {time.monotonic() - started:.1f}s ({why})")
+            why = ("pods stay Pending: there is no kubelet" if not reals else
+                   f"pods on {', '.join(idle)} stay Pending: no kubelet there" if idle else "")
+            _step(out, f"every claim allocated and every pod bound in {time.monotonic() - started:.1f}s"
+                       + (f" ({why})" if why else ""))
         else:
             result.pending = describe_pending(kube, state, ctx.namespace)
         pods = [p["metadata"]["name"] for e in examples for p in e.pods]
-        if real is not None and state.complete:
+        if reals and state.complete:
             started = time.monotonic()
-            result.pods = wait_for_pods(kube, real, ctx.namespace, pods, timeout)
-            result.not_running = _not_running(kube, ctx.namespace, real.name, result.pods)
+            result.pods = wait_for_pods(kube, reals, ctx.namespace, pods, timeout)
+            result.not_running = _not_running(kube, ctx.namespace, ctx.real_names, result.pods)
             if not result.not_running:
-                _step(out, f"the pods on {real.name} run, each printed what its container sees, in "
-                           f"{time.monotonic() - started:.1f}s")
+                _step(out, f"the pods on {', '.join(ctx.real_names)} run, each printed what its container sees, "
+                           f"in {time.monotonic() - started:.1f}s")
         else:
-            result.pods = wait_for_pods(kube, real, ctx.namespace, pods, 0) if real is not None else {
+            result.pods = wait_for_pods(kube, reals, ctx.namespace, pods, 0) if reals else {
                 name: _pod_run(kube, ctx.namespace, name) for name in pods}
+        result.shared = shared_claims(state.claims, result.pods)
         ctx.slices = kube.list(SLICES, field_selector=f"spec.driver={ctx.driver}")["items"]
         result.describe_node = describe_node or fleet.node_names[-1]
         if prepared_claim_hook is not None and state.complete:
@@ -299,31 +388,42 @@ def run_demo(ctx: DemoContext, fleet: Any, examples: list[Any], *, timeout: floa
     return result
 
 
-def _start_real_node_plugin(ctx: DemoContext, kube: Any) -> None:
-    """`gpu-dra kubelet-plugin` for the real node; returns once the kubelet registered it and its slices are
-    published (a complete pool)."""
+def _start_real_node_plugins(ctx: DemoContext, kube: Any) -> None:
+    """`gpu-dra kubelet-plugin` for each real node, started at once; returns once each node's kubelet
+    registered its plugin and its slices are published (a complete pool)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from kube.client import SLICES
     from testbed.demo_node import PLUGIN_TIMEOUT, NodePluginError
 
-    real = ctx.real
-    _step(ctx.out, f"starting `gpu-dra kubelet-plugin --node-name {real.name}`: it registers with the kubelet, "
-                   f"then publishes {real.name}'s ResourceSlices")
-    try:
-        real.start_plugin(ctx.fleet_path, ctx.driver)
-    except NodePluginError as exc:
-        raise DemoError(str(exc)) from exc
+    for real in ctx.reals:
+        _step(ctx.out, f"starting `gpu-dra kubelet-plugin --node-name {real.name}`: it registers with the "
+                       f"kubelet of {real.name}, then publishes {real.name}'s ResourceSlices")
+
+    def start(real: Any) -> str | None:
+        try:
+            real.start_plugin(ctx.fleet_path, ctx.driver)
+        except NodePluginError as exc:
+            return str(exc)
+        return None
+
+    with ThreadPoolExecutor(max_workers=len(ctx.reals)) as pool:
+        errors = [e for e in pool.map(start, ctx.reals) if e]
+    if errors:
+        raise DemoError("\n".join(errors))
     deadline = time.monotonic() + PLUGIN_TIMEOUT
-    while True:
-        slices = kube.list(SLICES, field_selector=f"spec.driver={ctx.driver},spec.nodeName={real.name}")["items"]
-        if slices:
-            newest = max(s["spec"]["pool"]["generation"] for s in slices)
-            current = [s for s in slices if s["spec"]["pool"]["generation"] == newest]
-            if len(current) == current[0]["spec"]["pool"]["resourceSliceCount"]:
-                return
-        if time.monotonic() > deadline:
-            raise DemoError(f"the kubelet plugin of {real.name} published no complete pool within "
-                            f"{PLUGIN_TIMEOUT:.0f}s\n--- plugin log ---\n{real.plugin.log_tail()}")
-        time.sleep(0.2)
+    for real in ctx.reals:
+        while True:
+            slices = kube.list(SLICES, field_selector=f"spec.driver={ctx.driver},spec.nodeName={real.name}")["items"]
+            if slices:
+                newest = max(s["spec"]["pool"]["generation"] for s in slices)
+                current = [s for s in slices if s["spec"]["pool"]["generation"] == newest]
+                if len(current) == current[0]["spec"]["pool"]["resourceSliceCount"]:
+                    break
+            if time.monotonic() > deadline:
+                raise DemoError(f"the kubelet plugin of {real.name} published no complete pool within "
+                                f"{PLUGIN_TIMEOUT:.0f}s\n--- plugin log ---\n{real.plugin.log_tail()}")
+            time.sleep(0.2)
 
 
 def _pod_run(kube: Any, namespace: str, name: str) -> Any:
@@ -334,11 +434,11 @@ def _pod_run(kube: Any, namespace: str, name: str) -> Any:
     return PodRun(pod.get("status", {}).get("phase", "Unknown"), pod["spec"].get("nodeName"))
 
 
-def _not_running(kube: Any, namespace: str, node: str, runs: dict[str, Any]) -> list[str]:
-    """One line per pod on the real node that is not Running with its probes done, with its last events."""
+def _not_running(kube: Any, namespace: str, nodes: list[str], runs: dict[str, Any]) -> list[str]:
+    """One line per pod on a real node that is not Running with its probes done, with its last events."""
     lines = []
     for name, run in runs.items():
-        if run.node != node or (run.phase == "Running" and all(v.complete for v in run.views.values())):
+        if run.node not in nodes or (run.phase == "Running" and all(v.complete for v in run.views.values())):
             continue
         events = kube.list(f"/api/v1/namespaces/{namespace}/events",
                            field_selector=f"involvedObject.kind=Pod,involvedObject.name={name}")["items"]
@@ -380,8 +480,11 @@ def report(ctx: DemoContext, result: DemoResult) -> None:
     if result.pods:
         out("")
         out("What each pod's container saw (its own ls /dev/nvidia* and env, from its log):")
-        for line in container_lines(result.pods, ctx.real.name if ctx.real is not None else None):
+        for line in container_lines(result.pods, ctx.real_names):
             out(f"  {line}")
+    for shared in result.shared:
+        out("")
+        out(shared.line())
     _section(out, "ResourceSlice controller")
     out(format_writes("first start", result.first_writes))
     out(format_writes("restart with the same fleet (second controller instance)", result.restart_writes))
@@ -390,7 +493,7 @@ def report(ctx: DemoContext, result: DemoResult) -> None:
                         "it must write nothing")
     if result.prepared is not None:
         p = result.prepared
-        how = "prepared by the kubelet" if ctx.real is not None else "prepared over its DRA socket by the demo"
+        how = "prepared by the kubelet" if ctx.reals else "prepared over its DRA socket by the demo"
         _section(out, f"CDI spec written by the kubelet plugin of {p.claim.node} for claim {p.claim.claim} "
                       f"({p.claim.example}; {how})")
         out(f"# {p.spec_path.name}   CDI devices: {', '.join(p.cdi_device_ids)}")
@@ -399,21 +502,19 @@ def report(ctx: DemoContext, result: DemoResult) -> None:
 
 
 def _status(ctx: DemoContext) -> None:
-    """`gpu-dra status` of the real node (else the fleet's first node): who holds which GPU, MIG rows drawn."""
+    """`gpu-dra status` of each real node (else the fleet's first node): who holds which GPU, MIG rows drawn."""
     from cli.status_cmd import collect, render_node
     from ops.status.reads import StatusReadError
 
     nodes = sorted({(s.get("spec") or {}).get("nodeName", "") for s in ctx.slices} - {""})
-    node = ctx.real.name if ctx.real is not None else (nodes[0] if nodes else None)
-    if node is None:
-        return
-    _section(ctx.out, f"gpu-dra status {node}")
-    try:
-        nodes_status = collect(ctx.api, ctx.driver, node)
-    except StatusReadError as exc:
-        raise DemoError(f"gpu-dra status {node}: {exc}") from exc
-    for n in nodes_status:
-        render_node(n, ctx.out)
+    for node in ctx.real_names or nodes[:1]:
+        _section(ctx.out, f"gpu-dra status {node}")
+        try:
+            nodes_status = collect(ctx.api, ctx.driver, node)
+        except StatusReadError as exc:
+            raise DemoError(f"gpu-dra status {node}: {exc}") from exc
+        for n in nodes_status:
+            render_node(n, ctx.out)
 
 
 def _readable_spec(text: str) -> str:
@@ -427,14 +528,15 @@ def _readable_spec(text: str) -> str:
 
 
 def spec_from_real_node(ctx: DemoContext, claims: list[Any]) -> Any:
-    """The CDI spec that the real node's plugin wrote when the kubelet prepared one of the node's claims (a MIG
+    """The CDI spec that a real node's plugin wrote when its kubelet prepared one of the node's claims (a MIG
     partition if there is one: it is created at prepare), or None."""
     from testbed.demo_cdi import pick_claim
     from testbed.demo_node import prepared_cdi_spec
     from testbed.demo_report import device_index
 
-    claim = pick_claim([c for c in claims if c.node == ctx.real.name], device_index(ctx.slices), ctx.driver)
-    return prepared_cdi_spec(ctx.real, claim) if claim is not None else None
+    by_name = {r.name: r for r in ctx.reals}
+    claim = pick_claim([c for c in claims if c.node in by_name], device_index(ctx.slices), ctx.driver)
+    return prepared_cdi_spec(by_name[claim.node], claim) if claim is not None and claim.node else None
 
 
 def prepare_one_claim(ctx: DemoContext, claims: list[Any]) -> Any:

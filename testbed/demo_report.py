@@ -3,7 +3,7 @@ cut of `kubectl describe resourceslice`, and the write counts of the slice contr
 wire-format dicts and text, so they are unit-tested without a cluster."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,10 +90,10 @@ def format_table(rows: Sequence[AllocationRow], columns: Sequence[tuple[str, str
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells)
 
 
-def container_lines(pods: Mapping[str, Any], real_node: str | None) -> list[str]:
+def container_lines(pods: Mapping[str, Any], real_nodes: Collection[str]) -> list[str]:
     """One line per pod (per container where a pod has several): what its container printed about itself
     (`testbed.podprobe.ContainerView.summary`), or why there is nothing to show. `pods` maps pod names to
-    `testbed.demo_node.PodRun`s; `real_node` is the node with a kubelet (None: there is none)."""
+    `testbed.demo_node.PodRun`s; `real_nodes` are the nodes with a kubelet."""
     lines = []
     for name, run in pods.items():
         if run.views:
@@ -102,11 +102,52 @@ def container_lines(pods: Mapping[str, Any], real_node: str | None) -> list[str]
                 lines.append(f"{name}/{container} on {run.node}: {what}")
         elif run.node is None:
             lines.append(f"{name}: not bound to a node")
-        elif run.node != real_node:
+        elif run.node not in real_nodes:
             lines.append(f"{name}: on {run.node}, which has no kubelet: not started")
         else:
             lines.append(f"{name}: {run.phase} on {run.node}, its container has printed nothing yet")
     return lines
+
+
+@dataclass(frozen=True)
+class SharedClaim:
+    """A ResourceClaim that several pods use, and the GPUs (CUDA UUIDs) each pod's containers saw."""
+
+    claim: str
+    node: str
+    seen: dict[str, tuple[str, ...]]       # pod -> sorted CUDA device UUIDs its containers saw
+
+    @property
+    def same_gpu(self) -> bool:
+        """Every pod saw the same GPU(s), and at least one."""
+        views = set(self.seen.values())
+        return len(views) == 1 and bool(next(iter(views)))
+
+    def line(self) -> str:
+        pods = " and ".join(sorted(self.seen))
+        if self.same_gpu:
+            return f"claim {self.claim} is shared by pods {pods} on {self.node}: they see the same GPU " \
+                   f"{', '.join(next(iter(self.seen.values())))}"
+        each = "; ".join(f"{pod} sees {', '.join(uuids) or 'no CUDA device'}" for pod, uuids in sorted(self.seen.items()))
+        return f"claim {self.claim} is shared by pods {pods} on {self.node}, but they do NOT see the same GPU: {each}"
+
+
+def shared_claims(claims: Sequence[PodClaim], pods: Mapping[str, Any]) -> list[SharedClaim]:
+    """Claims used by more than one pod whose containers all printed what they saw (`pods` as in
+    `container_lines`), by claim name."""
+    users: dict[str, list[PodClaim]] = {}
+    for c in claims:
+        if c.claim and c.node:
+            users.setdefault(c.claim, []).append(c)
+    out = []
+    for claim, cs in sorted(users.items()):
+        names = sorted({c.pod for c in cs})
+        runs = {n: pods[n] for n in names if n in pods and pods[n].views}
+        if len(names) < 2 or len(runs) < len(names):
+            continue
+        seen = {n: tuple(sorted({d.uuid for v in r.views.values() for d in v.cuda})) for n, r in runs.items()}
+        out.append(SharedClaim(claim, cs[0].node or NONE, seen))
+    return out
 
 
 def _indent(line: str) -> int:
@@ -143,3 +184,18 @@ def format_writes(label: str, by_operation: Mapping[str, int]) -> str:
     total = sum(by_operation.values())
     detail = ", ".join(f"{op} {n}" for op, n in sorted(by_operation.items()) if n)
     return f"{label}: {total} API write(s)" + (f" ({detail})" if detail else "")
+
+
+def closing_line(pods: Mapping[str, Any], real_nodes: Collection[str]) -> str:
+    """The demo's last word on the pods: every one Running, and where; or how many are not, and why."""
+    on: dict[str, int] = {}
+    for run in pods.values():
+        if run.phase == "Running":
+            on[run.node] = on.get(run.node, 0) + 1
+    where = ", ".join(f"{n} on {node}" for node, n in sorted(on.items()))
+    stuck = {name: run for name, run in pods.items() if run.phase != "Running"}
+    if not stuck:
+        return f"every example pod is Running ({where})" if pods else "no example pod"
+    idle = sorted({run.node for run in stuck.values() if run.node and run.node not in real_nodes})
+    why = f"; {', '.join(idle)} ha{'s' if len(idle) == 1 else 've'} no kubelet" if idle else ""
+    return f"{len(stuck)} of {len(pods)} example pod(s) not Running: {', '.join(sorted(stuck))}{why}"

@@ -16,6 +16,12 @@ dir; `LocalNode.stop` and, after a crash, `cleanup_leftovers` use it to put the 
 processes killed, mounts under the work dir unmounted, cgroups removed, sysctls restored, host paths that
 did not exist removed. That host plumbing, the record included, is `testbed.hostplumbing`.
 
+Several nodes run side by side on one machine (each its own work dir, sockets, ports, cgroup root, CDI
+directory and plugin registry); what they share is the host's: the sysctls and host paths above (the record
+of the last node to stop puts them back) and the kubelet's device-manager socket directory
+``/var/lib/kubelet/device-plugins``, which the kubelet does not let one configure (no device plugin runs
+here: DRA drivers use the plugin registry).
+
     with LocalCluster() as cluster, LocalNode(cluster, cdi_dirs=[cdi]) as node:
         cluster.request("POST", "/api/v1/namespaces/default/pods", node.pod_manifest("hi", ["echo", "hi"]))
         node.wait_pod("default", "hi", {"Succeeded"})
@@ -33,6 +39,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -131,10 +138,19 @@ def _missing(bin_dir: Path) -> list[str]:
     return missing
 
 
+# Nodes started at once (threads) build the binaries once: the others wait, then find the cache complete.
+_FIND_LOCK = threading.Lock()
+
+
 def find_node_binaries(build: bool = True) -> Path:
     """The bin directory with kubelet, containerd, ctr, containerd-shim-runc-v2 and runc; the image archives
     are in its sibling ``images``. $GPU_DRA_NODE_BIN if set, else hack/build-node.sh (which reuses its cache
     or builds; it prints the bin directory on its last line). Without `build`, only a complete cache counts."""
+    with _FIND_LOCK:
+        return _find_node_binaries(build)
+
+
+def _find_node_binaries(build: bool) -> Path:
     env = os.environ.get(NODE_BIN_ENV)
     if env:
         bin_dir = Path(env).expanduser()
@@ -327,8 +343,19 @@ class LocalNode:
     def restart_kubelet(self, downtime: float = 0.0) -> None:
         """Stops the kubelet (SIGTERM) and starts it again with the same flags and state; containers keep
         running meanwhile. Returns once the node has reported Ready again."""
-        _terminate(self._kubelet)
+        self.stop_kubelet()
         time.sleep(downtime)
+        self.start_kubelet()
+
+    def stop_kubelet(self) -> None:
+        """Stops the kubelet (SIGTERM); containerd and the containers keep running (see `start_kubelet`)."""
+        _terminate(self._kubelet)
+
+    def start_kubelet(self) -> None:
+        """Starts the stopped kubelet again with the same flags and state; returns once the node has reported
+        Ready again."""
+        if self.kubelet_pid is not None:
+            raise NodeError(f"node {self.name}: the kubelet already runs (pid {self.kubelet_pid})")
         self._start_kubelet_until_ready(self.bin_dir, time.time())
 
     def __enter__(self) -> "LocalNode":

@@ -1,7 +1,8 @@
 """Unit tests of the demo's parts that need no cluster: loading examples for any driver name, pairing pods
 with claims, the scheduler's reason, the printed table (with pod phases) and describe cut, what the containers
-saw (the probe script, its output read back, pods made runnable on a local node), the one line when there is
-no real node, and argument checks."""
+saw (the probe script, its output read back, pods made runnable on a local node), whether the pods of a shared
+claim saw the same GPU, which fleet nodes run for real, the one line when a real node cannot start, and
+argument checks."""
 from __future__ import annotations
 
 import argparse
@@ -26,16 +27,27 @@ from testbed.demo_examples import (
     retarget_driver,
     scheduler_reason,
 )
-from testbed.demo_node import PodRun
+from testbed.demo_node import PodRun, RealNodeUnavailable, start_real_nodes
 from testbed.demo_report import (
     allocation_rows,
+    closing_line,
     container_lines,
     device_index,
     format_table,
     format_writes,
+    shared_claims,
     trim_describe,
 )
-from testbed.podprobe import BEGIN, END, ContainerView, for_local_node, parse_probe, probe_marker, probe_script
+from testbed.podprobe import (
+    BEGIN,
+    END,
+    ContainerView,
+    SeenDevice,
+    for_local_node,
+    parse_probe,
+    probe_marker,
+    probe_script,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -277,7 +289,7 @@ def test_container_lines_say_what_each_container_saw_or_why_nothing() -> None:
         "d": PodRun("Pending", None),
         "e": PodRun("Pending", "node-a"),
     }
-    assert container_lines(pods, "node-a") == [
+    assert container_lines(pods, ["node-a"]) == [
         "a/cuda on node-a: /dev/nvidia3 /dev/nvidiactl; NVIDIA_VISIBLE_DEVICES=GPU-1",
         "b/x on node-a: /dev/nvidia3 /dev/nvidiactl; NVIDIA_VISIBLE_DEVICES=GPU-1",
         "b/y on node-a: (its output is not complete yet)",
@@ -285,6 +297,43 @@ def test_container_lines_say_what_each_container_saw_or_why_nothing() -> None:
         "d: not bound to a node",
         "e: Pending on node-a, its container has printed nothing yet",
     ]
+
+
+def _saw(*uuids: str) -> ContainerView:
+    return ContainerView(cuda=[SeenDevice(u, 23034, "NVIDIA L4") for u in uuids], probed=True, complete=True)
+
+
+def _shared_pc(pod: str, claim: str, node: str = "node-b") -> PodClaim:
+    return PodClaim("shared-claim", pod, "slot", claim, node, {"devices": {"results": []}})
+
+
+def test_the_pods_of_a_shared_claim_are_said_to_see_the_same_gpu_or_not() -> None:
+    claims = [_shared_pc("a", "shared"), _shared_pc("b", "shared"), _shared_pc("c", "own")]
+    same = {"a": PodRun("Running", "node-b", {"cuda": _saw("GPU-1")}),
+            "b": PodRun("Running", "node-b", {"cuda": _saw("GPU-1")}),
+            "c": PodRun("Running", "node-b", {"cuda": _saw("GPU-2")})}
+    (shared,) = shared_claims(claims, same)
+    assert shared.same_gpu
+    assert shared.line() == "claim shared is shared by pods a and b on node-b: they see the same GPU GPU-1"
+    other = {**same, "b": PodRun("Running", "node-b", {"cuda": _saw("GPU-2")})}
+    (shared,) = shared_claims(claims, other)
+    assert not shared.same_gpu
+    assert shared.line() == ("claim shared is shared by pods a and b on node-b, but they do NOT see the same GPU: "
+                             "a sees GPU-1; b sees GPU-2")
+    # Neither pod saw any GPU: not "the same".
+    blind = {**same, "a": PodRun("Running", "node-b", {"cuda": _saw()}),
+             "b": PodRun("Running", "node-b", {"cuda": _saw()})}
+    assert not shared_claims(claims, blind)[0].same_gpu
+    # A pod that did not run (no kubelet on its node) has nothing to compare.
+    assert shared_claims(claims, {**same, "b": PodRun("Pending", "node-b")}) == []
+
+
+def test_the_closing_line_says_where_the_pods_run_or_which_do_not() -> None:
+    running = {"a": PodRun("Running", "node-a"), "b": PodRun("Running", "node-b"), "c": PodRun("Running", "node-a")}
+    assert closing_line(running, ["node-a", "node-b"]) == "every example pod is Running (2 on node-a, 1 on node-b)"
+    idle = {**running, "b": PodRun("Pending", "node-b")}
+    assert closing_line(idle, ["node-a"]) == "1 of 3 example pod(s) not Running: b; node-b has no kubelet"
+    assert closing_line(idle, ["node-a", "node-b"]) == "1 of 3 example pod(s) not Running: b"
 
 
 # ------------------------------------------------------------------------------------------ the pod probe
@@ -432,7 +481,32 @@ def test_the_demo_defaults_are_the_repository_fleet_and_examples() -> None:
     args = build_parser().parse_args(["demo"])
     assert Path(args.fleet) == EXAMPLES / "fleets" / "demo.yaml" and Path(args.examples) == EXAMPLES
     assert args.driver_name == DEFAULT_DRIVER_NAME and not args.keep and args.namespace == "gpu-demo"
-    assert args.real_node is None and not args.no_real_node   # a real node for the fleet's first node
+    assert args.real_node is None and not args.no_real_node   # a real node for every node of the fleet
+    assert args.real_nodes is None
+
+
+@pytest.mark.parametrize("named, count, want", [
+    ([], None, ["node-a", "node-b", "node-c"]),     # as many as the fleet has
+    ([], 1, ["node-a"]),
+    ([], 0, []),                                      # --real-nodes 0 / --no-real-node: scheduling only
+    (["node-b"], None, ["node-b"]),                   # --real-node alone: that node
+    (["node-c"], 2, ["node-c", "node-a"]),
+    (["node-b", "node-a"], None, ["node-b", "node-a"]),
+])
+def test_which_fleet_nodes_run_for_real(named: list[str], count: int | None, want: list[str]) -> None:
+    assert demo_cmd.real_node_names(["node-a", "node-b", "node-c"], named, count, "f.yaml") == want
+
+
+def test_a_small_machine_runs_one_real_node_unless_asked_for_more() -> None:
+    args = build_parser().parse_args(["demo"])
+    lines: list[str] = []
+    assert demo_cmd.small_machine_cap(["node-a", "node-b"], args, 8192, lines.append) == ["node-a", "node-b"]
+    assert lines == []
+    assert demo_cmd.small_machine_cap(["node-a", "node-b"], args, 2000, lines.append) == ["node-a"]
+    assert lines == [f"==> one real node (node-a): this machine has 2000 MiB of memory available, under "
+                     f"{demo_cmd.SMALL_MACHINE_MIB} MiB; --real-nodes 2 runs all of them"]
+    asked = build_parser().parse_args(["demo", "--real-nodes", "2"])
+    assert demo_cmd.small_machine_cap(["node-a", "node-b"], asked, 2000, lines.append) == ["node-a", "node-b"]
 
 
 def test_without_a_real_node_the_demo_says_why_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -441,10 +515,33 @@ def test_without_a_real_node_the_demo_says_why_in_one_line(monkeypatch: pytest.M
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     lines: list[str] = []
-    assert demo_cmd.start_real_node(object(), "node-a", lines.append) is None
-    assert lines[0].startswith("==> starting a real node for node-a")
+    assert demo_cmd.start_real_nodes(object(), ["node-a", "node-b"], lines.append) == []
+    assert lines[0].startswith("==> starting a real node for node-a, node-b")
     assert lines[1:] == ["==> no real node (a real node needs root (containerd, runc and the kubelet mount and make "
                          "cgroups)): scheduling only, the pods will stay Pending"]
+
+
+class _Started:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.node = type("N", (), {"times": {"kubelet": 1.25}})()
+
+
+def test_when_a_second_node_cannot_start_the_demo_says_why_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    def start(cluster: Any, name: str, labels: dict[str, str]) -> Any:
+        if name == "node-b":
+            raise RealNodeUnavailable("node node-b not Ready within 120s (last: kubelet /healthz not ok yet)")
+        return _Started(name)
+
+    from testbed import demo_node
+
+    monkeypatch.setattr(demo_node.RealNode, "start", start)
+    lines: list[str] = []
+    reals = demo_cmd.start_real_nodes(object(), ["node-a", "node-b"], lines.append)
+    assert [r.name for r in reals] == ["node-a"]
+    assert lines[1:] == ["==> no real node for node-b (node node-b not Ready within 120s (last: kubelet /healthz "
+                         "not ok yet)): its pods will stay Pending", "    node-a ready in 1.2s"]
+    assert set(start_real_nodes(object(), ["node-a", "node-b"], {}, start)) == {"node-a", "node-b"}
 
 
 @pytest.mark.parametrize("over, message", [
@@ -453,7 +550,9 @@ def test_without_a_real_node_the_demo_says_why_in_one_line(monkeypatch: pytest.M
     ({"driver_name": "Not_A_Name"}, "driver name 'Not_A_Name'"),
     ({"timeout": 0.0}, "--timeout 0.0: must be positive"),
     ({"describe_node": "node-z"}, "--describe-node node-z: not a node of"),
-    ({"real_node": "node-z"}, "--real-node node-z: not a node of"),
+    ({"real_node": ["node-z"]}, "--real-node node-z: not a node of"),
+    ({"real_nodes": 3}, "--real-nodes 3: must be between 0 and the fleet's 2 node(s)"),
+    ({"real_nodes": -1}, "--real-nodes -1: must be between 0"),
 ])
 def test_bad_arguments_exit_2_before_anything_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                       no_cluster: None, over: dict[str, Any], message: str) -> None:
