@@ -161,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
     api = cluster.api_client()
     ctx = DemoContext(cluster, api, Path(args.fleet), driver, args.namespace, out)
     try:
-        ctx.reals = start_real_nodes(cluster, small_machine_cap(real_names, args, available_memory_mib(), out), out)
+        ctx.reals, failed_nodes = start_real_nodes(cluster, small_machine_cap(real_names, args,
+                                                                              available_memory_mib(), out), out)
         hook = None if args.no_prepare else (spec_from_real_node if ctx.reals else prepare_one_claim)
         result = run_demo(ctx, fleet, examples, timeout=args.timeout, describe_node=args.describe_node,
                           prepared_claim_hook=hook)
@@ -200,6 +201,12 @@ def run(args: argparse.Namespace) -> int:
     if different:
         for line in different:
             print(f"{PROG}: {line}", file=sys.stderr)
+        return 1
+    if failed_nodes:
+        # Some real nodes ran and others could not start: their pods stayed Pending, which is a failure
+        # (only a machine where no node can start at all runs the demo as scheduling only).
+        print(f"{PROG}: real node(s) {', '.join(failed_nodes)} could not start: their pods stayed Pending",
+              file=sys.stderr)
         return 1
     return 0
 
@@ -245,14 +252,15 @@ def small_machine_cap(names: list[str], args: argparse.Namespace, available_mib:
     return names[:1]
 
 
-def start_real_nodes(cluster: Any, names: list[str], out: Callable[[str], None]) -> list[Any]:
-    """The real nodes for fleet nodes `names`, started at once; one line for each that could not start, saying
-    why (its pods stay Pending)."""
+def start_real_nodes(cluster: Any, names: list[str], out: Callable[[str], None]) -> tuple[list[Any], list[str]]:
+    """The real nodes for fleet nodes `names`, started at once, and the names of those that could not start
+    while others did; one line for each that could not start, saying why (its pods stay Pending). When none
+    can start for one reason (not root, no cgroups) the demo schedules only: no failed names."""
     from cli.publish_cmd import SIMULATED_LABEL
     from testbed.demo_node import RealNodeUnavailable, start_real_nodes
 
     if not names:
-        return []
+        return [], []
     _step(out, f"starting a real node for {', '.join(names)}: kubelet, containerd and runc each "
                "(built on first use: minutes)")
     started = start_real_nodes(cluster, names, {SIMULATED_LABEL: "true"})
@@ -260,12 +268,12 @@ def start_real_nodes(cluster: Any, names: list[str], out: Callable[[str], None])
     reals = [r for r in started.values() if not isinstance(r, RealNodeUnavailable)]
     if failed and not reals and len(set(failed.values())) == 1:
         out(f"==> no real node ({next(iter(failed.values()))}): scheduling only, the pods will stay Pending")
-        return []
+        return [], []
     for name, why in failed.items():
         out(f"==> no real node for {name} ({why}): its pods will stay Pending")
     for real in reals:
         out(f"    {real.name} ready in {sum(real.node.times.values()):.1f}s")
-    return reals
+    return reals, list(failed)
 
 
 def stop_real_nodes(reals: list[Any]) -> list[str]:

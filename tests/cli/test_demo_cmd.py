@@ -515,7 +515,7 @@ def test_without_a_real_node_the_demo_says_why_in_one_line(monkeypatch: pytest.M
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     lines: list[str] = []
-    assert demo_cmd.start_real_nodes(object(), ["node-a", "node-b"], lines.append) == []
+    assert demo_cmd.start_real_nodes(object(), ["node-a", "node-b"], lines.append) == ([], [])
     assert lines[0].startswith("==> starting a real node for node-a, node-b")
     assert lines[1:] == ["==> no real node (a real node needs root (containerd, runc and the kubelet mount and make "
                          "cgroups)): scheduling only, the pods will stay Pending"]
@@ -537,8 +537,9 @@ def test_when_a_second_node_cannot_start_the_demo_says_why_in_one_line(monkeypat
 
     monkeypatch.setattr(demo_node.RealNode, "start", start)
     lines: list[str] = []
-    reals = demo_cmd.start_real_nodes(object(), ["node-a", "node-b"], lines.append)
+    reals, failed = demo_cmd.start_real_nodes(object(), ["node-a", "node-b"], lines.append)
     assert [r.name for r in reals] == ["node-a"]
+    assert failed == ["node-b"]    # run() exits non-zero for it: node-b's pods stayed Pending
     assert lines[1:] == ["==> no real node for node-b (node node-b not Ready within 120s (last: kubelet /healthz "
                          "not ok yet)): its pods will stay Pending", "    node-a ready in 1.2s"]
     assert set(start_real_nodes(object(), ["node-a", "node-b"], {}, start)) == {"node-a", "node-b"}
