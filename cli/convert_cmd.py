@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="device plugin config, mig-parted config, Nodes or workloads (YAML; a directory: its "
                              "YAML files; - for stdin); repeatable")
     parser.add_argument("--dynamic-mig", action="store_true",
-                        help="MIG GPUs get mig: dynamic (partitions made per claim) instead of static")
+                        help="MIG GPUs get mig: dynamic (partitions made per claim) instead of static, publishing the "
+                             "profiles each mig-parted entry names (dynamicMig.profiles)")
     parser.add_argument("--default-config", metavar="NAME",
                         help="the device plugin config of nodes without the nvidia.com/device-plugin.config label "
                              "(default: the only one given)")

@@ -345,6 +345,22 @@ class _GpuPlan:
     shares: bool = False
 
 
+def _chosen_profiles(gpu: GpuInfo, pol: GpuPolicy, origin: str) -> tuple[MigProfile, ...]:
+    """The GPU's MIG profiles that dynamic MIG publishes: those ``dynamicMig.profiles`` names, else all.
+    A name this GPU does not have is an error (a typo would otherwise publish nothing for that profile)."""
+    if pol.dynamic_mig is None:
+        return tuple(gpu.mig_profiles)
+    have = {p.name: p for p in gpu.mig_profiles}
+    unknown = [name for name in pol.dynamic_mig.profiles if name not in have]
+    if unknown:
+        model = catalog_model_name(gpu) or gpu.product_name
+        raise DeviceModelError(
+            f"{describe_gpu(gpu)}: node policy {origin} dynamicMig.profiles names {', '.join(map(repr, unknown))}, "
+            f"which {model} does not have (its profiles: {', '.join(have)})")
+    wanted = set(pol.dynamic_mig.profiles)
+    return tuple(p for p in gpu.mig_profiles if p.name in wanted)
+
+
 def _plan(gpu: GpuInfo, pol: GpuPolicy, origin: str, warnings: list[str]) -> _GpuPlan:
     """Decide what to publish for one GPU; raise DeviceModelError for impossible policies."""
     who = describe_gpu(gpu)
@@ -379,7 +395,8 @@ def _plan(gpu: GpuInfo, pol: GpuPolicy, origin: str, warnings: list[str]) -> _Gp
         if gpu.mig_enabled or mig_mode_switches_at_runtime(gpu.cuda_compute_capability):
             # Only profiles that can be placed at all on an empty GPU are worth publishing.
             plan.dynamic_profiles = tuple(
-                p for p in gpu.mig_profiles if any(can_place(gpu.mig_profiles, (), p.profile_id, s) is None for s in p.starts)
+                p for p in _chosen_profiles(gpu, pol, origin)
+                if any(can_place(gpu.mig_profiles, (), p.profile_id, s) is None for s in p.starts)
             )
         else:
             warnings.append(f"{who}: dynamic MIG needs MIG mode enabled before the driver starts on this GPU "

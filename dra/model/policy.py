@@ -11,6 +11,11 @@ A GPU policy says what is published for that GPU:
 * ``mig``: ``none`` (default), ``static`` (publish the MIG partitions that exist now; the whole GPU is
   never published then, because a GPU in MIG mode cannot run work as a whole) or ``dynamic`` (publish every
   MIG profile at every valid placement; the partition is created when a claim is prepared).
+* ``dynamicMig``: ``{profiles: [1g.10gb, 3g.40gb]}`` (with ``mig: dynamic``): publish only these profiles, each
+  at every valid placement, instead of all of them. Every published device costs the scheduler work on each
+  node it considers, so a cluster that uses two profiles should publish two (docs/devices.md, "What the
+  scheduler pays"). A name the GPU does not have is an error naming the GPU's profiles (judged when devices
+  are built, where the GPU is known).
 * ``slots``: ``{count: N (1..64), strategy: time-slicing|mps}``: N shared-slot devices per GPU. Any slot
   excludes the whole GPU and every MIG partition; up to N slots coexist.
 * ``memoryShares``: consumable-capacity mode: one device per GPU that many claims may share, each asking for
@@ -28,6 +33,7 @@ Example::
     rules:
     - match: {model: H100}          # product-name substring or catalog model name, case-insensitive
       mig: dynamic
+      dynamicMig: {profiles: [1g.10gb, 3g.40gb]}
       slots: {count: 4, strategy: mps}
     - match: {index: 3}
       wholeGpu: false
@@ -43,6 +49,7 @@ off) are judged when devices are built (dra/model/devices.py), where the GPU is 
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -54,6 +61,8 @@ from dra.model.gpu import GpuInfo
 MAX_SLOTS = 64
 
 MigMode = Literal["none", "static", "dynamic"]
+# NVML's MIG profile names: "1g.10gb", "1g.10gb+me", "7g.80gb". Whether the GPU has one is judged per GPU.
+MIG_PROFILE_NAME = re.compile(r"^[1-9][0-9]*g\.[1-9][0-9]*gb(\+[a-z]+)*$")
 SharingStrategy = Literal["time-slicing", "mps"]
 
 
@@ -124,6 +133,23 @@ class MemorySharePolicy(_Strict):
         return parse_quantity(self.default) if self.default is not None else self.minimum_bytes
 
 
+class DynamicMigPolicy(_Strict):
+    """Which MIG profiles ``mig: dynamic`` publishes: each named profile at every valid placement."""
+
+    profiles: list[str] = Field(min_length=1)
+
+    @field_validator("profiles")
+    @classmethod
+    def _names(cls, v: list[str]) -> list[str]:
+        bad = [p for p in v if not MIG_PROFILE_NAME.fullmatch(p)]
+        if bad:
+            raise ValueError(f"{', '.join(map(repr, bad))}: not a MIG profile name like 1g.10gb or 1g.10gb+me")
+        twice = sorted({p for p in v if v.count(p) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(map(repr, twice))} named more than once")
+        return v
+
+
 class MpsNodePolicy(_Strict):
     """How MPS daemons on this node treat the claims they serve (docs/security.md: the trust boundary).
 
@@ -160,6 +186,7 @@ class GpuPolicy(_Strict):
 
     whole_gpu: bool | None = None
     mig: MigMode = "none"
+    dynamic_mig: DynamicMigPolicy | None = None
     slots: SlotPolicy | None = None
     memory_shares: MemorySharePolicy | None = None
 
@@ -175,6 +202,8 @@ class GpuPolicy(_Strict):
                 clash.append("slots")
             if clash:
                 raise ValueError(f"memoryShares cannot be combined with {', '.join(clash)}")
+        if self.dynamic_mig is not None and self.mig != "dynamic":
+            raise ValueError(f"dynamicMig needs mig: dynamic (the policy has mig: {self.mig})")
         if self.mig == "static" and self.slots is not None:
             raise ValueError("slots cannot be combined with mig: static (a GPU in MIG mode has no whole GPU to share)")
         if self.mig == "static" and self.whole_gpu:

@@ -3,7 +3,8 @@
 An entry selects GPUs by index (``devices: all | [0, 1]``) and PCI device id (``device-filter``) and says whether
 MIG is on and which partitions to create. Static MIG (the default) publishes the partitions that exist, so the
 state must be created first (``nvidia-smi`` commands, or mig-parted itself, which keeps working); dynamic MIG
-(``--dynamic-mig``) publishes every profile at every placement and creates the partition a claim gets.
+(``--dynamic-mig``) publishes the profiles an entry names (``dynamicMig.profiles``; every profile where it names
+none) at every placement and creates the partition a claim gets.
 
 A ``device-filter`` (one PCI id or a list, as in the GPU operator's default config) limits an entry to those GPU
 models: ids the catalog knows become node policy rules by model, each unknown id is one report line and the
@@ -221,7 +222,15 @@ def parse_mig_parted_config(source: str, doc: dict[str, Any], f: Findings) -> li
 
 
 def gpu_policy(entry: MigEntry, dynamic: bool) -> dict[str, Any]:
-    return {"wholeGpu": False, "mig": "dynamic" if dynamic else "static"}
+    """The node policy fields of an enabled entry. Dynamic MIG publishes only the profiles the entry names (each
+    at every placement): the scheduler pays for every published device, and the config says which profiles the
+    cluster uses. An entry that names none (MIG on, partitions left to others) publishes every profile."""
+    if not dynamic:
+        return {"wholeGpu": False, "mig": "static"}
+    out: dict[str, Any] = {"wholeGpu": False, "mig": "dynamic"}
+    if entry.instances:
+        out["dynamicMig"] = {"profiles": list(dict.fromkeys(entry.instances))}
+    return out
 
 
 def commands(cfg: MigConfig, model: str, count: int, dynamic: bool) -> list[str]:

@@ -189,6 +189,7 @@ MIG_1G = _spec(_req("mig", _exactly(MIG, "device.attributes['D'].profile == '1g.
 MIG_7G = _spec(_req("mig", _exactly(MIG, "device.attributes['D'].profile == '7g.80gb'")))
 WHOLE_AND_MIG = {"default": {"wholeGpu": True, "mig": "dynamic"}}
 MIG_ONLY = {"default": {"wholeGpu": False, "mig": "dynamic"}}
+SOME_PROFILES = {"default": {"wholeGpu": True, "mig": "dynamic", "dynamicMig": {"profiles": ["1g.10gb", "3g.40gb"]}}}
 TS_SLOTS = {"default": {"wholeGpu": True, "slots": {"count": 4, "strategy": "time-slicing"}}}
 SLOTS_ONLY = {"default": {"wholeGpu": False, "slots": {"count": 4, "strategy": "time-slicing"}}}
 SHARES = {"default": {"wholeGpu": False, "memoryShares": {"minimum": "1Gi", "step": "1Gi"}}}
@@ -294,6 +295,11 @@ CASES = [
          False, "MIG profiles there: ", policy=MIG_ONLY),
     Case("memory-share-beyond-the-range", H100, _spec(_req("share", _exactly(SHARED, capacity={"requests": {"memory": "200Gi"}}))),
          False, "(valid: ", policy=SHARES),
+    # dynamicMig.profiles: a profile left out is no device at all; those named fit as usual.
+    Case("mig-profile-left-out-of-the-policy", H100, MIG_7G, False, "(MIG profiles there: 1g.10gb, 3g.40gb)",
+         policy=SOME_PROFILES),
+    Case("mig-named-profile-beside-another", H100, MIG_1G, True, policy=SOME_PROFILES,
+         first=[_spec(_req("mig", _exactly(MIG, "device.attributes['D'].profile == '3g.40gb'")))]),
     Case("distinct-parents-one-per-gpu", [{"model": "H100-80GB", "count": 3}],
          _spec(_req("mig", _exactly(MIG, "device.attributes['D'].profile == '1g.10gb'", count=3)),
                constraints=[{"distinctAttribute": "D/parentUUID"}]), True, policy=MIG_ONLY),

@@ -12,8 +12,11 @@ import yaml
 from api.names import DEFAULT_DRIVER_NAME
 from api.names import DEFAULT_DRIVER_NAME as D
 from cli.main import main
+from dra.model.devices import build_devices
 from dra.model.policy import parse_node_policy
+from dra.node.inventory import discover_once
 from dra.scheduling.devicecel import compile_selector, device_variable
+from dra.sim.fleet import nvml_for_node, parse_fleet
 from ops.convert import gfdselectors as gfd
 from ops.convert.conversion import Options, convert, output_files
 from ops.convert.deviceplugin import ConvertError
@@ -201,14 +204,42 @@ def test_mig_parted_entries_become_static_rules_and_the_state_to_create() -> Non
                                                  "1g.10gb,1g.10gb,1g.10gb -C"]
 
 
-def test_dynamic_mig_publishes_every_profile_and_leaves_no_partitions() -> None:
+def test_dynamic_mig_publishes_the_configs_profiles_and_leaves_no_partitions() -> None:
     res = run(MIG_PARTED, _node("n", "all-1g.10gb", count=1), dynamic_mig=True)
     g = next(g for g in res.groups if g.mig and g.mig.name == "all-1g.10gb")
-    assert g.node_policy == {"default": {"wholeGpu": False, "mig": "dynamic"}}
+    assert g.node_policy == {"default": {"wholeGpu": False, "mig": "dynamic",
+                                         "dynamicMig": {"profiles": ["1g.10gb"]}}}
     state = next(s for s in res.mig_states if s["migConfig"] == "all-1g.10gb")
     assert state["gpus"][0]["instances"] == []
     assert state["nodes"][0]["commands"] == ["nvidia-smi -i 0 -mig 1", "nvidia-smi mig -i 0 -dci",
                                              "nvidia-smi mig -i 0 -dgi"]
+
+
+def test_dynamic_mig_rules_name_each_entrys_profiles_and_publish_only_those() -> None:
+    doc = {"version": "v1", "mig-configs": {"mixed": [
+        {"devices": [0, 1], "mig-enabled": True, "mig-devices": {"3g.40gb": 1, "1g.10gb": 4}},
+        {"devices": [2], "mig-enabled": True, "mig-devices": {"1g.10gb+me": 1, "1g.10gb": 2}},
+        {"devices": [3], "mig-enabled": True},
+        {"devices": [4, 5, 6, 7], "mig-enabled": False}]}}
+    res = run(doc, _node("n", "mixed"), dynamic_mig=True)
+    (g,) = res.groups
+    rules = {r["match"]["index"]: r.get("dynamicMig") for r in g.node_policy["rules"]}
+    assert rules[0] == rules[1] == {"profiles": ["3g.40gb", "1g.10gb"]}
+    assert rules[2] == {"profiles": ["1g.10gb+me", "1g.10gb"]}
+    assert rules[3] is None          # MIG on with no partitions named: every profile
+    # What the converted policy publishes on the node: exactly those profiles, per GPU.
+    pol = parse_node_policy(g.node_policy, "converted")
+    fleet = parse_fleet({"nodes": [{"name": "n", "gpus": [{"model": "H100-80GB", "count": 8}],
+                                    "policy": g.node_policy}]})
+    model = build_devices(discover_once(nvml_for_node(fleet.node("n"))), pol)
+    profiles: dict[int, set[str]] = {}
+    for d in model.devices:
+        if d.kind == "mig":
+            profiles.setdefault(d.gpu_index, set()).add(d.mig_profile_name or "")
+    assert profiles[0] == profiles[1] == {"3g.40gb", "1g.10gb"}
+    assert profiles[2] == {"1g.10gb+me", "1g.10gb"}
+    assert len(profiles[3]) == 7
+    assert set(profiles) == {0, 1, 2, 3}
 
 
 def test_unknown_device_filter_and_profiles_of_another_model_are_reported() -> None:

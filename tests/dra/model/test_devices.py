@@ -68,6 +68,10 @@ GPU_CASES = [
     ("h100-dynamic-4slots-mps", h100(0), dynamic_with_slots(4, "mps"), 4),
     ("a30-dynamic-mig-on", a30(0), DYNAMIC, 0),
     ("l4-3slots", l4(0), policy({"default": {"slots": {"count": 3}}}), 3),
+    ("h100-1g-3g-me-2slots", h100(0), policy({"default": {
+        "mig": "dynamic", "dynamicMig": {"profiles": ["1g.10gb", "3g.40gb", "1g.10gb+me"]},
+        "slots": {"count": 2}}}), 2),
+    ("a30-2g", a30(0), policy({"default": {"mig": "dynamic", "dynamicMig": {"profiles": ["2g.12gb"]}}}), 0),
 ]
 
 
@@ -490,3 +494,31 @@ def test_lost_gpu_stays_visible_when_its_policy_cannot_apply():
     assert any("unhealthy" in w and "GPU 1" in w for w in model.warnings)
     with pytest.raises(DeviceModelError):  # a healthy GPU with the same policy problem is still an error
         build_devices(inventory(h100(0), replace(lost, healthy=True)), DYNAMIC)
+
+
+def test_dynamic_mig_profiles_publish_only_those_at_every_placement():
+    pol = policy({"default": {"mig": "dynamic", "dynamicMig": {"profiles": ["3g.40gb", "1g.10gb"]},
+                              "slots": {"count": 4, "strategy": "mps"}}})
+    model = build_devices(inventory(h100(0)), pol)
+    mig = [d for d in model.devices if d.kind == "mig"]
+    assert [(d.mig_profile_name, d.mig_start) for d in mig] == (
+        [("1g.10gb", s) for s in range(6, -1, -1)] + [("3g.40gb", 4), ("3g.40gb", 0)])
+    assert [d.kind for d in model.devices] == ["gpu"] + ["mig"] * 9 + ["slot"] * 4
+    # No profile left uses an OFA engine, so the counter set has none to count.
+    (cs,) = model.counter_sets
+    assert "ofa-engines" not in cs.counters
+    assert all("ofa-engines" not in e["counters"] for d in model.devices for e in d.consumes_counters)
+    # Without the list: every profile, as before.
+    everything = build_devices(inventory(h100(0)), dynamic_with_slots(4, "mps"))
+    assert len([d for d in everything.devices if d.kind == "mig"]) == 25
+
+
+def test_dynamic_mig_profile_the_gpu_lacks_is_an_error_naming_it_and_the_gpus_profiles():
+    pol = policy({"rules": [{"match": {"model": "H100"}, "mig": "dynamic",
+                             "dynamicMig": {"profiles": ["1g.10gb", "1g.5gb"]}}]})
+    with pytest.raises(DeviceModelError) as info:
+        build_devices(inventory(h100(0)), pol)
+    text = str(info.value)
+    assert "GPU 0" in text and "rules[0]" in text and "'1g.5gb'" in text and "H100-80GB" in text
+    assert "its profiles: 1g.10gb, 1g.10gb+me, 1g.20gb" in text
+    assert "'1g.10gb'" not in text

@@ -100,6 +100,14 @@ def test_none_gives_default_policy():
     ({"default": {"memoryShares": {"minimum": "2Gi", "default": "1Gi"}}}, "default.memoryShares", "default 1Gi"),
     ({"default": {"mig": "static", "slots": {"count": 2}}}, "default", "slots cannot be combined with mig: static"),
     ({"default": {"mig": "static", "wholeGpu": True}}, "default", "wholeGpu: true cannot be combined"),
+    ({"default": {"dynamicMig": {"profiles": ["1g.10gb"]}}}, "default", "dynamicMig needs mig: dynamic"),
+    ({"default": {"mig": "dynamic", "dynamicMig": {"profiles": []}}}, "default.dynamicMig.profiles", "at least 1"),
+    ({"default": {"mig": "dynamic", "dynamicMig": {"profiles": ["1g10gb"]}}}, "default.dynamicMig.profiles",
+     "'1g10gb': not a MIG profile name like 1g.10gb"),
+    ({"default": {"mig": "dynamic", "dynamicMig": {"profiles": ["3g.40gb", "3g.40gb"]}}},
+     "default.dynamicMig.profiles", "'3g.40gb' named more than once"),
+    ({"default": {"mig": "dynamic", "dynamicMig": {"profile": ["3g.40gb"]}}}, "default.dynamicMig.profile",
+     "unknown field"),
 ])
 def test_errors_name_source_field_and_reason(data, path, words):
     with pytest.raises(PolicyError) as info:
@@ -119,3 +127,10 @@ def test_non_mapping_is_rejected():
 def test_static_mig_default_does_not_publish_whole():
     assert parse({"default": {"mig": "static"}}).default.publish_whole is False
     assert parse({"default": {"mig": "dynamic"}}).default.publish_whole is True
+
+
+def test_dynamic_mig_profiles_are_read_in_both_spellings():
+    for key in ("dynamicMig", "dynamic_mig"):
+        pol = parse({"rules": [{"match": {"model": "H100"}, "mig": "dynamic", key: {"profiles": ["1g.10gb+me"]}}]})
+        assert pol.for_gpu(h100(0)).dynamic_mig.profiles == ["1g.10gb+me"]
+    assert parse({"default": {"mig": "dynamic"}}).default.dynamic_mig is None
