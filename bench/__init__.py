@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, str] = {
     "reconcile": "bench.reconcile",
     "publish": "bench.publish",
     "status": "bench.status",
+    "scheduler": "bench.scheduler",
     "tenancy": "bench.tenancy",
 }
 # Benchmarks that run a real node (root, the node binaries): their smoke test is an end-to-end test.

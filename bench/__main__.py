@@ -35,6 +35,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="also write the figures and verdicts to FILE as JSON")
     p.add_argument("--publish-nodes", type=int, metavar="N",
                    help="publish: nodes of the fleet published on the API server (default 100; 1000 takes ~15 min)")
+    p.add_argument("--sched-nodes", type=int, metavar="N",
+                   help="scheduler: nodes × 8 H100 per device-model shape (default 200; 1000 for the large row)")
+    p.add_argument("--sched-pods", type=int, metavar="N", help="scheduler: pods bound per shape (default 1000)")
+    p.add_argument("--sched-profile", metavar="DIR",
+                   help="scheduler: also write the scheduler's CPU and heap profiles and /metrics to DIR")
     return p
 
 
@@ -86,6 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"python -m bench: {exc}", file=sys.stderr)
         return 2
     params = (QUICK if args.quick else FULL).with_fleet(args.fleet).with_publish_nodes(args.publish_nodes)
+    params = params.with_scheduler(args.sched_nodes, args.sched_pods, args.sched_profile)
     started = time.perf_counter()
     figures, errors = run_benchmarks(names, params)
     ran = [n for n in names if n not in errors]

@@ -28,12 +28,28 @@ class Params:
     publish_nodes: int = 100        # publish: nodes of 8 × H100 (5 slices each) published on a real API server
     publish_workers: int = 8        # publish: writes in flight, for gpu-dra publish and its raw-ingest floor alike
     status_nodes: int = 1000        # status: nodes of 8 × H100 whose status is read from a real API server
+    sched_nodes: int = 200          # scheduler: nodes of 8 × H100 published for each device-model shape
+    sched_pods: int = 1000          # scheduler: pods (one claim each) bound per shape
+    sched_profile_dir: str | None = None   # scheduler: write the scheduler's CPU/heap profiles and metrics here
+    sched_profile_s: int = 30       # scheduler: seconds of the CPU profile, from the first pod on
 
     def with_fleet(self, path: str | None) -> "Params":
         return replace(self, fleet_file=path)
 
     def with_publish_nodes(self, nodes: int | None) -> "Params":
         return self if nodes is None else replace(self, publish_nodes=nodes)
+
+    def with_scheduler(self, nodes: int | None = None, pods: int | None = None,
+                       profile_dir: str | None = None) -> "Params":
+        """The scheduler benchmark's fleet size, pods and profile directory, where given."""
+        out = self
+        if nodes is not None:
+            out = replace(out, sched_nodes=nodes)
+        if pods is not None:
+            out = replace(out, sched_pods=pods)
+        if profile_dir is not None:
+            out = replace(out, sched_profile_dir=profile_dir)
+        return out
 
 
 FULL = Params(repeats=15, fleet_nodes=100, fleet_repeats=5, fleet_memory_nodes=None,
@@ -43,9 +59,9 @@ QUICK = Params(repeats=5, fleet_nodes=100, fleet_repeats=2, fleet_memory_nodes=1
                mig_cycles=300, mig_batches=3, claim_repeats=5, parallel_claims=32, parallel_rounds=1,
                nvml_latency_s=0.010, reconcile_nodes=100, reconcile_rounds=1, api_rounds=20, api_startups=2,
                idle_s=10.0, spaced_rounds=5, spaced_gap_s=1.0,
-               publish_nodes=40, status_nodes=200)
+               publish_nodes=40, status_nodes=200, sched_nodes=50, sched_pods=300)
 TINY = Params(repeats=1, fleet_nodes=3, fleet_repeats=1, fleet_memory_nodes=None,
               mig_cycles=4, mig_batches=1, claim_repeats=1, parallel_claims=8, parallel_rounds=1,
               nvml_latency_s=0.001, reconcile_nodes=3, reconcile_rounds=1, api_rounds=3, api_parallel=4,
               api_startups=1, idle_s=0.5, spaced_rounds=2, spaced_gap_s=0.05, publish_nodes=3, publish_workers=2,
-              status_nodes=10)
+              status_nodes=10, sched_nodes=3, sched_pods=12, sched_profile_s=2)

@@ -14,6 +14,10 @@ certificates for kubelets (`node_kubeconfig`: user system:node:<name>, group sys
 `endpoint_routing` makes the API server call webhooks at their Service's endpoints, since nothing routes
 ClusterIPs here (no kube-proxy).
 
+For measuring the control plane itself: `client_qps`/`client_burst` set the API client limits of the scheduler and
+the controller-manager (their defaults, 50/100 and 20/30, throttle a burst of pods with claims), and `debug_access`
+serves the scheduler's /metrics and /debug/pprof to the admin token (`scheduler_get`).
+
     with LocalCluster() as cluster:
         cluster.add_node("node-a")
         api = cluster.api_client()
@@ -198,7 +202,12 @@ class LocalCluster:
 
     def __init__(self, bin_dir: Path | str | None = None, workdir: Path | str | None = None,
                  keep_workdir: bool = False, startup_timeout: float = 90.0, *, service_accounts: bool = False,
-                 node_authorization: bool = False, endpoint_routing: bool = False) -> None:
+                 node_authorization: bool = False, endpoint_routing: bool = False, client_qps: float | None = None,
+                 client_burst: int | None = None, debug_access: bool = False) -> None:
+        if (client_qps is not None and client_qps <= 0) or (client_burst is not None and client_burst < 1):
+            raise ClusterError(f"client limits must be positive: client_qps={client_qps}, client_burst={client_burst}")
+        self.client_qps, self.client_burst = client_qps, client_burst
+        self.debug_access = debug_access
         self._bin_dir = Path(bin_dir) if bin_dir else None
         self.service_accounts = service_accounts
         self.node_authorization = node_authorization
@@ -283,6 +292,23 @@ class LocalCluster:
     def component_pids(self) -> dict[str, int]:
         """Component name -> process id (each leads its own process group), e.g. for a stop script."""
         return {c.name: c.proc.pid for c in self._components.values()}
+
+    def scheduler_get(self, path: str, timeout: float = 60.0) -> bytes:
+        """GET `path` (e.g. /metrics, /debug/pprof/heap) from the scheduler's secure port as the admin
+        (`debug_access` only: the scheduler checks the token with the API server)."""
+        if not self.debug_access:
+            raise ClusterError("scheduler_get needs LocalCluster(debug_access=True)")
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE   # the scheduler's self-signed serving certificate
+        req = urllib.request.Request(f"https://127.0.0.1:{self.ports['scheduler']}{path}",
+                                     headers={"Authorization": f"Bearer {self.token}"})
+        try:
+            with urllib.request.urlopen(req, context=ctx, timeout=timeout) as resp:
+                return bytes(resp.read())
+        except urllib.error.HTTPError as exc:
+            raise ClusterError(f"kube-scheduler GET {path}: HTTP {exc.code}: "
+                               f"{exc.read().decode(errors='replace')[:300]}") from exc
 
     def check_running(self) -> None:
         """Raises ClusterError naming any component that has exited."""
@@ -524,12 +550,18 @@ class LocalCluster:
 
     def _start_scheduler_and_kcm(self, bin_dir: Path) -> None:
         d, kc = self._dir, str(self.kubeconfig)
-        # No --authentication/authorization-kubeconfig: /healthz is always allowed, and delegated
-        # authentication would need client-certificate authentication on the apiserver.
+        # No --authentication/authorization-kubeconfig unless debug_access: /healthz is always allowed.
         common = [f"--kubeconfig={kc}", "--leader-elect=false", "--bind-address=127.0.0.1"]
+        if self.client_qps is not None:
+            common.append(f"--kube-api-qps={self.client_qps:g}")
+        if self.client_burst is not None:
+            common.append(f"--kube-api-burst={self.client_burst}")
+        # The admin token is checked through TokenReview and SubjectAccessReview (the static token file is all the
+        # API server needs for that); the client-CA lookup finds nothing here and is tolerated.
+        debug = [f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}"] if self.debug_access else []
         sched = self._spawn("kube-scheduler", [
             str(bin_dir / "kube-scheduler"), *common, f"--secure-port={self.ports['scheduler']}",
-            f"--cert-dir={d / 'scheduler-certs'}"])
+            f"--cert-dir={d / 'scheduler-certs'}", *debug])
         kcm = self._spawn("kube-controller-manager", [
             str(bin_dir / "kube-controller-manager"), *common, f"--secure-port={self.ports['controller-manager']}",
             f"--cert-dir={d / 'kcm-certs'}",

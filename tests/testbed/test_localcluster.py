@@ -13,6 +13,7 @@ from testbed.localcluster import (
     COMPONENTS,
     VERSIONS_FILE,
     ClusterError,
+    LocalCluster,
     find_binaries,
     k8s_bin_dir,
     pinned_version,
@@ -107,3 +108,15 @@ echo {tmp_path}
         set_build_progress(None)
     assert bin_dir == tmp_path
     assert lines == ["[build-fake.sh 12:00:00] building kubelet v1.37.2", "[build-fake.sh 12:00:09] node binaries ready"]
+
+
+def test_client_limits_must_be_positive() -> None:
+    with pytest.raises(ClusterError, match="client_qps=0"):
+        LocalCluster(client_qps=0)
+    with pytest.raises(ClusterError, match="client_burst=0"):
+        LocalCluster(client_burst=0)
+
+
+def test_the_schedulers_debug_endpoints_need_debug_access() -> None:
+    with pytest.raises(ClusterError, match="debug_access=True"):
+        LocalCluster().scheduler_get("/metrics")
