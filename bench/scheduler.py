@@ -95,6 +95,12 @@ SHAPES: dict[str, Shape] = {
     "rich": Shape(H100_POLICY, {"gpu": 0.4, "mig-1g10gb": 0.4, "mps-slot": 0.2},
                   "whole GPU + dynamic MIG + 4 MPS slots per GPU (240 devices per node); "
                   "claims 40 % whole GPU, 40 % MIG 1g.10gb, 20 % MPS slot"),
+    # The rich policy limited to the MIG profile the cluster uses (node policy dynamicMig.profiles, what
+    # `gpu-dra convert --dynamic-mig` writes for a mig-parted config naming 1g.10gb): 96 devices per node.
+    "used": Shape({"default": {**H100_POLICY["default"], "dynamicMig": {"profiles": ["1g.10gb"]}}},
+                  {"gpu": 0.4, "mig-1g10gb": 0.4, "mps-slot": 0.2},
+                  "as rich, dynamic MIG limited to the profile the claims use (dynamicMig.profiles: [1g.10gb]; "
+                  "96 devices per node)"),
 }
 
 
