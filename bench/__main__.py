@@ -10,7 +10,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench import BENCHMARKS, load
+from bench import BENCHMARKS, ON_REQUEST, load
 from bench.core import (
     TARGETS_FILE,
     CheckResult,
@@ -35,15 +35,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="also write the figures and verdicts to FILE as JSON")
     p.add_argument("--publish-nodes", type=int, metavar="N",
                    help="publish: nodes of the fleet published on the API server (default 100; 1000 takes ~15 min)")
+    p.add_argument("--peer-bin", metavar="PATH",
+                   help="run `peer`: our kubelet plugin beside the Go reference driver's (this binary, built by "
+                        "hack/build-peer-driver.sh) on one real kubelet; alone unless --only names others")
     return p
 
 
-def selected(only: Sequence[str]) -> list[str]:
+def selected(only: Sequence[str], peer_bin: str | None = None) -> list[str]:
+    """The benchmarks to run, in their order. With ``peer_bin`` the side-by-side benchmark runs, alone unless
+    ``only`` names others; without it, naming it is an error (it has nothing to compare with)."""
     names = [n.strip() for item in only for n in item.split(",") if n.strip()]
-    unknown = [n for n in names if n not in BENCHMARKS]
+    unknown = [n for n in names if n not in BENCHMARKS and n not in ON_REQUEST]
     if unknown:
         raise SystemExit(f"python -m bench: unknown benchmark(s) {', '.join(unknown)}; "
-                         f"choose from {', '.join(BENCHMARKS)}")
+                         f"choose from {', '.join([*BENCHMARKS, *ON_REQUEST])}")
+    if "peer" in names and not peer_bin:
+        raise SystemExit("python -m bench: peer needs --peer-bin PATH (the Go reference kubelet plugin; "
+                         "hack/build-peer-driver.sh builds it and prints its path)")
+    if peer_bin:
+        return [n for n in BENCHMARKS if n in names] + ["peer"]
     return [n for n in BENCHMARKS if not names or n in names]
 
 
@@ -76,16 +86,24 @@ def _json(result: CheckResult, errors: dict[str, str], quick: bool) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.list:
-        for name in BENCHMARKS:
+        for name in [*BENCHMARKS, *ON_REQUEST]:
             print(f"{name:10s} {load(name).DESCRIPTION}")
         return 0
-    names = selected(args.only)
+    names = selected(args.only, args.peer_bin)
+    if args.peer_bin is not None:
+        from bench.peer import PeerBinaryError, check_peer_bin
+        try:
+            check_peer_bin(args.peer_bin)
+        except PeerBinaryError as exc:
+            print(f"python -m bench: {exc}", file=sys.stderr)
+            return 2
     try:
         targets = load_targets(args.targets)
     except TargetsError as exc:
         print(f"python -m bench: {exc}", file=sys.stderr)
         return 2
     params = (QUICK if args.quick else FULL).with_fleet(args.fleet).with_publish_nodes(args.publish_nodes)
+    params = params.with_peer_bin(args.peer_bin)
     started = time.perf_counter()
     figures, errors = run_benchmarks(names, params)
     ran = [n for n in names if n not in errors]
