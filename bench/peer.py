@@ -17,8 +17,8 @@ paired bootstrap over rounds (``bench.pairstats``); in each round the order of t
   after its claim was unprepared): ``dra_grpc_operations_duration_seconds`` per driver, whose sum grows by exactly
   the one call's duration (its buckets start at 0.1 s, too coarse for a bucket quantile), and
   ``dra_operations_duration_seconds`` (the kubelet's whole step, claim lookups included); the plugin's CPU from
-  the pod's create to its claim unprepared, less its idle rate over that time; create → Running from the create
-  request to the first Running status seen by a 10 ms poll;
+  the pod's create to its claim unprepared, less its idle rate over that time; containerd's StartContainer from
+  its log; create → Running from the create request to the first Running status seen by a 10 ms poll;
 * **back to back**: without the kubelet, prepare and unprepare over each plugin's DRA socket on claims allocated by
   hand, ``b2b_rounds`` rounds; CPU per cycle over each round (and a short settle after it, so work a call
   queued is counted), less the idle rate.
@@ -47,6 +47,7 @@ from api.generated.dra.v1 import api_pb2 as dra_pb
 from api.generated.dra.v1 import api_pb2_grpc as dra_grpc
 from api.names import DEFAULT_DRIVER_NAME
 from bench import kubeletpattern, pairstats
+from bench.containerdlog import start_container_seconds
 from bench.core import Figure
 from bench.params import Params
 from bench.plugin_api import REPO, _Server, byte_compile
@@ -126,6 +127,8 @@ class Side:
     pod_cpu: list[float] = field(default_factory=list)     # s per pod, idle subtracted
     pod_cpu_ticks: float = 0.0                             # utime+stime over the pod phase (cross-check)
     running: list[float] = field(default_factory=list)
+    containers: list[str] = field(default_factory=list)   # runtime ids of the recorded pods' containers, in order
+    start_container: list[float] = field(default_factory=list)   # containerd's StartContainer, s
     b2b_prepare: list[float] = field(default_factory=list)
     b2b_unprepare: list[float] = field(default_factory=list)
     b2b_cpu: list[float] = field(default_factory=list)
@@ -298,6 +301,7 @@ class _Bench:
                 raise RuntimeError(f"pod {name} ({side.driver}) did not run within 120 s (phase {phase})\n"
                                    f"{self.node.logs_tail()}")
             time.sleep(POLL_S)
+        container = next(iter(self.node.container_ids("pods", name).values()), "")
         self.kube.request("DELETE", path)
         before = pairstats.grpc_call_totals(m0, side.driver, UNPREPARE)
         deadline = time.monotonic() + 60
@@ -325,6 +329,7 @@ class _Bench:
         side.unprepare_op.append(ops["UnprepareResources"].sum)
         side.pod_cpu.append(max(0.0, (cpu1 - cpu0) - side.idle_rate * (t1 - t0)))
         side.running.append(running)
+        side.containers.append(container)
 
     def pods(self, count: int, ours: Side, peer: Side) -> None:
         for side in (ours, peer):                          # warm-up, not recorded
@@ -337,6 +342,14 @@ class _Bench:
         took = time.monotonic() - t0
         for s in (ours, peer):
             s.pod_cpu_ticks = (kubeletpattern.cpu_seconds(s.pid()) - ticks0[s.driver] - s.idle_rate * took) / count
+        assert self.node is not None
+        starts = start_container_seconds(self.node.containerd_log.read_text(errors="replace"))
+        for s in (ours, peer):
+            missing = [c for c in s.containers if c not in starts]
+            if missing:
+                raise RuntimeError(f"containerd's log has no StartContainer for {len(missing)} of {s.driver}'s "
+                                   f"containers (e.g. {missing[0]!r})")
+            s.start_container = [starts[c] for c in s.containers]
 
     # ---- back to back ---------------------------------------------------------------------------------------
 
@@ -417,6 +430,8 @@ def figures(ours: Side, peer: Side) -> list[Figure]:
           f"{peer.pod_cpu_ticks * 1000:.1f} ms per pod")
     ratio("pod_running_ratio", "pod create → Running", ours.running, peer.running,
           "create request to first Running status, 10 ms poll")
+    ratio("start_container_ratio", "containerd's StartContainer (runc create with the CDI hooks, start)",
+          ours.start_container, peer.start_container, "from containerd's log: the call's arrival to its success")
     d = pairstats.paired_difference([x * 1000 for x in ours.idle_cpu], [x * 1000 for x in peer.idle_cpu])
     out.append(Figure(f"{NAME}.idle.cpu_excess_ms_per_s",
                       f"plugin CPU while idle, ours − peer ({ours.idle_rate * 1000:.2f} − {peer.idle_rate * 1000:.2f} "
