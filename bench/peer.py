@@ -54,7 +54,7 @@ from bench.plugin_api import REPO, _Server, byte_compile
 from kube.client import DEVICE_CLASSES, RESOURCE_V1, KubeApi
 from kubeletplugin.transport.sockets import socket_paths
 from testbed.hostplumbing import cleanup_leftovers
-from testbed.localcluster import LocalCluster
+from testbed.localcluster import LocalCluster, free_port
 from testbed.localnode import LocalNode, busybox_image
 from testbed.nodeplugin import LocalNodePlugin
 
@@ -174,13 +174,15 @@ class _Bench:
         return [sys.executable, "-m", "cli.main", "kubelet-plugin", "--node-name", self.node.name,
                 "--driver-name", OURS, "--kubeconfig", str(self.cluster.kubeconfig), "--registry-dir", str(registry),
                 "--plugin-dir", str(plugins / OURS), "--cdi-root", str(cdi), "--state-dir", str(state),
-                "--fleet", str(self.fleet), "--sim-state", "none", "--log-level", "warning", "--log-format", "text"]
+                "--fleet", str(self.fleet), "--sim-state", "none", "--log-level", "info", "--log-format", "json",
+                "--metrics-port", str(free_port())]
 
     def peer_argv(self, registry: Path, plugins: Path, cdi: Path) -> list[str]:
         assert self.node is not None
         return [str(self.peer_bin), "--node-name", self.node.name, "--cdi-root", str(cdi),
                 "--num-devices", str(GPUS), "--kubelet-registrar-directory-path", str(registry),
-                "--kubelet-plugins-directory-path", str(plugins), "--kubeconfig", str(self.cluster.kubeconfig)]
+                "--kubelet-plugins-directory-path", str(plugins), "--kubeconfig", str(self.cluster.kubeconfig),
+                "--metrics-port", str(free_port()), "--healthcheck-port", str(free_port())]
 
     def time_startups(self, starts: int, ours: Side, peer: Side) -> None:
         """Spawn → GetInfo of each plugin on registration directories of its own, interleaved, order alternating."""
@@ -204,8 +206,10 @@ class _Bench:
 
     def start_plugins(self) -> tuple[Side, Side]:
         assert self.node is not None and self.kube is not None
-        self.plugin = LocalNodePlugin(self.node, self.fleet, OURS, log_level="warning",
-                                      extra_args=["--sim-state", "none"])
+        # Both as their charts deploy them: ours logs at info as JSON and serves /metrics (testbed.nodeplugin),
+        # the reference serves its /metrics and its gRPC health service.
+        self.plugin = LocalNodePlugin(self.node, self.fleet, OURS, log_level="info",
+                                      extra_args=["--sim-state", "none", "--log-format", "json"])
         self.plugin.start()
         with open(self.work / "peer.log", "ab") as log:
             self.peer = subprocess.Popen(
