@@ -23,7 +23,6 @@ if [ -x "$BIN" ] && [ "$(cat "$OUT/.complete" 2>/dev/null)" = "$COMMIT" ]; then
   log "reusing $BIN"
   echo "$BIN"; exit 0
 fi
-command -v go >/dev/null 2>&1 || die "Go is not installed (need Go >= 1.26 on PATH)"
 command -v git >/dev/null 2>&1 || die "git is not installed"
 
 mkdir -p "$OUT"
@@ -43,6 +42,7 @@ else
   git -C "$SRC" checkout -q FETCH_HEAD
 fi
 
+command -v go >/dev/null 2>&1 || die "Go is not installed (need Go >= 1.26 on PATH)"
 export GOMAXPROCS="${GOMAXPROCS:-$(nproc)}"
 export GOFLAGS="-buildvcs=false"
 start=$SECONDS
