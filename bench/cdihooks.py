@@ -72,8 +72,10 @@ class _Plugin(LocalNodePlugin):
 
 def timing_wrapper(path: Path, hook: Path, log: Path) -> Path:
     """A hook program that runs ``hook`` with its arguments and appends "<subcommand> <ns>" to ``log``. runc runs
-    createContainer hooks before the container's root is pivoted, so host paths resolve."""
+    createContainer hooks before the container's root is pivoted, so host paths resolve; a hook's environment is
+    the spec's (none here), hence the PATH."""
     path.write_text(f"""#!/bin/sh
+PATH=/usr/bin:/bin
 s=$(date +%s%N)
 {hook} "$@"
 rc=$?
