@@ -307,11 +307,14 @@ class _Bench:
             time.sleep(POLL_S)
         container = next(iter(self.node.container_ids("pods", name).values()), "")
         self.kube.request("DELETE", path)
-        before = pairstats.grpc_call_totals(m0, side.driver, UNPREPARE)
+        # The kubelet observes its step's histogram after the call's, once its own bookkeeping is done: wait for both.
+        before = (pairstats.grpc_call_totals(m0, side.driver, UNPREPARE).count,
+                  pairstats.operation_totals(m0, "UnprepareResources").count)
         deadline = time.monotonic() + 60
         while True:
             m1 = self._metrics()
-            if pairstats.grpc_call_totals(m1, side.driver, UNPREPARE).count > before.count:
+            if (pairstats.grpc_call_totals(m1, side.driver, UNPREPARE).count > before[0]
+                    and pairstats.operation_totals(m1, "UnprepareResources").count > before[1]):
                 break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"pod {name}: the kubelet did not unprepare its {side.driver} claim within 60 s")
