@@ -1,4 +1,4 @@
-"""Pure helpers of the side-by-side benchmark (``bench.peer``): ratios of paired rounds with bootstrap confidence
+"""The pure parts of the side-by-side benchmark (``bench.peer``): ratios of paired rounds with bootstrap confidence
 intervals, and the kubelet's DRA histograms read from its ``/metrics`` text.
 
 A round measures ours and the peer's figure back to back, so machine noise hits both alike; the ratio of the
