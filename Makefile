@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # K8S_VERSION (the target release), K8S_SKEW_VERSION (the oldest supported one), ETCD_VERSION.
 include hack/versions.env
 
-.PHONY: demo test lint unit e2e bench control-plane control-plane-target control-plane-skew node-binaries helm prometheus cdi-tools cdi-hook cdi-validate image image-lock protos clean
+.PHONY: demo test lint unit e2e bench bench-peer peer-driver control-plane control-plane-target control-plane-skew node-binaries helm prometheus cdi-tools cdi-hook cdi-validate image image-lock protos clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -91,8 +91,18 @@ unit: $(STAMP) cdi-validate prometheus
 e2e: $(STAMP) control-plane node-binaries helm prometheus cdi-tools image
 	$(PY) -m pytest -m e2e
 
+# BENCH_ARGS goes to python -m bench, e.g. make bench BENCH_ARGS="--quick" or BENCH_ARGS="--peer-bin PATH".
 bench: $(STAMP)
-	$(PY) -m bench
+	$(PY) -m bench $(BENCH_ARGS)
+
+# Side by side with the Go reference driver's kubelet plugin on the real node (root, make node-binaries): builds
+# it (hack/build-peer-driver.sh, needs the Go module proxy; PEER_SOURCE: a local clone to build from) and runs
+# python -m bench --peer-bin. Only on request: nothing else depends on it.
+bench-peer: $(STAMP) node-binaries cdi-hook
+	$(PY) -m bench --peer-bin "$$(bash hack/build-peer-driver.sh $(PEER_SOURCE) | tail -n 1)" $(BENCH_ARGS)
+
+peer-driver:
+	bash hack/build-peer-driver.sh $(PEER_SOURCE)
 
 protos: $(STAMP)
 	bash hack/gen-protos.sh

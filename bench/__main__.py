@@ -10,7 +10,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench import BENCHMARKS, load
+from bench import BENCHMARKS, ON_REQUEST, load
 from bench.core import (
     TARGETS_FILE,
     CheckResult,
@@ -40,15 +40,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sched-pods", type=int, metavar="N", help="scheduler: pods bound per shape (default 1000)")
     p.add_argument("--sched-profile", metavar="DIR",
                    help="scheduler: also write the scheduler's CPU and heap profiles and /metrics to DIR")
+    p.add_argument("--peer-bin", metavar="PATH",
+                   help="run `peer`: our kubelet plugin beside the Go reference driver's (this binary, built by "
+                        "hack/build-peer-driver.sh) on one real kubelet; alone unless --only names others")
     return p
 
 
-def selected(only: Sequence[str]) -> list[str]:
+def selected(only: Sequence[str], peer_bin: str | None = None) -> list[str]:
+    """The benchmarks to run, in their order. With ``peer_bin`` the side-by-side benchmark runs, alone unless
+    ``only`` names others; without it, naming it is an error (it has nothing to compare with)."""
     names = [n.strip() for item in only for n in item.split(",") if n.strip()]
-    unknown = [n for n in names if n not in BENCHMARKS]
+    unknown = [n for n in names if n not in BENCHMARKS and n not in ON_REQUEST]
     if unknown:
         raise SystemExit(f"python -m bench: unknown benchmark(s) {', '.join(unknown)}; "
-                         f"choose from {', '.join(BENCHMARKS)}")
+                         f"choose from {', '.join([*BENCHMARKS, *ON_REQUEST])}")
+    if "peer" in names and not peer_bin:
+        raise SystemExit("python -m bench: peer needs --peer-bin PATH (the Go reference kubelet plugin; "
+                         "hack/build-peer-driver.sh builds it and prints its path)")
+    if peer_bin:
+        return [n for n in BENCHMARKS if n in names] + ["peer"]
     return [n for n in BENCHMARKS if not names or n in names]
 
 
@@ -81,10 +91,17 @@ def _json(result: CheckResult, errors: dict[str, str], quick: bool) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.list:
-        for name in BENCHMARKS:
+        for name in [*BENCHMARKS, *ON_REQUEST]:
             print(f"{name:10s} {load(name).DESCRIPTION}")
         return 0
-    names = selected(args.only)
+    names = selected(args.only, args.peer_bin)
+    if args.peer_bin is not None:
+        from bench.peer import PeerBinaryError, check_peer_bin
+        try:
+            check_peer_bin(args.peer_bin)
+        except PeerBinaryError as exc:
+            print(f"python -m bench: {exc}", file=sys.stderr)
+            return 2
     try:
         targets = load_targets(args.targets)
     except TargetsError as exc:
@@ -92,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     params = (QUICK if args.quick else FULL).with_fleet(args.fleet).with_publish_nodes(args.publish_nodes)
     params = params.with_scheduler(args.sched_nodes, args.sched_pods, args.sched_profile)
+    params = params.with_peer_bin(args.peer_bin)
     started = time.perf_counter()
     figures, errors = run_benchmarks(names, params)
     ran = [n for n in names if n not in errors]

@@ -32,9 +32,15 @@ class Params:
     sched_pods: int = 1000          # scheduler: pods (one claim each) bound per shape
     sched_profile_dir: str | None = None   # scheduler: write the scheduler's CPU/heap profiles and metrics here
     sched_profile_s: int = 30       # scheduler: seconds of the CPU profile, from the first pod on
+    peer_bin: str | None = None     # peer: the Go reference kubelet plugin (hack/build-peer-driver.sh)
+    peer_pods: int = 20             # peer: pods per driver on the real node, interleaved
+    peer_b2b_rounds: int = 40       # peer: prepare+unprepare cycles per driver over the DRA socket
 
     def with_fleet(self, path: str | None) -> "Params":
         return replace(self, fleet_file=path)
+
+    def with_peer_bin(self, path: str | None) -> "Params":
+        return replace(self, peer_bin=path)
 
     def with_publish_nodes(self, nodes: int | None) -> "Params":
         return self if nodes is None else replace(self, publish_nodes=nodes)
@@ -59,9 +65,10 @@ QUICK = Params(repeats=5, fleet_nodes=100, fleet_repeats=2, fleet_memory_nodes=1
                mig_cycles=300, mig_batches=3, claim_repeats=5, parallel_claims=32, parallel_rounds=1,
                nvml_latency_s=0.010, reconcile_nodes=100, reconcile_rounds=1, api_rounds=20, api_startups=2,
                idle_s=10.0, spaced_rounds=5, spaced_gap_s=1.0,
-               publish_nodes=40, status_nodes=200, sched_nodes=50, sched_pods=300)
+               publish_nodes=40, status_nodes=200, sched_nodes=50, sched_pods=300, peer_pods=8,
+               peer_b2b_rounds=20)
 TINY = Params(repeats=1, fleet_nodes=3, fleet_repeats=1, fleet_memory_nodes=None,
               mig_cycles=4, mig_batches=1, claim_repeats=1, parallel_claims=8, parallel_rounds=1,
               nvml_latency_s=0.001, reconcile_nodes=3, reconcile_rounds=1, api_rounds=3, api_parallel=4,
               api_startups=1, idle_s=0.5, spaced_rounds=2, spaced_gap_s=0.05, publish_nodes=3, publish_workers=2,
-              status_nodes=10, sched_nodes=3, sched_pods=12, sched_profile_s=2)
+              status_nodes=10, sched_nodes=3, sched_pods=12, sched_profile_s=2, peer_pods=2, peer_b2b_rounds=3)
