@@ -158,7 +158,7 @@ class LocalKueue:
     def _ready(self, port: int) -> bool:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=3) as resp:
-                return resp.status == 200
+                return bool(resp.status == 200)
         except (OSError, urllib.error.HTTPError):
             return False
 
