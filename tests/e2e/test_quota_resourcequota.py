@@ -7,15 +7,17 @@ controller's claim for a pod's template is refused the same way, and the pod's e
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import yaml
-from standin.workloads import EXAMPLES, collection, create, wait_until
+from standin.workloads import EXAMPLES, apply_device_classes, collection, create, create_namespace, wait_until
 
 from api.deviceclasses import device_classes
 from api.names import DEFAULT_DRIVER_NAME
 from kube.client import ApiError, KubeApi
+from testbed.localcluster import ClusterError, LocalCluster, find_binaries, pinned_version
 
 pytestmark = pytest.mark.e2e
 
@@ -52,23 +54,29 @@ def refused(kube: KubeApi, namespace: str, obj: dict[str, Any]) -> ApiError:
     return caught.value
 
 
-def test_claims_up_to_the_quota_are_admitted_and_one_more_is_refused(
-        kube: KubeApi, namespace: str, driver_name: str) -> None:
-    quota, = manifests("resourcequota.yaml", driver_name)
+def fill_and_go_over(kube: KubeApi, namespace: str, driver: str) -> str:
+    """examples/quota's quota and the claims that fill it admitted, the claim one over refused with the class's
+    resource in the message; returns the whole-GPU resource name."""
+    quota, = manifests("resourcequota.yaml", driver)
     hard = apply_quota(kube, namespace, quota)["status"]["hard"]
     # Every class of the driver is under the quota: none is a way around it.
-    assert {f"{c}{PER_CLASS}" for c in kube_classes(driver_name)} == set(hard)
-
-    claims = manifests("claims.yaml", driver_name)
-    for claim in claims:
+    assert {f"{c}{PER_CLASS}" for c in kube_classes(driver)} == set(hard)
+    for claim in manifests("claims.yaml", driver):
         create(kube, namespace, claim)
-    gpu, mig, slot = (f"{c}{PER_CLASS}" for c in (driver_name, f"mig.{driver_name}", f"slot.{driver_name}"))
+    gpu, mig, slot = (f"{c}{PER_CLASS}" for c in (driver, f"mig.{driver}", f"slot.{driver}"))
     assert {k: used(kube, namespace)[k] for k in (gpu, mig, slot)} == {gpu: "2", mig: "1", slot: "2"}
-
-    one_more, template, pod = manifests("over-quota.yaml", driver_name)
+    one_more = manifests("over-quota.yaml", driver)[0]
     error = refused(kube, namespace, one_more)
     assert "exceeded quota: gpus" in error.message and f"requested: {gpu}=1" in error.message, error.message
     assert f"used: {gpu}=2" in error.message and f"limited: {gpu}=2" in error.message, error.message
+    return gpu
+
+
+def test_claims_up_to_the_quota_are_admitted_and_one_more_is_refused(
+        kube: KubeApi, namespace: str, driver_name: str) -> None:
+    gpu = fill_and_go_over(kube, namespace, driver_name)
+    claims = manifests("claims.yaml", driver_name)
+    _, template, pod = manifests("over-quota.yaml", driver_name)
     # Each kind by its own class: a third MPS slot, a second MIG partition, a Hopper GPU through its family class.
     for cls, hard_value in ((f"slot.{driver_name}", "2"), (f"mig.{driver_name}", "1"), (f"hopper.{driver_name}", "0")):
         claim = one_device_claim(f"one-more-{cls.split('.')[0]}", cls)
@@ -136,3 +144,26 @@ def one_device_claim(name: str, cls: str) -> dict[str, Any]:
 def kube_classes(driver: str) -> list[str]:
     return [c["metadata"]["name"] for c in device_classes(driver)]
 
+
+
+@pytest.fixture(scope="module")
+def old_kube() -> Iterator[KubeApi]:
+    """A control plane of the oldest supported release (K8S_SKEW_VERSION), for this module only."""
+    version = pinned_version("K8S_SKEW_VERSION")
+    try:
+        cluster = LocalCluster(bin_dir=find_binaries(version=version)).start()
+    except ClusterError as exc:
+        pytest.fail(f"the Kubernetes {version} control plane could not be built or started: {exc}", pytrace=False)
+    client = cluster.api_client()
+    try:
+        yield KubeApi(client)
+    finally:
+        client.close()
+        cluster.stop()
+
+
+def test_the_oldest_supported_release_charges_the_same_resource_names(old_kube: KubeApi) -> None:
+    driver = DEFAULT_DRIVER_NAME
+    create_namespace(old_kube, "team-a")
+    apply_device_classes(old_kube, driver)
+    fill_and_go_over(old_kube, "team-a", driver)
