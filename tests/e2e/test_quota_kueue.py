@@ -128,7 +128,13 @@ class Bed:
         """What the ClusterQueue has reserved, per resource (its flavor's)."""
         cq = self.kube.get(f"{KUEUE_API}/clusterqueues/gpus")
         flavors = cq.get("status", {}).get("flavorsReservation") or []
-        return {r["name"]: str(r["total"]) for f in flavors for r in f.get("resources") or []}
+        totals = {r["name"]: str(r["total"]) for f in flavors for r in f.get("resources") or []}
+        return {r: totals.get(r, "0") for r in (GPUS, MIGS, MPS)}
+
+    def wait_reserved(self, gpus: int, migs: int, mps: int) -> None:
+        """Until the ClusterQueue's status (written after admissions, not with them) shows these reservations."""
+        want = {GPUS: str(gpus), MIGS: str(migs), MPS: str(mps)}
+        wait_until(lambda: self.reserved() == want, 30, f"ClusterQueue gpus to have reserved {want}")
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +180,7 @@ def test_a_job_over_the_quota_waits_in_kueue_and_runs_when_another_finishes(bed:
     pending = bed.wait_condition("train-b", "QuotaReserved", "False")
     print(f"train-b: QuotaReserved=False {pending['reason']}: {pending['message']}")
     assert pending["reason"] == "Pending" and f"insufficient unused quota for {GPUS}" in pending["message"], pending
-    assert bed.reserved() == {GPUS: "1", MIGS: "1", MPS: "2"}
+    bed.wait_reserved(1, 1, 2)
 
     # What was admitted runs on the node with the devices the quota counted.
     gpu_pod, = bed.running_pods("train-a", 1)
@@ -198,12 +204,12 @@ def test_a_job_over_the_quota_waits_in_kueue_and_runs_when_another_finishes(bed:
     b_view = bed.real.view(TEAM, b_pod["metadata"]["name"], "cuda")
     print(f"train-b ran after train-a finished: {b_view.summary()}")
     assert [d.uuid for d in b_view.cuda] == [d.uuid for d in view.cuda], "the node's only whole GPU"
-    assert bed.reserved() == {GPUS: "1", MIGS: "1", MPS: "2"}
+    bed.wait_reserved(1, 1, 2)
     for name in ("train-b", "tune-mig", "serve-mps"):
         bed.finish(name)
     for name in ("train-b", "tune-mig", "serve-mps"):
         bed.wait_condition(name, "Finished", "True", timeout=120)
-    assert bed.reserved() == {GPUS: "0", MIGS: "0", MPS: "0"}
+    bed.wait_reserved(0, 0, 0)
 
 
 # What Kueue v0.17 cannot count: the claim's form is refused (the Workload is inadmissible and says why), or
