@@ -29,9 +29,9 @@ pytestmark = pytest.mark.e2e
 QUOTA = EXAMPLES / "quota"
 TEAM = "team-a"
 KUEUE_API = "/apis/kueue.x-k8s.io/v1beta2"
-GPUS, MIGS, MPS = (f"gpu.dra-driver.io/{r}" for r in ("gpus", "mig-partitions", "mps-slots"))
-# GPU 0 whole only, GPU 1 four MPS slots only, GPU 2 two static MIG partitions: what the ClusterQueue admits
-# always fits the node, so a pod that does not run is this driver's or Kueue's doing, not the node's.
+GPUS, MIGS, MPS, SHARES = (f"gpu.dra-driver.io/{r}" for r in ("gpus", "mig-partitions", "mps-slots", "memory-shares"))
+# GPU 0 whole only, GPU 1 four MPS slots only, GPU 2 two static MIG partitions, GPU 3 memory shares: what the
+# ClusterQueues admit always fits the node, so a pod that does not run is this driver's or Kueue's doing.
 STATIC_MIG = [{"profile": "2g.20gb", "start": 0}, {"profile": "3g.40gb", "start": 4}]
 
 
@@ -39,12 +39,15 @@ def quota_fleet_node(name: str) -> dict[str, Any]:
     return {
         "name": name,
         "gpus": [{"model": "H100-80GB", "count": 2},
-                 {"model": "H100-80GB", "count": 1, "mig": {"enabled": True, "instances": STATIC_MIG}}],
+                 {"model": "H100-80GB", "count": 1, "mig": {"enabled": True, "instances": STATIC_MIG}},
+                 {"model": "H100-80GB", "count": 1}],
         "policy": {
             "default": {"wholeGpu": True, "mig": "none"},
             "rules": [
                 {"match": {"index": 1}, "wholeGpu": False, "mig": "none", "slots": {"count": 4, "strategy": "mps"}},
                 {"match": {"index": 2}, "wholeGpu": False, "mig": "static"},
+                {"match": {"index": 3}, "wholeGpu": False, "mig": "none",
+                 "memoryShares": {"minimum": "1Gi", "step": "1Gi"}},
             ],
         },
     }
@@ -124,12 +127,12 @@ class Bed:
     def job_status(self, job: str) -> dict[str, Any]:
         return self.kube.get(f"/apis/batch/v1/namespaces/{TEAM}/jobs/{job}")  # type: ignore[no-any-return]
 
-    def reserved(self) -> dict[str, str]:
-        """What the ClusterQueue has reserved, per resource (its flavor's)."""
-        cq = self.kube.get(f"{KUEUE_API}/clusterqueues/gpus")
+    def reserved(self, queue: str = "gpus", resources: tuple[str, ...] = (GPUS, MIGS, MPS)) -> dict[str, str]:
+        """What a ClusterQueue has reserved, per resource (its flavor's)."""
+        cq = self.kube.get(f"{KUEUE_API}/clusterqueues/{queue}")
         flavors = cq.get("status", {}).get("flavorsReservation") or []
         totals = {r["name"]: str(r["total"]) for f in flavors for r in f.get("resources") or []}
-        return {r: totals.get(r, "0") for r in (GPUS, MIGS, MPS)}
+        return {r: totals.get(r, "0") for r in resources}
 
     def wait_reserved(self, gpus: int, migs: int, mps: int) -> None:
         """Until the ClusterQueue's status (written after admissions, not with them) shows these reservations."""
@@ -146,6 +149,9 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
         running.start_plugin(running.plugin())
         running.cluster.kubectl("apply", "-f", str(QUOTA / "kueue-mps-class.yaml"))
         config = yaml.safe_load((QUOTA / "kueue-config.yaml").read_text())
+        # Memory shares mapped too (docs/quota.md: "map it"), for the test that shows how Kueue counts them.
+        config["resources"]["deviceClassMappings"].append(
+            {"name": SHARES, "deviceClassNames": ["shared.gpu.dra-driver.io"]})
         kueue = LocalKueue(running.cluster, config, tmp_path_factory.mktemp("kueue"))
         try:
             kueue.start()
@@ -191,7 +197,8 @@ def test_a_job_over_the_quota_waits_in_kueue_and_runs_when_another_finishes(bed:
     mps_pods = bed.running_pods("serve-mps", 2)
     for pod in mps_pods:
         mps_view = bed.real.view(TEAM, pod["metadata"]["name"], "cuda")
-        assert "CUDA_MPS_PIPE_DIRECTORY" in mps_view.env, mps_view.summary()
+        # The limit of kueue-mps-class.yaml: the class's config reached the MPS client like a claim's would.
+        assert mps_view.env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") == "25", mps_view.summary()
         print(f"{pod['metadata']['name']}: {mps_view.summary()}")
     assert bed.job_status("train-b")["spec"]["suspend"] is True and bed.job_pods("train-b") == []
     assert bed.condition("train-b", "QuotaReserved")["status"] == "False"  # type: ignore[index]
@@ -218,7 +225,6 @@ UNCOUNTED = [
     ("mig-partition", "CEL selectors are not supported"),
     ("mps-slot", "device config is not supported"),
     ("first-available", "FirstAvailable device selection is not supported"),
-    ("memory-share", "DeviceClass shared.gpu.dra-driver.io is not mapped"),
 ]
 
 
@@ -237,3 +243,73 @@ def test_claims_kueue_cannot_count_leave_the_job_inadmissible(bed: Bed, example:
     print(f"{example}: QuotaReserved=False {cond['reason']}: {cond['message']}")
     assert cond["reason"] == "Inadmissible" and why in cond["message"], cond
     assert bed.job_status(name)["spec"]["suspend"] is True and bed.job_pods(name) == []
+
+
+def test_a_class_without_mapping_leaves_the_job_inadmissible(bed: Bed) -> None:
+    name = "unmapped-slot"
+    bed.kube.create(f"/apis/resource.k8s.io/v1/namespaces/{TEAM}/resourceclaimtemplates", {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": name},
+        "spec": {"spec": {"devices": {"requests": [
+            {"name": "slot", "exactly": {"deviceClassName": "slot.gpu.dra-driver.io"}}]}}}})
+    bed.create_job(job_of(name, TEAM, {"name": "slot", "resourceClaimTemplateName": name}))
+    cond = bed.wait_condition(name, "QuotaReserved", "False")
+    print(f"{name}: QuotaReserved=False {cond['reason']}: {cond['message']}")
+    assert cond["reason"] == "Inadmissible", cond
+    assert "DeviceClass slot.gpu.dra-driver.io is not mapped in DRA configuration" in cond["message"], cond
+
+
+def test_a_named_claim_leaves_the_job_inadmissible(bed: Bed) -> None:
+    """examples/shared-claim's form: pods naming one ResourceClaim (Kueue counts templates only)."""
+    claim, *_ = load_example("shared-claim")
+    bed.kube.create(f"/apis/resource.k8s.io/v1/namespaces/{TEAM}/resourceclaims", claim)
+    name = "named-claim"
+    bed.create_job(job_of(name, TEAM, {"name": "gpu", "resourceClaimName": claim["metadata"]["name"]}))
+    cond = bed.wait_condition(name, "QuotaReserved", "False")
+    print(f"{name}: QuotaReserved=False {cond['reason']}: {cond['message']}")
+    assert cond["reason"] == "Inadmissible", cond
+    assert "does not support use of resource claims" in cond["message"], cond
+
+
+def test_memory_shares_count_one_each_whatever_their_size(bed: Bed) -> None:
+    """With the shared class mapped, a 10 GiB share and a 40 GiB share are one `memory-shares` each: a quota
+    of one share admits either, never both, and says nothing of GiB."""
+    assert bed.real.cluster is not None
+    queues = [{"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue", "metadata": {"name": "shares"},
+               "spec": {"namespaceSelector": {}, "resourceGroups": [{"coveredResources": [SHARES], "flavors": [
+                   {"name": "gpu-nodes", "resources": [{"name": SHARES, "nominalQuota": 1}]}]}]}},
+              {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
+               "metadata": {"name": "shares", "namespace": TEAM}, "spec": {"clusterQueue": "shares"}}]
+    bed.kube.create(f"{KUEUE_API}/clusterqueues", queues[0])
+    bed.kube.create(f"{KUEUE_API}/namespaces/{TEAM}/localqueues", queues[1])
+    template, _ = load_example("memory-share")
+    for size in ("10Gi", "40Gi"):
+        t = copy.deepcopy(template)
+        t["metadata"]["name"] = f"share-{size.lower()}"
+        t["spec"]["spec"]["devices"]["requests"][0]["exactly"]["capacity"]["requests"]["memory"] = size
+        bed.kube.create(f"/apis/resource.k8s.io/v1/namespaces/{TEAM}/resourceclaimtemplates", t)
+        bed.create_job(job_of(t["metadata"]["name"], "shares",
+                              {"name": "share", "resourceClaimTemplateName": t["metadata"]["name"]}))
+    bed.wait_condition("share-10gi", "Admitted", "True")
+    pending = bed.wait_condition("share-40gi", "QuotaReserved", "False")
+    print(f"share-40gi: QuotaReserved=False {pending['reason']}: {pending['message']}")
+    assert f"insufficient unused quota for {SHARES}" in pending["message"], pending
+    wait_until(lambda: bed.reserved("shares", (SHARES,)) == {SHARES: "1"}, 30, "one share reserved")
+    pod, = bed.running_pods("share-10gi", 1)
+    print(f"share-10gi: {bed.real.view(TEAM, pod['metadata']['name'], 'cuda').summary()}")
+    bed.finish("share-10gi")
+    bed.wait_condition("share-40gi", "Admitted", "True", timeout=120)
+    wait_until(lambda: bed.reserved("shares", (SHARES,)) == {SHARES: "1"}, 30, "one share reserved, 40 GiB")
+    bed.running_pods("share-40gi", 1)
+    bed.finish("share-40gi")
+
+
+def job_of(name: str, queue: str, pod_claim: dict[str, str]) -> dict[str, Any]:
+    """A suspended Job in `queue` whose one pod holds `pod_claim`, written like examples/quota/kueue-jobs.yaml."""
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": name, "labels": {"kueue.x-k8s.io/queue-name": queue}},
+            "spec": {"suspend": True, "template": {"spec": {
+                "restartPolicy": "Never",
+                "containers": [{"name": "cuda", "image": "nvcr.io/nvidia/cuda:12.8.0-base-ubuntu24.04",
+                                "command": ["nvidia-smi", "-L"],
+                                "resources": {"claims": [{"name": pod_claim["name"]}]}}],
+                "resourceClaims": [pod_claim]}}}}
