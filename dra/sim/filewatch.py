@@ -9,7 +9,6 @@ calls ``on_change`` only for the file itself. ``FileWatch.start`` returns None w
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import select
 import struct
@@ -34,7 +33,7 @@ def _inotify() -> ctypes.CDLL | None:
     with _libc_lock:
         if _libc is None:
             try:
-                lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+                lib = ctypes.CDLL(None, use_errno=True)    # the process's own symbols: libc's among them
                 lib.inotify_init1, lib.inotify_add_watch   # noqa: B018 - AttributeError where libc has none
             except (OSError, AttributeError):
                 return None
