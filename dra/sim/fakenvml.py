@@ -1239,7 +1239,9 @@ class FakeNvml:
         watch = FileWatch.start(self._state.path, self._wake_waiters) \
             if self._state is not None and timeoutms > 0 else None
         try:
-            return self._event_wait(eventSet, deadline, poll_s=None if watch is not None else FILE_POLL_S)
+            # No state file: only this process changes the GPUs, and it wakes the wait itself.
+            poll_s = FILE_POLL_S if self._state is not None and watch is None else None
+            return self._event_wait(eventSet, deadline, poll_s=poll_s)
         finally:
             if watch is not None:
                 watch.stop()     # outside self._cond: the watch's thread may be waiting for it to wake us
