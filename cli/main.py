@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import Any
 
 # sub-command -> (module under cli/, one-line help). Each module offers add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -61,6 +62,20 @@ def version() -> str:
             return "unknown"
 
 
+class _VersionAction(argparse.Action):
+    """--version, with the version looked up only when asked for: the lookup (importlib.metadata) costs every
+    command's start tens of milliseconds, the plugin's start → first kubelet call among them."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0,
+                         help="show program's version number and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(f"gpu-dra {version()}")
+        parser.exit()
+
+
 def _example(name: str, prog: str) -> str:
     """The sub-command's example as ``prog`` runs it (``kubectl gpu status …`` under the kubectl plugin)."""
     return f"example:\n  {prog}{EXAMPLES[name].removeprefix('gpu-dra')}"
@@ -80,7 +95,7 @@ def build_parser(only: str | None = None, prog: str = "gpu-dra") -> argparse.Arg
     parser = argparse.ArgumentParser(prog=prog, description="Kubernetes DRA driver for NVIDIA GPUs",
                                      epilog="example:\n  gpu-dra status\n  gpu-dra explain claim/my-claim -n team-a",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"gpu-dra {version()}")
+    parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module_name, help_text) in SUBCOMMANDS.items():

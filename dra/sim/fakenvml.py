@@ -51,8 +51,8 @@ process's changes before the call (handles of unchanged instances stay valid) an
 after every change. Without one, the state lives and dies with the object. Events raised in the process
 (``inject_xid``) stay in it; events other processes record in the file's event log (dra/sim/faults.py,
 ``gpu-dra simulate``) are delivered here as they appear, those from before this object existed are not.
-``nvmlEventSetWait`` re-checks the file every ``FILE_POLL_S`` while it waits, so such an event, a lost GPU or
-a recovery reaches a waiting monitor within that time.
+``nvmlEventSetWait`` watches the file while it waits (dra.sim.filewatch: inotify), so such an event, a lost GPU or
+a recovery reaches a waiting monitor at once; where the file cannot be watched, it looks every ``FILE_POLL_S``.
 """
 from __future__ import annotations
 
@@ -75,6 +75,7 @@ import pynvml
 from dra.model.catalog import GpuModel, get_model
 from dra.model.gpu import MigProfile
 from dra.model.mig import PlacementProblem, interval, placement_problem
+from dra.sim.filewatch import FileWatch
 from dra.sim.state import (
     EVENT_RECOVER,
     EVENT_XID,
@@ -90,6 +91,7 @@ from dra.sim.state import (
 
 _NO_ID = 0xFFFFFFFF  # gpuInstanceId / computeInstanceId of an event that is not about a MIG device
 FILE_POLL_S = 0.15   # how often a waiting nvmlEventSetWait looks for another process's change of the state file
+                     # where it cannot watch it (dra.sim.filewatch)
 _UUID_NAMESPACE = uuidlib.UUID("6f1c2a0e-3d7b-4f53-9a57-1b6a0e6ad0a1")
 _SUPPORTED_EVENTS = (pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypeSingleBitEccError
                      | pynvml.nvmlEventTypeDoubleBitEccError)
@@ -1233,6 +1235,22 @@ class FakeNvml:
         With a state file, other processes' events and lost GPUs are picked up while waiting. A recovery offered
         meanwhile (see take_recoveries) ends the wait early with TIMEOUT, so the monitor takes it at once."""
         deadline = time.monotonic() + max(timeoutms, 0) / 1000.0
+        # Another process's change of the state file wakes the wait (inotify); without a watch, look on a timer.
+        watch = FileWatch.start(self._state.path, self._wake_waiters) \
+            if self._state is not None and timeoutms > 0 else None
+        try:
+            # No state file: only this process changes the GPUs, and it wakes the wait itself.
+            poll_s = FILE_POLL_S if self._state is not None and watch is None else None
+            return self._event_wait(eventSet, deadline, poll_s=poll_s)
+        finally:
+            if watch is not None:
+                watch.stop()     # outside self._cond: the watch's thread may be waiting for it to wake us
+
+    def _wake_waiters(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _event_wait(self, eventSet: Any, deadline: float, poll_s: float | None) -> Any:
         with self._cond:
             if self._init_count == 0:
                 raise _err(pynvml.NVML_ERROR_UNINITIALIZED)
@@ -1257,7 +1275,7 @@ class FakeNvml:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or es.freed or self._recovery_count != recoveries:
                     raise _err(pynvml.NVML_ERROR_TIMEOUT)
-                self._cond.wait(remaining if self._state is None else min(remaining, FILE_POLL_S))
+                self._cond.wait(remaining if poll_s is None else min(remaining, poll_s))
 
     def nvmlEventSetWait(self, eventSet: Any, timeoutms: int) -> Any:
         return self.nvmlEventSetWait_v2(eventSet, timeoutms)
