@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import yaml
 
 from api.deviceclasses import device_classes
 from api.generated.dra.v1 import api_pb2 as dra_pb
@@ -51,11 +50,11 @@ from bench.containerdlog import start_container_seconds
 from bench.core import Figure
 from bench.params import Params
 from bench.plugin_api import REPO, _Server, byte_compile
-from kube.client import DEVICE_CLASSES, RESOURCE_V1, KubeApi
+from bench.realnodebed import RealNodeBed
+from kube.client import DEVICE_CLASSES, RESOURCE_V1
 from kubeletplugin.transport.sockets import socket_paths
-from testbed.hostplumbing import cleanup_leftovers
-from testbed.localcluster import LocalCluster, free_port
-from testbed.localnode import LocalNode, busybox_image
+from testbed.localcluster import free_port
+from testbed.localnode import busybox_image
 from testbed.nodeplugin import LocalNodePlugin
 
 NAME = "peer"
@@ -138,27 +137,19 @@ class Side:
         return statistics.fmean(self.idle_cpu)
 
 
-class _Bench:
+class _Bench(RealNodeBed):
     def __init__(self, work: Path, peer_bin: Path) -> None:
+        super().__init__(work)
         self.work, self.peer_bin = work, peer_bin
-        self.cluster = LocalCluster(workdir=work / "cluster")
-        self.node: LocalNode | None = None
-        self.plugin: LocalNodePlugin | None = None
         self.peer: subprocess.Popen[bytes] | None = None
-        self.kube: KubeApi | None = None
         self.cdi_ours, self.cdi_peer = work / "cdi-ours", work / "cdi-peer"
 
     # ---- set-up ---------------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        cleanup_leftovers()
-        self.cluster.start()
-        self.kube = KubeApi(self.cluster.api_client())
-        self.node = LocalNode(self.cluster, cdi_dirs=[self.cdi_ours, self.cdi_peer]).start()
-        assert self.node.workdir is not None
-        self.fleet = self.node.workdir / "fleet.yaml"
-        self.fleet.write_text(yaml.safe_dump(
-            {"nodes": [{"name": self.node.name, "gpus": [{"model": "L4", "count": GPUS}]}]}))
+        self.fleet = self.start_node({"gpus": [{"model": "L4", "count": GPUS}]},
+                                     cdi_dirs=[self.cdi_ours, self.cdi_peer])
+        assert self.kube is not None
         for cls in device_classes(OURS):
             self.kube.create(DEVICE_CLASSES, cls)
         self.kube.create(DEVICE_CLASSES, {
@@ -255,13 +246,7 @@ class _Bench:
             except subprocess.TimeoutExpired:
                 self.peer.kill()
                 self.peer.wait(5)
-        if self.plugin is not None:
-            self.plugin.stop()
-        try:
-            if self.node is not None:
-                self.node.stop()
-        finally:
-            self.cluster.stop()
+        super().stop()
 
     # ---- idle -----------------------------------------------------------------------------------------------
 

@@ -32,14 +32,11 @@ import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
-import yaml
-
 from api.deviceclasses import device_classes
 from api.names import DEFAULT_DRIVER_NAME
-from kube.client import DEVICE_CLASSES, KubeApi
-from testbed.hostplumbing import cleanup_leftovers
-from testbed.localcluster import LocalCluster
-from testbed.localnode import LocalNode, cuda_probe_image, install_driver_root
+from bench.realnodebed import RealNodeBed
+from kube.client import DEVICE_CLASSES
+from testbed.localnode import cuda_probe_image, install_driver_root
 from testbed.nodeplugin import LocalNodePlugin
 from testbed.podprobe import for_local_node
 
@@ -76,24 +73,15 @@ def _handler_sums(port: int) -> dict[str, float]:
     return out
 
 
-class PodLife:
+class PodLife(RealNodeBed):
     def __init__(self, work: Path, env: dict[str, str]) -> None:
+        super().__init__(work)
         self.work = work
         self.env = env
-        self.cluster = LocalCluster(workdir=work / "cluster")
-        self.node: LocalNode | None = None
-        self.plugin: LocalNodePlugin | None = None
-        self.kube: KubeApi | None = None
 
     def start(self) -> None:
-        cleanup_leftovers()
-        self.cluster.start()
-        self.kube = KubeApi(self.cluster.api_client())
-        self.node = LocalNode(self.cluster).start()
-        assert self.node.workdir is not None
-        fleet = self.node.workdir / "fleet.yaml"
-        fleet.write_text(yaml.safe_dump({"nodes": [{"name": self.node.name, "gpus": [
-            {"model": "H100-80GB", "count": 2}]}]}, sort_keys=False))
+        fleet = self.start_node({"gpus": [{"model": "H100-80GB", "count": 2}]})
+        assert self.kube is not None and self.node is not None
         for cls in device_classes(DRIVER):
             self.kube.create(DEVICE_CLASSES, cls)
         socket = self.node.root_dir / "pod-resources" / "kubelet.sock"
@@ -112,15 +100,6 @@ class PodLife:
             if time.monotonic() > deadline:
                 raise RuntimeError("no ResourceSlices within 60 s")
             time.sleep(0.2)
-
-    def stop(self) -> None:
-        if self.plugin is not None:
-            self.plugin.stop()
-        try:
-            if self.node is not None:
-                self.node.stop()
-        finally:
-            self.cluster.stop()
 
     def run_pod(self, name: str) -> tuple[float, str]:
         """Creates the pod; returns (seconds to Running, its claim's UID)."""

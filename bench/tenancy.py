@@ -27,17 +27,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from api.deviceclasses import device_classes
 from api.names import DEFAULT_DRIVER_NAME
 from bench.core import Figure
 from bench.params import Params
-from kube.client import DEVICE_CLASSES, KubeApi
+from bench.realnodebed import RealNodeBed
+from kube.client import DEVICE_CLASSES
 from testbed.helmchart import render
-from testbed.hostplumbing import cleanup_leftovers
-from testbed.localcluster import LocalCluster
-from testbed.localnode import LocalNode, cuda_probe_image, install_driver_root
+from testbed.localnode import cuda_probe_image, install_driver_root
 from testbed.nodeplugin import LocalNodePlugin
 from testbed.podprobe import for_local_node
 
@@ -47,10 +44,10 @@ DRIVER = DEFAULT_DRIVER_NAME
 POLL_S = 0.01
 
 
-def _fleet(node: str) -> dict[str, Any]:
-    return {"nodes": [{"name": node, "gpus": [{"model": "H100-80GB", "count": 3}], "policy": {
-        "default": {"wholeGpu": False, "mig": "none", "slots": {"count": 4, "strategy": "mps"}},
-        "rules": [{"match": {"index": 2}, "wholeGpu": True, "mig": "none"}]}}]}
+# GPUs 0 and 1: MPS slots only; GPU 2: whole.
+FLEET: dict[str, Any] = {"gpus": [{"model": "H100-80GB", "count": 3}], "policy": {
+    "default": {"wholeGpu": False, "mig": "none", "slots": {"count": 4, "strategy": "mps"}},
+    "rules": [{"match": {"index": 2}, "wholeGpu": True, "mig": "none"}]}}
 
 
 def _template(name: str, device_class: str, expression: str) -> dict[str, Any]:
@@ -59,21 +56,10 @@ def _template(name: str, device_class: str, expression: str) -> dict[str, Any]:
                 "deviceClassName": device_class, "selectors": [{"cel": {"expression": expression}}]}}]}}}}
 
 
-class _Bench:
-    def __init__(self, work: Path) -> None:
-        self.cluster = LocalCluster(workdir=work / "cluster")
-        self.node: LocalNode | None = None
-        self.plugin: LocalNodePlugin | None = None
-        self.kube: KubeApi | None = None
-
+class _Bench(RealNodeBed):
     def start(self) -> None:
-        cleanup_leftovers()
-        self.cluster.start()
-        self.kube = KubeApi(self.cluster.api_client())
-        self.node = LocalNode(self.cluster).start()
-        assert self.node.workdir is not None
-        fleet = self.node.workdir / "fleet.yaml"
-        fleet.write_text(yaml.safe_dump(_fleet(self.node.name), sort_keys=False))
+        fleet = self.start_node(FLEET)
+        assert self.kube is not None and self.node is not None
         for cls in device_classes(DRIVER):
             self.kube.create(DEVICE_CLASSES, cls)
         for obj in render("--set", f"driverName={DRIVER}"):
@@ -96,15 +82,6 @@ class _Bench:
         self._create("tenant-b", _template("any-slot", slot, f"{a}.sharing == 'mps'"))
         self._wait_mutating()
         self.pod_running("tenant-a", "holder", "gpu0-slot")
-
-    def stop(self) -> None:
-        if self.plugin is not None:
-            self.plugin.stop()
-        try:
-            if self.node is not None:
-                self.node.stop()
-        finally:
-            self.cluster.stop()
 
     def _create(self, ns: str, obj: dict[str, Any]) -> None:
         assert self.kube is not None

@@ -197,7 +197,7 @@ class DriverRoot:
             self._files = self._discover()
         return self._files
 
-    def library_dirs(self) -> list[tuple[str, Path]]:
+    def existing_lib_dirs(self) -> list[tuple[str, Path]]:
         """(container path, the path this process reads it at) of each existing library directory, once each, in
         LIBRARY_DIRS order."""
         out: list[tuple[str, Path]] = []
@@ -214,7 +214,7 @@ class DriverRoot:
 
     def has_libcuda(self) -> bool:
         """Whether a ``libcuda.so*`` file or link is in one of the library directories."""
-        for _, local_dir in self.library_dirs():
+        for _, local_dir in self.existing_lib_dirs():
             try:
                 if any(name.startswith("libcuda.so") and _is_compute_library(name) for name in os.listdir(local_dir)):
                     return True
@@ -227,7 +227,7 @@ class DriverRoot:
         links: dict[str, LibraryLink] = {}
         dangling: list[str] = []
         lib_folders: list[str] = []
-        for container_dir, local_dir in self.library_dirs():
+        for container_dir, local_dir in self.existing_lib_dirs():
             found_here = False
             for entry in sorted(local_dir.iterdir(), key=lambda p: p.name):
                 if not _is_compute_library(entry.name):
