@@ -3,11 +3,13 @@
 After a claim is prepared, each of its devices from this node's pool gets an entry keyed by (driver, pool,
 device, shareID) with a ``Ready`` condition and ``data`` that says which GPU or MIG device was actually used
 (a dynamic MIG device's UUID exists only from the prepare on, so dashboards could not attribute it before).
-On unprepare the entries go.
+An unprepare writes nothing: the API server itself drops the status entries of devices a claim no longer has
+allocated (at deallocation, and with the claim when it is deleted), which follows every unprepare of a pod's
+last use of the claim within moments; a write per pod to remove them first would double the status traffic.
 
 Writes use server-side apply on the ``status`` subresource with a field manager of this driver and pool: the
 apply body lists exactly our entries, so the API server merges them with other drivers' entries (the list is
-a map keyed by driver, pool, device and shareID) and an apply without entries removes ours and nobody else's.
+a map keyed by driver, pool, device and shareID).
 The body names the claim's UID, so a claim deleted and re-created under the same name is never written.
 
 RBAC (deploy/helm, rbac-kubelet-plugin.yaml): ``patch`` on ``resourceclaims/status``, plus
@@ -49,10 +51,6 @@ class DeviceStatus:
 class ClaimStatusWriter(Protocol):
     def publish(self, ref: ClaimRef, devices: Sequence[DeviceStatus], ready_since: float) -> None:
         """Make ``devices`` this plugin's entries of the claim (Ready since ``ready_since``, unix seconds)."""
-        ...
-
-    def withdraw(self, ref: ClaimRef) -> None:
-        """Remove this plugin's entries; a claim that no longer exists is fine."""
         ...
 
 
@@ -98,31 +96,18 @@ class KubernetesClaimStatusWriter:
     def publish(self, ref: ClaimRef, devices: Sequence[DeviceStatus], ready_since: float) -> None:
         self._apply(ref, [status_entry(self.driver, self.node, d, ready_since) for d in devices])
 
-    def withdraw(self, ref: ClaimRef) -> None:
-        from kube.client import ApiError
-
-        try:
-            self._apply(ref, [])
-        except ClaimStatusError as err:
-            cause = err.__cause__
-            if isinstance(cause, ApiError) and cause.not_found:
-                return  # the claim is gone, and our entries with it
-            raise
-
     def _apply(self, ref: ClaimRef, entries: list[dict[str, Any]]) -> None:
         from kube.client import RESOURCE_V1, ApiError, ApiUnavailable
 
         body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
                 "metadata": {"name": ref.name, "namespace": ref.namespace, "uid": ref.uid},
-                # An empty list would still be ours to own; no list at all gives every entry up.
-                "status": {"devices": entries} if entries else {}}
+                "status": {"devices": entries}}
         path = f"{RESOURCE_V1}/namespaces/{ref.namespace}/resourceclaims/{ref.name}/status"
         try:
             self.kube.request("PATCH", path, query={"fieldManager": self.manager, "force": True}, body=body,
                               content_type="application/apply-patch+yaml")
         except (ApiError, ApiUnavailable) as err:
-            action = "writing" if entries else "removing"
-            raise ClaimStatusError(f"{action} status.devices of ResourceClaim {ref.describe()}: {err}") from err
+            raise ClaimStatusError(f"writing status.devices of ResourceClaim {ref.describe()}: {err}") from err
 
 
 def status_devices(record: Any, catalog: Mapping[str, Any], pool_name: str) -> list[DeviceStatus]:
@@ -155,12 +140,12 @@ def status_devices(record: Any, catalog: Mapping[str, Any], pool_name: str) -> l
 
 
 class ClaimStatusReporter:
-    """``status.devices`` reporting for the driver, off the kubelet's call path: ``publish`` and ``withdraw``
-    only queue the write and return; worker threads write it, retrying failures with growing delays. A
+    """``status.devices`` reporting for the driver, off the kubelet's call path: ``publish`` only queues the
+    write and returns; worker threads write it, retrying failures with growing delays. A
     status the API server never takes is logged and counted, never an error of the prepare or unprepare.
 
-    Writes of one claim happen in the order asked, and a newer request replaces one still waiting (an
-    unprepare right after a prepare sends only the withdrawal). Writes wait while kubelet calls are in flight
+    An unprepare (``forget``) drops a write still waiting: a claim unprepared right after its prepare is not
+    written at all. Writes wait while kubelet calls are in flight
     (``busy``) and for ``quiet_s`` after, so they never compete with a prepare for the API server; a write
     waits at most ``max_delay_s`` for that. ``writer`` None: nothing is reported."""
 
@@ -179,6 +164,7 @@ class ClaimStatusReporter:
         self._cv = threading.Condition()
         self._pending: dict[str, _StatusWrite] = {}
         self._inflight: set[str] = set()
+        self._forgotten: set[str] = set()     # claims unprepared while their write was under way
         self._threads: list[threading.Thread] = []
         self._stopping = False
         self.quiet_s, self.max_delay_s = quiet_s, max_delay_s
@@ -193,13 +179,16 @@ class ClaimStatusReporter:
             if ref.uid in self._published:
                 return
         entries = status_devices(record, self._devices(), self.pool_name)
-        self._queue(_StatusWrite("publish", ref, entries, record.updated or time.time(), log))
+        self._queue(_StatusWrite(ref, entries, record.updated or time.time(), log))
 
-    def withdraw(self, ref: ClaimRef, log: Any) -> None:
+    def forget(self, ref: ClaimRef) -> None:
+        """The claim was unprepared: a write still waiting is dropped, and a later prepare reports again."""
         with self._cv:
             self._published.discard(ref.uid)
-        if self.writer is not None:
-            self._queue(_StatusWrite("withdraw", ref, (), 0.0, log))
+            self._pending.pop(ref.uid, None)
+            if ref.uid in self._inflight:
+                self._forgotten.add(ref.uid)   # its write is under way: no retry, not marked published
+            self._cv.notify_all()
 
     @contextmanager
     def busy(self) -> Iterator[None]:
@@ -276,6 +265,7 @@ class ClaimStatusReporter:
             finally:
                 with self._cv:
                     self._inflight.discard(write.ref.uid)
+                    self._forgotten.discard(write.ref.uid)
                     self._cv.notify_all()
 
     def _attempt(self, write: _StatusWrite) -> None:
@@ -283,33 +273,28 @@ class ClaimStatusReporter:
         if writer is None:
             return
         try:
-            if write.op == "publish":
-                writer.publish(write.ref, write.entries, write.ready_since)
-            else:
-                writer.withdraw(write.ref)
+            writer.publish(write.ref, write.entries, write.ready_since)
         except Exception as err:  # noqa: BLE001 - the kubelet's answer does not depend on it
-            self._count(write.op, "error")
+            self._count("error")
             with self._cv:
-                if write.ref.uid in self._pending:     # superseded by a newer request: drop this one
-                    return
+                if write.ref.uid in self._pending or write.ref.uid in self._forgotten:
+                    return                     # superseded by a newer request, or the claim was unprepared
                 if _retryable(err) and write.attempt < len(self.retry_delays):
                     write.not_before = time.monotonic() + self.retry_delays[write.attempt]
                     write.attempt += 1
                     self._pending[write.ref.uid] = write
                     return
-            what = ("claim status not written; the claim is prepared all the same" if write.op == "publish"
-                    else "claim status entries not removed")
-            write.log.warning(what, error=str(err), attempts=write.attempt + 1)
+            write.log.warning("claim status not written; the claim is prepared all the same", error=str(err),
+                              attempts=write.attempt + 1)
             return
-        self._count(write.op, "ok")
-        if write.op == "publish":
-            with self._cv:
-                if write.ref.uid not in self._pending:
-                    self._published.add(write.ref.uid)
+        self._count("ok")
+        with self._cv:
+            if write.ref.uid not in self._pending and write.ref.uid not in self._forgotten:
+                self._published.add(write.ref.uid)
 
-    def _count(self, operation: str, result: str) -> None:
+    def _count(self, result: str) -> None:
         if self.metrics is not None:
-            self.metrics.claim_status_writes.labels(operation=operation, result=result).inc()
+            self.metrics.claim_status_writes.labels(operation="publish", result=result).inc()
 
 
 def _retryable(err: Exception) -> bool:
@@ -325,7 +310,6 @@ def _retryable(err: Exception) -> bool:
 
 @dataclass
 class _StatusWrite:
-    op: str                              # "publish" or "withdraw"
     ref: ClaimRef
     entries: Sequence[DeviceStatus]
     ready_since: float

@@ -496,8 +496,7 @@ class Driver:
                         log.debug("claim not prepared on this node; nothing to undo")
                         return UnprepareResult()
                     self._rollback(record)
-                    if record.completed:   # only a completed prepare has status entries to remove
-                        self.reporter.withdraw(ref, log)
+                    self.reporter.forget(ref)
             except Exception as err:  # noqa: BLE001 - reported to the kubelet, which retries
                 if self.metrics:
                     self.metrics.error("unprepare", type(err).__name__)

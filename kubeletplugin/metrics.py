@@ -54,7 +54,7 @@ class PluginMetrics:
             "devices", "Devices this node publishes, by state.", ["state"], namespace=NAMESPACE, registry=r)
         self.claim_status_writes = Counter(
             "claim_status_writes_total", "Writes of this driver's ResourceClaim status.devices entries, by operation "
-            "(publish after prepare, withdraw after unprepare) and result (ok, error).",
+            "(publish, after a prepare) and result (ok, error).",
             ["operation", "result"], namespace=NAMESPACE, registry=r)
         self.registered = Gauge(
             "kubelet_registered", "1 when the kubelet accepted the plugin's registration.",

@@ -6,6 +6,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 from kube.httpserver import serve_health_and_metrics
 
@@ -38,13 +39,10 @@ def test_an_idle_metrics_server_does_not_wake_and_still_answers_and_stops() -> N
 
 class _Writer:
     def __init__(self) -> None:
-        self.withdrawn: list[str] = []
+        self.published: list[str] = []
 
     def publish(self, ref: object, entries: object, ready_since: float) -> None:
-        pass
-
-    def withdraw(self, ref: object) -> None:
-        self.withdrawn.append(ref.uid)   # type: ignore[attr-defined]
+        self.published.append(ref.uid)   # type: ignore[attr-defined]
 
 
 def test_idle_claim_status_workers_do_not_wake() -> None:
@@ -55,14 +53,16 @@ def test_idle_claim_status_workers_do_not_wake() -> None:
 
     writer = _Writer()
     reporter = ClaimStatusReporter(writer, "pool", lambda: {}, quiet_s=0.0)
+    # A prepared claim's checkpoint record, as much of it as the reporter reads.
+    record = SimpleNamespace(completed=True, updated=1.0, devices=[], undo=SimpleNamespace(mig_devices=[]))
     try:
-        reporter.withdraw(ClaimRef(namespace="ns", name="c", uid="u1"), structlog.get_logger())
-        assert reporter.flush(5) and writer.withdrawn == ["u1"]
+        reporter.publish(ClaimRef(namespace="ns", name="c", uid="u1"), record, structlog.get_logger())
+        assert reporter.flush(5) and writer.published == ["u1"]
         [worker] = reporter._threads
         before = wakeups(worker)
         time.sleep(2.5)
         assert wakeups(worker) - before <= 1    # a one-second tick wakes it twice or more
-        reporter.withdraw(ClaimRef(namespace="ns", name="c", uid="u2"), structlog.get_logger())
-        assert reporter.flush(5) and writer.withdrawn == ["u1", "u2"]
+        reporter.publish(ClaimRef(namespace="ns", name="c", uid="u2"), record, structlog.get_logger())
+        assert reporter.flush(5) and writer.published == ["u1", "u2"]
     finally:
         reporter.close()

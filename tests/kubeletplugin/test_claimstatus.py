@@ -1,7 +1,8 @@
-"""ResourceClaim status.devices: the entries the driver reports after prepare and removes after unprepare, and
-the server-side apply requests that carry them."""
+"""ResourceClaim status.devices: the entries the driver reports after prepare (an unprepare writes nothing: the
+API server drops them at deallocation), and the server-side apply requests that carry them."""
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Sequence
 
@@ -28,19 +29,12 @@ class RecordingStatus:
         self.fail = fail
         self.entries: dict[str, tuple[list[DeviceStatus], float]] = {}
         self.publishes = 0
-        self.withdrawn: list[str] = []
 
     def publish(self, ref: ClaimRef, devices: Sequence[DeviceStatus], ready_since: float) -> None:
         self.publishes += 1
         if self.fail:
             raise ClaimStatusError("writing status.devices: HTTP 403 Forbidden")
         self.entries[ref.uid] = (list(devices), ready_since)
-
-    def withdraw(self, ref: ClaimRef) -> None:
-        if self.fail:
-            raise ClaimStatusError("removing status.devices: HTTP 403 Forbidden")
-        self.withdrawn.append(ref.uid)
-        self.entries.pop(ref.uid, None)
 
 
 def status_metric(node: Node, operation: str, result: str) -> float:
@@ -82,8 +76,11 @@ def test_prepared_devices_are_reported_with_the_uuid_actually_used(mixed):
     assert status.publishes == 1
     assert mixed.driver.unprepare([ref])[ref.uid].error == ""
     assert mixed.driver.reporter.flush()
-    assert status.withdrawn == [ref.uid] and status.entries == {}
-    assert (status_metric(mixed, "publish", "ok"), status_metric(mixed, "withdraw", "ok")) == (1, 1)
+    assert status.publishes == 1 and status_metric(mixed, "publish", "ok") == 1   # the unprepare wrote nothing
+    # Prepared again after its unprepare (another pod of the claim on this node): reported again.
+    ok(mixed.driver, ref)
+    assert mixed.driver.reporter.flush()
+    assert status.publishes == 2
 
 
 def test_a_failed_status_write_never_fails_the_prepare(mixed):
@@ -101,7 +98,7 @@ def test_a_failed_status_write_never_fails_the_prepare(mixed):
     assert status.publishes == 4
     assert mixed.driver.unprepare([ref])[ref.uid].error == ""
     assert mixed.driver.reporter.flush()
-    assert status_metric(mixed, "withdraw", "error") == 2
+    assert status.publishes == 4 and status_metric(mixed, "publish", "error") == 4
     assert mixed.driver.checkpoint.get(ref.uid) is None
 
 
@@ -139,7 +136,7 @@ def test_status_writes_are_retried_until_they_succeed_and_never_delay_the_answer
     assert (status_metric(mixed, "publish", "error"), status_metric(mixed, "publish", "ok")) == (2, 1)
 
 
-def test_an_unprepare_right_after_a_prepare_supersedes_a_waiting_status_write(mixed):
+def test_an_unprepare_right_after_a_prepare_drops_a_waiting_status_write(mixed):
     status = RecordingStatus(fail=True)
     mixed.driver.status = status
     mixed.driver.reporter.retry_delays = (30.0,)       # the retry would wait long
@@ -150,8 +147,29 @@ def test_an_unprepare_right_after_a_prepare_supersedes_a_waiting_status_write(mi
         time.sleep(0.01)
     status.fail = False
     assert mixed.driver.unprepare([ref])[ref.uid].error == ""
-    assert mixed.driver.reporter.flush(timeout=5)       # no 30 s wait: the withdrawal replaced the retry
-    assert status.withdrawn == [ref.uid] and status.publishes == 1
+    assert mixed.driver.reporter.flush(timeout=5)       # no 30 s wait: the unprepare dropped the retry
+    assert status.publishes == 1 and ref.uid not in status.entries
+
+
+def test_an_unprepare_during_a_failing_status_write_stops_its_retries(mixed):
+    entered, release = threading.Event(), threading.Event()
+
+    class Blocking(RecordingStatus):
+        def publish(self, ref: ClaimRef, devices: Sequence[DeviceStatus], ready_since: float) -> None:
+            entered.set()
+            assert release.wait(10)
+            super().publish(ref, devices, ready_since)
+
+    status = Blocking(fail=True)
+    mixed.driver.status = status
+    mixed.driver.reporter.retry_delays = (0.0, 0.0, 0.0)
+    ref = mixed.add_claim("c", [{"request": "slot", "device": "gpu-1-slot-1"}])
+    ok(mixed.driver, ref)
+    assert entered.wait(10)                               # the write is under way
+    assert mixed.driver.unprepare([ref])[ref.uid].error == ""
+    release.set()                                         # ... and fails: no retry for an unprepared claim
+    assert mixed.driver.reporter.flush(timeout=5)
+    assert status.publishes == 1
 
 
 def test_nothing_to_report_for_a_claim_without_our_devices(mixed):
@@ -203,15 +221,11 @@ def test_publish_applies_our_entries_to_the_status_subresource():
         "data": {"uuid": "GPU-1", "type": "shared"}}]
 
 
-def test_withdraw_applies_no_entries_and_a_missing_claim_is_fine():
-    kube = FakeKube()
-    writer(kube).withdraw(REF)
-    assert kube.requests[0]["body"]["status"] == {}
+def test_refused_and_unanswered_writes_name_the_claim():
     gone = FakeKube(ApiError("PATCH", "/x", 404, '{"reason": "NotFound", "message": "not found"}'))
-    writer(gone).withdraw(REF)
     forbidden = FakeKube(ApiError("PATCH", "/x", 403, '{"reason": "Forbidden", "message": "no associated-node:patch"}'))
-    with pytest.raises(ClaimStatusError, match=r"removing status.devices of ResourceClaim ns/claim-a .*Forbidden"):
-        writer(forbidden).withdraw(REF)
+    with pytest.raises(ClaimStatusError, match=r"writing status.devices of ResourceClaim ns/claim-a .*Forbidden"):
+        writer(forbidden).publish(REF, [DeviceStatus(NODE, "gpu-0")], 0.0)
     down = FakeKube(ApiUnavailable("connection refused"))
     with pytest.raises(ClaimStatusError, match="writing status.devices.*connection refused"):
         writer(down).publish(REF, [DeviceStatus(NODE, "gpu-0")], 0.0)
