@@ -30,7 +30,6 @@ import shutil
 import ssl
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -48,6 +47,7 @@ from api.names import DEFAULT_DRIVER_NAME
 from bench import kubeletpattern, pairstats
 from bench.containerdlog import start_container_seconds
 from bench.core import Figure
+from bench.imageruntime import image_python
 from bench.params import Params
 from bench.plugin_api import REPO, _Server, byte_compile
 from bench.realnodebed import RealNodeBed
@@ -143,6 +143,8 @@ class _Bench(RealNodeBed):
         self.work, self.peer_bin = work, peer_bin
         self.peer: subprocess.Popen[bytes] | None = None
         self.cdi_ours, self.cdi_peer = work / "cdi-ours", work / "cdi-peer"
+        # Ours as the image runs it (bench.imageruntime): the image's wheels alone, no dev packages.
+        self.python, self.python_env = image_python()
 
     # ---- set-up ---------------------------------------------------------------------------------------------
 
@@ -162,7 +164,7 @@ class _Bench(RealNodeBed):
 
     def ours_argv(self, registry: Path, plugins: Path, cdi: Path, state: Path) -> list[str]:
         assert self.node is not None
-        return [sys.executable, "-m", "cli.main", "kubelet-plugin", "--node-name", self.node.name,
+        return [*self.python, "-m", "cli.main", "kubelet-plugin", "--node-name", self.node.name,
                 "--driver-name", OURS, "--kubeconfig", str(self.cluster.kubeconfig), "--registry-dir", str(registry),
                 "--plugin-dir", str(plugins / OURS), "--cdi-root", str(cdi), "--state-dir", str(state),
                 "--fleet", str(self.fleet), "--sim-state", "none", "--log-level", "info", "--log-format", "json",
@@ -186,7 +188,7 @@ class _Bench(RealNodeBed):
                 if side is ours:
                     sock = socket_paths(OURS, reg, plugins / OURS).registration
                     server = _Server("gpu-dra kubelet-plugin", self.ours_argv(reg, plugins, cdi, state), sock,
-                                     d / "log")
+                                     d / "log", env=self.python_env)
                 else:
                     server = _Server("reference kubelet plugin", self.peer_argv(reg, plugins, cdi),
                                      reg / f"{PEER}-reg.sock", d / "log")
@@ -200,7 +202,8 @@ class _Bench(RealNodeBed):
         # Both as their charts deploy them: ours logs at info as JSON and serves /metrics (testbed.nodeplugin),
         # the reference serves its /metrics and its gRPC health service.
         self.plugin = LocalNodePlugin(self.node, self.fleet, OURS, log_level="info",
-                                      extra_args=["--sim-state", "none", "--log-format", "json"])
+                                      extra_args=["--sim-state", "none", "--log-format", "json"],
+                                      python=self.python, env=self.python_env)
         self.plugin.start()
         with open(self.work / "peer.log", "ab") as log:
             self.peer = subprocess.Popen(

@@ -72,8 +72,10 @@ class _Server:
     """A process serving the registration socket, timed from spawn to GetInfo answered: the plugin and its floor
     (``bench.floorserver``) alike, so the start-up ratio compares the same interpreter, cwd and polling client."""
 
-    def __init__(self, name: str, argv: list[str], registration: Path, log: Path) -> None:
+    def __init__(self, name: str, argv: list[str], registration: Path, log: Path,
+                 env: dict[str, str] | None = None) -> None:
         self.name, self.argv, self.registration_socket, self.log = name, argv, registration, log
+        self.env = None if env is None else {**os.environ, **env}
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -86,7 +88,7 @@ class _Server:
         started = time.monotonic()
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(self.argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, start_new_session=True, env=self.env)
         reg = self.registration_socket
         while True:
             if self.proc.poll() is not None:

@@ -54,10 +54,12 @@ class LocalNodePlugin:
     """One ``gpu-dra kubelet-plugin`` process for `node` (a started LocalNode) and `driver`.
 
     `fleet` is a fleet file with a node named like `node`. `extra_args` are added to the command line (e.g.
-    ``--compat-nvidia``, ``--health-quiet-period 0``). Every start gets a log file of its own."""
+    ``--compat-nvidia``, ``--health-quiet-period 0``); `python` runs ``-m cli.main`` from the checkout. Every
+    start gets a log file of its own."""
 
     def __init__(self, node: LocalNode, fleet: Path | str, driver: str, *, extra_args: Sequence[str] = (),
-                 log_level: str = "info", env: dict[str, str] | None = None) -> None:
+                 log_level: str = "info", env: dict[str, str] | None = None,
+                 python: Sequence[str] = (sys.executable,)) -> None:
         if node.workdir is None:
             raise NodePluginError("the node is not started")
         self.node = node
@@ -66,6 +68,7 @@ class LocalNodePlugin:
         self.extra_args = list(extra_args)
         self.log_level = log_level
         self.env = dict(env or {})
+        self.python = list(python)      # the interpreter and its options (e.g. -S with the image's wheels)
         # Short: the MPS control sockets live under the state dir, and unix socket paths end at 107 bytes.
         self.base = Path(node.workdir) / f"p-{hashlib.sha256(driver.encode()).hexdigest()[:6]}"
         self.state_dir = self.base / "state"
@@ -101,7 +104,7 @@ class LocalNodePlugin:
         return self.base / f"plugin-{self.starts}.log"
 
     def argv(self) -> list[str]:
-        return [sys.executable, "-m", "cli.main", "kubelet-plugin", "--node-name", self.node.name,
+        return [*self.python, "-m", "cli.main", "kubelet-plugin", "--node-name", self.node.name,
                 "--driver-name", self.driver, "--kubeconfig", str(self.node.cluster.kubeconfig),
                 "--registry-dir", str(self.node.plugins_registry_dir), "--plugin-dir", str(self.plugin_dir),
                 "--cdi-root", str(self.cdi_dir), "--state-dir", str(self.state_dir), "--fleet", str(self.fleet),
