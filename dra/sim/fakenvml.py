@@ -335,6 +335,7 @@ class FakeNvml:
         self._recoveries: list[str] = []   # GPUs declared healthy, not yet taken by take_recoveries
         self._recovery_count = 0       # recoveries ever offered: a new one ends a waiting nvmlEventSetWait early
         self._booted = False           # events in the file when this object is made are history
+        self._generation = 0           # see hardware_generation
         with self._hw():
             pass
         self._booted = True
@@ -372,6 +373,13 @@ class FakeNvml:
 
     def _changed(self) -> None:
         self._dirty = True
+        self._generation += 1
+
+    @property
+    def hardware_generation(self) -> int:
+        """Simulation control: grows with every change of the hardware, made here or (read from the state file)
+        by another process. Read it under ``hardware_locked`` for a value that matches what the calls show."""
+        return self._generation
 
     @contextmanager
     def hardware_locked(self) -> Iterator[None]:
@@ -428,6 +436,7 @@ class FakeNvml:
         if doc.events and doc.event_serial < doc.events[-1].seq:
             raise SimulatedStateError(f"{where}: eventSerial {doc.event_serial} is older than the newest event "
                                       f"({doc.events[-1].seq})")
+        self._generation += 1
         for gpu, gs, gis in updates:
             gpu.mig_current, gpu.mig_pending, gpu.compute_mode = gs.mig_current, gs.mig_pending, gs.compute_mode
             gpu.mig_serial = max(gpu.mig_serial, gs.mig_serial)

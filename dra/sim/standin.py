@@ -104,6 +104,7 @@ class GpuListing:
         self.directory = Path(directory)
         self._lock = threading.Lock()
         self._written: str | None = None
+        self._generation: int | None = None     # the simulated hardware's generation the listing shows
 
     @property
     def path(self) -> Path:
@@ -115,13 +116,18 @@ class GpuListing:
         held = getattr(self.nvml, "hardware_locked", contextlib.nullcontext)
         with self._lock:
             with held():
+                # Asked before every CDI spec: unchanged hardware is not listed again (the node files it names
+                # do not change while the plugin runs).
+                generation = getattr(self.nvml, "hardware_generation", None)
+                if generation is not None and generation == self._generation and self.path.is_file():
+                    return
                 text = listing_text(self.nvml, root, ctl)
-            if text == self._written and self.path.is_file():
-                return
-            try:
-                # Atomic: a container starting now reads either listing, never half of one.
-                write_atomic(self.path, text.encode(), mode=0o644, durable=False)
-            except OSError as err:
-                raise DriverRootError(f"cannot write the simulated GPU listing {self.path}: "
-                                      f"{err.strerror or err}") from None
-            self._written = text
+            if text != self._written or not self.path.is_file():
+                try:
+                    # Atomic: a container starting now reads either listing, never half of one.
+                    write_atomic(self.path, text.encode(), mode=0o644, durable=False)
+                except OSError as err:
+                    raise DriverRootError(f"cannot write the simulated GPU listing {self.path}: "
+                                          f"{err.strerror or err}") from None
+                self._written = text
+            self._generation = generation

@@ -242,6 +242,38 @@ def test_simulated_driver_root_refreshes_and_mounts_the_listing(tmp_path: Path) 
     assert uuid0 not in (listing_dir / "gpus").read_text()
 
 
+def test_the_listing_is_built_again_only_when_the_hardware_changed(tmp_path: Path) -> None:
+    """Asked before every CDI spec, the listing is built from NVML only after a change of the simulated hardware:
+    made in this process, or by another one through the shared state file."""
+    state = tmp_path / "hw.json"
+    node = parse_fleet(FLEET).node("n1")
+    nvml, other = nvml_for_node(node, state), nvml_for_node(node, state)
+    nvml.nvmlInit()
+    other.nvmlInit()
+    counted = []
+    count = nvml.nvmlDeviceGetCount
+
+    def counting() -> int:   # the first call of every listing
+        counted.append(1)
+        return count()
+
+    nvml.nvmlDeviceGetCount = counting  # type: ignore[method-assign]
+    listing_dir = tmp_path / "sim-gpus"
+    root = SimulatedDriverRoot(tmp_path / "empty-root", driver_version=VERSION, listing=GpuListing(nvml, listing_dir))
+    root.files()
+    root.files()
+    assert len(counted) == 1
+    (listing_dir / "gpus").unlink()                  # gone: written again
+    root.files()
+    assert (listing_dir / "gpus").is_file() and len(counted) == 2
+    uuid1 = other.nvmlDeviceGetUUID(other.nvmlDeviceGetHandleByIndex(1))
+    other.lose_gpu(uuid1)                            # another process changes the hardware
+    root.files()
+    assert len(counted) == 3 and uuid1 not in (listing_dir / "gpus").read_text()
+    root.files()
+    assert len(counted) == 3
+
+
 def test_a_listing_that_cannot_be_written_is_named(tmp_path: Path) -> None:
     nvml = nvml_for_node(parse_fleet(FLEET).node("n1"))
     nvml.nvmlInit()
