@@ -162,7 +162,7 @@ class ServerConnection:
             self._teardown()
 
     def _read_exact(self, n: int) -> bytes:
-        data = self._rfile.read(n)
+        data: bytes | None = self._rfile.read(n)
         if data is None or len(data) < n:
             raise EOFError("connection closed")
         return data

@@ -16,6 +16,8 @@ from kubeletplugin.transport.rpc import CallContext, service_methods
 from kubeletplugin.transport.unixserver import UnixGrpcServer
 
 PLUGIN_TYPE = "DRAPlugin"
+# The path of GetInfo, for probes of our own socket (kubeletplugin.transport.client).
+GET_INFO = f"/{reg_pb.DESCRIPTOR.services_by_name['Registration'].full_name}/GetInfo"
 
 # What the kubelet matches in PluginInfo.supported_versions: short "<proto package>.<Service>" names.
 # The DRA node service is listed newest first because 1.34+ kubelets pick the first entry they know.

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Iterator, Mapping, NoReturn
 
-from kubeletplugin.transport.http2 import ServerConnection, Stream
 from kubeletplugin.transport.hpack import Header
+from kubeletplugin.transport.http2 import ServerConnection, Stream
 
 MAX_MESSAGE = 4 * 1024 * 1024                  # grpcio's default receive limit
 _PREFIX = struct.Struct(">BI")
