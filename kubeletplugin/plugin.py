@@ -455,7 +455,7 @@ class KubeletPlugin:
         from kube.podresources import PodResourcesClient
         from kubeletplugin.claimmetrics import ClaimMetricsCollector, claim_devices
 
-        client = PodResourcesClient(o.pod_resources_socket)
+        client = PodResourcesClient(o.pod_resources_socket, call=unary_call)
         checkpoint = self.driver.checkpoint
         ClaimMetricsCollector(
             nvml=self.nvml, registry=self.metrics.registry, proc_root=o.proc_root,

@@ -34,7 +34,10 @@ from kubeletplugin.transport.http2 import (
 )
 from kubeletplugin.transport.rpc import RpcError, StatusCode
 
-WINDOW = 16 << 20              # the largest answer we take; the server never has to wait for a WINDOW_UPDATE
+# The largest answer we take (a 16 MiB message, the kubelet's own PodResources limit, and its prefix): the window
+# is that large from the start, so the server never waits for a WINDOW_UPDATE.
+WINDOW = (16 << 20) + 1024
+MAX_FRAME = 16384              # we do not raise SETTINGS_MAX_FRAME_SIZE
 _PREFIX = struct.Struct(">BI")
 _FRAME_HEADER = struct.Struct(">HBBBI")
 
@@ -83,8 +86,8 @@ def _read_answer(sock: socket.socket, response_type: Any, deadline: float) -> An
         sock.settimeout(max(0.001, deadline - time.monotonic()))
         hi, lo, ftype, flags, stream_id = _FRAME_HEADER.unpack(_recv_exact(sock, 9))
         length = (hi << 8) | lo
-        if length > WINDOW:
-            raise RpcError(StatusCode.INTERNAL, f"frame of {length} bytes")
+        if length > MAX_FRAME:
+            raise RpcError(StatusCode.INTERNAL, f"the server sent a frame of {length} bytes (at most {MAX_FRAME})")
         payload = _recv_exact(sock, length)
         if ftype == SETTINGS and not flags & ACK:
             sock.sendall(frame(SETTINGS, ACK, 0))
@@ -112,7 +115,7 @@ def _read_answer(sock: socket.socket, response_type: Any, deadline: float) -> An
         elif ftype == DATA:
             data += payload[1:len(payload) - payload[0]] if flags & PADDED else payload
             if len(data) > WINDOW:
-                raise RpcError(StatusCode.RESOURCE_EXHAUSTED, "answer over 16 MiB")
+                raise RpcError(StatusCode.RESOURCE_EXHAUSTED, f"answer over {WINDOW} bytes")
         if ftype in (HEADERS, DATA) and flags & END_STREAM:
             ended = True
         if ended and not block:
