@@ -515,12 +515,21 @@ class ServerConnection:
         if stream is not None:
             stream._fire()
 
-    def _goaway(self, code: int, message: str) -> None:
-        payload = struct.pack(">II", self._last_stream_id, code) + message.encode()[:256]
+    def _goaway(self, code: int, message: str, stopping: bool = False) -> None:
+        """Send GOAWAY. ``stopping``: never block on a peer that does not read (stop must not hang on it; the
+        connection is closed after the grace period anyway)."""
+        payload = frame(GOAWAY, 0, 0, struct.pack(">II", self._last_stream_id, code) + message.encode()[:256])
+        if not self._wlock.acquire(timeout=1.0 if stopping else -1):
+            return
         try:
-            self._send_raw(frame(GOAWAY, 0, 0, payload))
+            if stopping:
+                self.sock.send(payload, socket.MSG_DONTWAIT)
+            else:
+                self.sock.sendall(payload)
         except OSError:
             pass
+        finally:
+            self._wlock.release()
 
     # ----- ending -------------------------------------------------------------------------------------------
     def _maybe_finish(self) -> None:
@@ -533,7 +542,7 @@ class ServerConnection:
     def shutdown(self) -> None:
         """Refuse new streams (GOAWAY NO_ERROR) and close once the open ones are done."""
         self._going_away = True
-        self._goaway(NO_ERROR, "server stopping")
+        self._goaway(NO_ERROR, "server stopping", stopping=True)
         self._maybe_finish()
 
     def close(self) -> None:

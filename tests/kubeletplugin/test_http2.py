@@ -595,3 +595,25 @@ print(sorted(m for m in sys.modules if m == "grpc" or m.startswith("grpc.")))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
+
+
+def test_stop_is_prompt_with_a_sender_waiting_for_window_and_an_idle_connection(short_tmp):
+    server = DRAServer(short_tmp / "dra.sock", GatedDriver())
+    server.start()
+    waiting = RawPeer(short_tmp / "dra.sock", settings=struct.pack(">HI", h2.INITIAL_WINDOW_SIZE, 0))
+    idle = RawPeer(short_tmp / "dra.sock")
+    try:
+        waiting.request(1)                       # the answer waits for a WINDOW_UPDATE that never comes
+        waiting.until(lambda t, f, s, p: t == h2.HEADERS and s == 1)
+        stopper = threading.Thread(target=server.stop, kwargs={"grace": 0.2})
+        stopper.start()
+        stopper.join(WAIT_S)
+        assert not stopper.is_alive()
+        for peer in (waiting, idle):             # both hear GOAWAY, then the connection closes
+            _, code, _ = peer.goaway()
+            assert code == h2.NO_ERROR
+    finally:
+        waiting.close()
+        idle.close()
+        server.stop(0)
+    assert not (short_tmp / "dra.sock").exists()
