@@ -147,7 +147,11 @@ class Dispatcher:
             threading.Thread(target=self._run, args=(conn, stream, method), name=f"{self.name}-stream",
                              daemon=True).start()
         else:
-            self.pool.submit(self._run, conn, stream, method)
+            try:
+                self.pool.submit(self._run, conn, stream, method)
+            except RuntimeError:                        # the pool is shut down: the server is stopping
+                conn.send(stream, _RESPONSE_HEADERS + status_trailers(StatusCode.UNAVAILABLE, "the server is stopping"),
+                          end_stream=True)
 
     def _run(self, conn: ServerConnection, stream: Stream, method: Method | None) -> None:
         try:

@@ -498,6 +498,22 @@ def test_bad_messages_get_grpcio_status(served, body, code, text):
         peer.close()
 
 
+def test_an_answer_after_grpc_timeout_is_deadline_exceeded(served):
+    server, driver = served
+    driver.gate.set()
+    peer = RawPeer(server.socket_path)
+    try:
+        headers = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", PREPARE.encode()),
+                   (b"content-type", b"application/grpc"), (b"grpc-timeout", b"1n")]
+        peer.send(frame(h2.HEADERS, h2.END_HEADERS, 1, encode(headers)),
+                  frame(h2.DATA, h2.END_STREAM, 1, grpc_message(prepare_req("slow").SerializeToString())))
+        fields, data = peer.response(1)
+        assert fields[b"grpc-status"] == str(int(StatusCode.DEADLINE_EXCEEDED)).encode() and not data
+        assert driver.slow_done.is_set()
+    finally:
+        peer.close()
+
+
 def test_handler_exception_is_unknown_and_the_server_lives_on(served):
     server, _ = served
     with grpc.insecure_channel(f"unix://{server.socket_path}") as ch:
