@@ -346,6 +346,37 @@ def test_the_server_never_sends_more_than_the_peer_window(served):
         peer.close()
 
 
+def test_data_after_end_stream_resets_that_stream(served):
+    """A request stays half-closed (remote) while its handler runs: more DATA on it is STREAM_CLOSED."""
+    server, driver = served
+    peer = RawPeer(server.socket_path)
+    try:
+        peer.request(1, body=grpc_message(prepare_req("slow").SerializeToString()))
+        assert driver.slow_started.wait(WAIT_S)
+        peer.send(frame(h2.DATA, 0, 1, b"more"))
+        assert rst_code(peer, 1) == h2.STREAM_CLOSED
+        driver.gate.set()
+        peer.request(3)
+        fields, _ = peer.response(3)
+        assert fields[b"grpc-status"] == b"0"
+    finally:
+        peer.close()
+
+
+def test_our_header_blocks_follow_the_peers_header_table_size(served):
+    """We index nothing, but a peer that shrinks its table hears it in our next block (RFC 7541 section 4.2)."""
+    server, _ = served
+    peer = RawPeer(server.socket_path, settings=struct.pack(">HI", h2.HEADER_TABLE_SIZE, 0))
+    try:
+        peer.until(lambda t, f, *_: t == h2.SETTINGS and f & h2.ACK)
+        peer.request(1)
+        _, _, _, block = peer.until(lambda t, f, s, p: t == h2.HEADERS and s == 1)
+        assert block[0] == 0x20                            # dynamic table size update to 0, first
+        assert dict(peer.decoder.decode(block))[b":status"] == b"200"
+    finally:
+        peer.close()
+
+
 def test_too_many_concurrent_streams_are_refused(served):
     server, _ = served
     peer = RawPeer(server.socket_path)
@@ -621,6 +652,7 @@ def test_stop_is_prompt_with_a_sender_waiting_for_window_and_an_idle_connection(
     try:
         waiting.request(1)                       # the answer waits for a WINDOW_UPDATE that never comes
         waiting.until(lambda t, f, s, p: t == h2.HEADERS and s == 1)
+        idle.until(lambda t, f, *_: t == h2.SETTINGS)   # accepted (a connection still in the backlog is just closed)
         stopper = threading.Thread(target=server.stop, kwargs={"grace": 0.2})
         stopper.start()
         stopper.join(WAIT_S)
