@@ -28,7 +28,8 @@ class _Registration(reg_grpc.RegistrationServicer):
 
 
 async def serve(path: str) -> None:
-    """The same server as the plugin's (grpc.aio, kubeletplugin.transport.unixserver), with nothing else around it."""
+    """grpcio's asyncio server (the plugin's until its transport served gRPC on its own HTTP/2 code), with nothing
+    else around it: what a Python plugin on grpcio holds and spends."""
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)   # a wake-up fd: no polling
     with contextlib.suppress(FileNotFoundError):

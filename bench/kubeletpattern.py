@@ -33,7 +33,7 @@ from bench.core import Figure
 SETTLE_S = 5.0
 FLOOR_SETTLE_S = 1.0   # the bare server idles this long after answering, before its VmRSS is read
 # The plugin's heavy imports in the order the breakdown adds them ("a+b": one step).
-PLUGIN_IMPORTS = ("grpc", "structlog", "prometheus_client", "pydantic", "api.config",
+PLUGIN_IMPORTS = ("api.generated.dra.v1.api_pb2", "structlog", "prometheus_client", "pydantic", "api.config",
                   "kubernetes.client+kubernetes.config", "kubeletplugin.plugin")
 # Run by a fresh interpreter: one step's imports, then its name on stdout, then wait for the parent to read VmRSS.
 _IMPORT_STEPS = """import importlib, sys

@@ -3,7 +3,7 @@
 The kubelet finds a starting plugin through its registration socket and then talks to its DRA socket; both
 listen within a fraction of a second of the process starting, while discovery, the API server and start-up
 recovery are still to come. Calls that arrive meanwhile wait for the driver (``server``); slices are published
-only once the kubelet has confirmed the registration. Only grpc, the generated stubs and modules of the
+only once the kubelet has confirmed the registration. Only the generated messages and modules of the
 transport are imported here; what the command was told comes as plain arguments.
 """
 from __future__ import annotations

@@ -3,16 +3,15 @@
 ``HealthBoard`` keeps the current health of every device this plugin publishes. Watchers get the complete
 list whenever something changes and again every ``resend_interval`` seconds: the kubelet marks devices
 it has not heard about within its timeout (30 s by default) as Unknown, so silence is not an option.
-Watchers are coroutines on the gRPC server's event loop: between changes and resends they sleep, and a
-kubelet that goes away cancels its watch (no polling to notice it).
+Watchers are blocking generators, each in its stream's thread: between changes and resends they wait on the
+board's condition variable, and a kubelet that goes away ends its watch through ``wake`` (no polling).
 """
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Iterable, Literal, Mapping, Sequence
+from typing import Iterable, Iterator, Literal, Mapping, Sequence
 
 HealthStatus = Literal["Healthy", "Unhealthy", "Unknown"]
 
@@ -48,24 +47,20 @@ class HealthBoard:
         self.resend_interval = resend_interval
         self.timeout_seconds = timeout_seconds   # per-device staleness hint; 0 = kubelet default
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)   # notified on every change, close and wake
         self._devices: dict[tuple[str, str], DeviceHealth] = {}
         self._version = 0
         self._closed = False
-        self._wakers: set[Callable[[], None]] = set()   # one per watch: wakes it from any thread
-
-    def _wake_locked(self) -> None:
-        for wake in self._wakers:
-            wake()
 
     def replace(self, devices: Iterable[DeviceHealth]) -> None:
         """Set the complete device list (devices not listed are no longer reported)."""
         new = {(d.pool, d.device): d for d in devices}
-        with self._lock:
+        with self._changed:
             if self._same(new):
                 return
             self._devices = new
             self._version += 1
-            self._wake_locked()
+            self._changed.notify_all()
 
     def set_from_taints(self, pool: str, devices: Iterable[str],
                         taints: Mapping[str, Sequence[Mapping[str, object]]]) -> None:
@@ -93,39 +88,31 @@ class HealthBoard:
 
     def close(self) -> None:
         """End every watch (server shutdown)."""
-        with self._lock:
+        with self._changed:
             self._closed = True
-            self._wake_locked()
+            self._changed.notify_all()
 
-    async def watch(self) -> AsyncIterator[list[DeviceHealth]]:
+    def wake(self) -> None:
+        """Make every watch look at its ``stop`` event (one of them was cancelled)."""
+        with self._changed:
+            self._changed.notify_all()
+
+    def watch(self, stop: threading.Event | None = None) -> Iterator[list[DeviceHealth]]:
         """Yield the full list now, on every change, and every ``resend_interval`` seconds, until the board is
-        closed (or the watching task is cancelled: the client went away)."""
-        loop = asyncio.get_running_loop()
-        changed = asyncio.Event()
-
-        def wake() -> None:
-            loop.call_soon_threadsafe(changed.set)
-
-        with self._lock:
-            self._wakers.add(wake)
-        try:
-            seen, last_sent = -1, float("-inf")
-            while True:
-                with self._lock:
-                    # Cleared under the lock that replace() wakes under: a change after this read sets it again.
-                    changed.clear()
-                    if self._closed:
+        closed or ``stop`` is set (then call ``wake`` so the watch sees it)."""
+        seen, last_sent = -1, float("-inf")
+        while True:
+            with self._changed:
+                while True:
+                    if self._closed or (stop is not None and stop.is_set()):
                         return
-                    version = self._version
-                    devices = sorted(self._devices.values(), key=lambda d: (d.pool, d.device))
-                if version != seen or time.monotonic() - last_sent >= self.resend_interval:
-                    seen, last_sent = version, time.monotonic()
-                    yield devices
-                    continue
-                try:
-                    await asyncio.wait_for(changed.wait(), self.resend_interval - (time.monotonic() - last_sent))
-                except asyncio.TimeoutError:
-                    pass
-        finally:
-            with self._lock:
-                self._wakers.discard(wake)
+                    if self._version != seen:
+                        break
+                    remaining = self.resend_interval - (time.monotonic() - last_sent)
+                    if remaining <= 0:
+                        break
+                    self._changed.wait(remaining)
+                seen = self._version
+                devices = sorted(self._devices.values(), key=lambda d: (d.pool, d.device))
+            last_sent = time.monotonic()
+            yield devices

@@ -11,13 +11,13 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import grpc
-
 from api.generated.pluginregistration.v1 import api_pb2 as reg_pb
-from api.generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from kubeletplugin.transport.rpc import CallContext, service_methods
 from kubeletplugin.transport.unixserver import UnixGrpcServer
 
 PLUGIN_TYPE = "DRAPlugin"
+# The path of GetInfo, for probes of our own socket (kubeletplugin.transport.client).
+GET_INFO = f"/{reg_pb.DESCRIPTOR.services_by_name['Registration'].full_name}/GetInfo"
 
 # What the kubelet matches in PluginInfo.supported_versions: short "<proto package>.<Service>" names.
 # The DRA node service is listed newest first because 1.34+ kubelets pick the first entry they know.
@@ -64,7 +64,7 @@ class RegistrationState:
                 self._registered.clear()
 
 
-class RegistrationServicer(reg_grpc.RegistrationServicer):
+class RegistrationServicer:
     def __init__(self, driver_name: str, endpoint: Path, services: Sequence[str], state: RegistrationState,
                  on_status: Callable[[bool, str], None] | None = None, log: Any = None):
         self._info = reg_pb.PluginInfo(type=PLUGIN_TYPE, name=driver_name, endpoint=str(endpoint),
@@ -81,11 +81,11 @@ class RegistrationServicer(reg_grpc.RegistrationServicer):
             self._log_given = structlog.get_logger("registration")
         return self._log_given
 
-    def GetInfo(self, request: reg_pb.InfoRequest, context: grpc.ServicerContext) -> reg_pb.PluginInfo:
+    def GetInfo(self, request: reg_pb.InfoRequest, context: CallContext) -> reg_pb.PluginInfo:
         return self._info
 
     def NotifyRegistrationStatus(self, request: reg_pb.RegistrationStatus,
-                                 context: grpc.ServicerContext) -> reg_pb.RegistrationStatusResponse:
+                                 context: CallContext) -> reg_pb.RegistrationStatusResponse:
         self._state.record(request.plugin_registered, request.error)
         if request.plugin_registered:
             self._log.info("registered with the kubelet", endpoint=self._info.endpoint,
@@ -111,8 +111,8 @@ class RegistrationServer:
                  on_status: Callable[[bool, str], None] | None = None, log: Any = None):
         self.state = RegistrationState()
         self.servicer = RegistrationServicer(driver_name, endpoint, services, self.state, on_status, log)
-        self._server = UnixGrpcServer(socket_path, lambda s: reg_grpc.add_RegistrationServicer_to_server(
-            self.servicer, s), max_workers=2, name="registration")
+        self._server = UnixGrpcServer(socket_path, service_methods(reg_pb, "Registration", self.servicer),
+                                      max_workers=2, name="registration")
 
     @property
     def socket_path(self) -> Path:

@@ -2,16 +2,16 @@
 ``…v1beta1.DRAPlugin`` (one handler; the versions differ only in v1's ``Device.share_id``), plus the
 ``DRAResourceHealth`` stream in ``v1`` and ``v1alpha1``.
 
-Prepare and unprepare are plain functions, run in the server's thread pool (kubeletplugin.transport.unixserver); the
-health streams are coroutines that sleep between changes.
+Prepare and unprepare are plain functions, run in the server's thread pool (kubeletplugin.transport.rpc); a
+health stream is a blocking generator in a thread of its own that sleeps between changes.
 
 Per-claim failures travel in the response's ``error`` field; a gRPC error is reserved for a call that
 could not be handled at all (the kubelet then retries the whole pod).
 
 The server can listen before the driver exists (``attach`` supplies it): the plugin registers with the
 kubelet within a fraction of a second of starting, and a call that comes before the driver is ready waits for
-it (or fails its claims with an error the kubelet retries). Only grpc and the generated stubs are imported on
-that path.
+it (or fails its claims with an error the kubelet retries). Only the generated messages and the transport's own
+modules are imported on that path (no grpcio: kubeletplugin.transport.rpc serves gRPC).
 """
 from __future__ import annotations
 
@@ -19,19 +19,14 @@ import threading
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, AsyncIterator
-
-import grpc
+from typing import TYPE_CHECKING, Any, Iterator
 
 from api.generated.dra.v1 import api_pb2 as v1_pb
-from api.generated.dra.v1 import api_pb2_grpc as v1_grpc
 from api.generated.dra.v1beta1 import api_pb2 as v1beta1_pb
-from api.generated.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
 from api.generated.dra_health.v1 import api_pb2 as health_v1_pb
-from api.generated.dra_health.v1 import api_pb2_grpc as health_v1_grpc
 from api.generated.dra_health.v1alpha1 import api_pb2 as health_v1alpha1_pb
-from api.generated.dra_health.v1alpha1 import api_pb2_grpc as health_v1alpha1_grpc
 from kubeletplugin.transport.health import MAX_MESSAGE, HealthBoard
+from kubeletplugin.transport.rpc import CallContext, Method, StatusCode, service_methods
 from kubeletplugin.transport.unixserver import UnixGrpcServer
 
 if TYPE_CHECKING:
@@ -86,7 +81,7 @@ class DRAService:
         ref = _claim_types().ClaimRef
         return [ref(namespace=c.namespace, uid=c.uid, name=c.name) for c in request.claims]
 
-    def _check(self, claims: list[ClaimRef], context: grpc.ServicerContext) -> tuple[list[ClaimRef], dict[str, str]]:
+    def _check(self, claims: list[ClaimRef], context: CallContext) -> tuple[list[ClaimRef], dict[str, str]]:
         """(claims to hand to the driver, errors of claims that are not). A claim without UID cannot even be
         answered (answers are keyed by UID): that fails the call. Any other bad name fails its claim only,
         before it reaches an API path or a file name."""
@@ -95,7 +90,7 @@ class DRAService:
         claim_ref_problem = _claim_types().claim_ref_problem
         for c in claims:
             if not c.uid:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                context.abort(StatusCode.INVALID_ARGUMENT,
                               f"claim {c.namespace!r}/{c.name!r}: uid is required")
             problem = claim_ref_problem(c)
             if problem:
@@ -104,7 +99,7 @@ class DRAService:
                 valid.append(c)
         return valid, errors
 
-    def prepare(self, pb: ModuleType, version: str, request: Any, context: grpc.ServicerContext) -> Any:
+    def prepare(self, pb: ModuleType, version: str, request: Any, context: CallContext) -> Any:
         claims = self._claims(request)
         if self.metrics:
             self.metrics.requests.labels(method="NodePrepareResources", version=version).inc()
@@ -137,7 +132,7 @@ class DRAService:
                     dev.share_id = d.share_id
         return response
 
-    def unprepare(self, pb: ModuleType, version: str, request: Any, context: grpc.ServicerContext) -> Any:
+    def unprepare(self, pb: ModuleType, version: str, request: Any, context: CallContext) -> Any:
         claims = self._claims(request)
         if self.metrics:
             self.metrics.requests.labels(method="NodeUnprepareResources", version=version).inc()
@@ -161,37 +156,44 @@ class DRAService:
         return response
 
 
-class DRAPluginV1(v1_grpc.DRAPluginServicer):
+class DRAPluginV1:
     def __init__(self, service: DRAService):
         self._s = service
 
     def NodePrepareResources(self, request: v1_pb.NodePrepareResourcesRequest,
-                             context: grpc.ServicerContext) -> Any:
+                             context: CallContext) -> Any:
         return self._s.prepare(v1_pb, "v1", request, context)
 
     def NodeUnprepareResources(self, request: v1_pb.NodeUnprepareResourcesRequest,
-                               context: grpc.ServicerContext) -> Any:
+                               context: CallContext) -> Any:
         return self._s.unprepare(v1_pb, "v1", request, context)
 
 
-class DRAPluginV1beta1(v1beta1_grpc.DRAPluginServicer):
+class DRAPluginV1beta1:
     def __init__(self, service: DRAService):
         self._s = service
 
     def NodePrepareResources(self, request: v1beta1_pb.NodePrepareResourcesRequest,
-                             context: grpc.ServicerContext) -> Any:
+                             context: CallContext) -> Any:
         return self._s.prepare(v1beta1_pb, "v1beta1", request, context)
 
     def NodeUnprepareResources(self, request: v1beta1_pb.NodeUnprepareResourcesRequest,
-                               context: grpc.ServicerContext) -> Any:
+                               context: CallContext) -> Any:
         return self._s.unprepare(v1beta1_pb, "v1beta1", request, context)
 
 
 _HEALTH_ENUM = {"Healthy": "HEALTHY", "Unhealthy": "UNHEALTHY", "Unknown": "UNKNOWN"}
 
 
-async def _health_stream(board: HealthBoard, pb: ModuleType) -> AsyncIterator[Any]:
-    async for devices in board.watch():   # ends when the board closes; a client that goes away cancels it
+def _health_stream(board: HealthBoard, pb: ModuleType, context: CallContext) -> Iterator[Any]:
+    stop = threading.Event()
+
+    def cancelled() -> None:              # the kubelet went away: end this watch
+        stop.set()
+        board.wake()
+
+    context.add_callback(cancelled)
+    for devices in board.watch(stop):     # ends when the board closes or the call is cancelled
         msg = pb.NodeWatchResourcesResponse()
         for d in devices:
             msg.devices.add(device=pb.DeviceIdentifier(pool_name=d.pool, device_name=d.device),
@@ -202,24 +204,22 @@ async def _health_stream(board: HealthBoard, pb: ModuleType) -> AsyncIterator[An
         yield msg
 
 
-class ResourceHealthV1(health_v1_grpc.DRAResourceHealthServicer):
+class ResourceHealthV1:
     def __init__(self, board: HealthBoard):
         self._board = board
 
-    async def NodeWatchResources(self, request: health_v1_pb.NodeWatchResourcesRequest,
-                                 context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        async for msg in _health_stream(self._board, health_v1_pb):
-            yield msg
+    def NodeWatchResources(self, request: health_v1_pb.NodeWatchResourcesRequest,
+                           context: CallContext) -> Iterator[Any]:
+        return _health_stream(self._board, health_v1_pb, context)
 
 
-class ResourceHealthV1alpha1(health_v1alpha1_grpc.DRAResourceHealthServicer):
+class ResourceHealthV1alpha1:
     def __init__(self, board: HealthBoard):
         self._board = board
 
-    async def NodeWatchResources(self, request: health_v1alpha1_pb.NodeWatchResourcesRequest,
-                                 context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        async for msg in _health_stream(self._board, health_v1alpha1_pb):
-            yield msg
+    def NodeWatchResources(self, request: health_v1alpha1_pb.NodeWatchResourcesRequest,
+                           context: CallContext) -> Iterator[Any]:
+        return _health_stream(self._board, health_v1alpha1_pb, context)
 
 
 class DRAServer:
@@ -232,17 +232,16 @@ class DRAServer:
         self.service = DRAService(driver, metrics, log)
         self.health = health
 
-        def register(server: grpc.aio.Server) -> None:
-            if serve_v1:
-                v1_grpc.add_DRAPluginServicer_to_server(DRAPluginV1(self.service), server)
-            if serve_v1beta1:
-                v1beta1_grpc.add_DRAPluginServicer_to_server(DRAPluginV1beta1(self.service), server)
-            if health is not None:
-                health_v1_grpc.add_DRAResourceHealthServicer_to_server(ResourceHealthV1(health), server)
-                health_v1alpha1_grpc.add_DRAResourceHealthServicer_to_server(ResourceHealthV1alpha1(health), server)
-
-        # Prepare and unprepare calls run in the server's thread pool; health streams on its event loop.
-        self._server = UnixGrpcServer(socket_path, register, max_workers=max_workers, name="dra")
+        methods: dict[str, Method] = {}
+        if serve_v1:
+            methods.update(service_methods(v1_pb, "DRAPlugin", DRAPluginV1(self.service)))
+        if serve_v1beta1:
+            methods.update(service_methods(v1beta1_pb, "DRAPlugin", DRAPluginV1beta1(self.service)))
+        if health is not None:
+            methods.update(service_methods(health_v1_pb, "DRAResourceHealth", ResourceHealthV1(health)))
+            methods.update(service_methods(health_v1alpha1_pb, "DRAResourceHealth", ResourceHealthV1alpha1(health)))
+        # Prepare and unprepare calls run in the server's thread pool; each health stream in its own thread.
+        self._server = UnixGrpcServer(socket_path, methods, max_workers=max_workers, name="dra")
 
     def attach(self, driver: NodeDriver, metrics: RequestMetrics | None = None, log: Any = None) -> None:
         self.service.attach(driver, metrics, log)

@@ -2,7 +2,6 @@
 stubs the way the kubelet calls them."""
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import stat
@@ -99,7 +98,7 @@ def test_a_socket_path_at_the_af_unix_limit_is_served(short_tmp):
     name = "s" * (MAX_UNIX_PATH - len(str(short_tmp)) - 1)
     path = short_tmp / name
     assert len(str(path)) == MAX_UNIX_PATH
-    server = UnixGrpcServer(path, lambda _server: None)
+    server = UnixGrpcServer(path, {})
     server.start()
     try:
         with socket.socket(socket.AF_UNIX) as client:
@@ -240,19 +239,39 @@ def test_health_board_watch_ends_on_close():
     board = HealthBoard(resend_interval=5)
     board.replace([DeviceHealth("p", "gpu-0", "Healthy")])
     seen = []
+    first = threading.Event()
 
-    async def consume():
-        async for snap in board.watch():
+    def consume():
+        for snap in board.watch():
             seen.append(snap)
+            first.set()
 
-    async def main():
-        task = asyncio.ensure_future(consume())
-        await asyncio.sleep(0.1)
-        threading.Thread(target=board.close).start()   # closed from another thread, as the server's stop does
-        await asyncio.wait_for(task, 3)
+    watcher = threading.Thread(target=consume)
+    watcher.start()
+    assert first.wait(3)
+    board.close()                  # from another thread, as the server's stop does
+    watcher.join(3)
+    assert not watcher.is_alive() and len(seen) == 1
 
-    asyncio.run(main())
-    assert len(seen) == 1
+
+def test_health_watch_ends_when_stopped():
+    """A cancelled stream sets its stop event and wakes the board: the watch ends without waiting for a resend."""
+    board = HealthBoard(resend_interval=60)
+    board.replace([DeviceHealth("p", "gpu-0", "Healthy")])
+    stop = threading.Event()
+    watch = board.watch(stop)
+    assert next(watch)[0].device == "gpu-0"
+    ended = threading.Event()
+
+    def drain():
+        for _ in watch:
+            pass
+        ended.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    stop.set()
+    board.wake()
+    assert ended.wait(3)
 
 
 def test_health_watch_sleeps_between_changes_and_resends():
@@ -262,21 +281,17 @@ def test_health_watch_sleeps_between_changes_and_resends():
     board.replace([DeviceHealth("p", "gpu-0", "Healthy")])
     times: list[float] = []
 
-    async def main():
-        watch = board.watch()
-        await watch.__anext__()
-        t0 = time.monotonic()
-        threading.Timer(0.1, lambda: board.replace([DeviceHealth("p", "gpu-0", "Unhealthy", "x")])).start()
-        changed = await asyncio.wait_for(watch.__anext__(), 2)
-        times.append(time.monotonic() - t0)
-        assert changed[0].status == "Unhealthy"
-        resent = await asyncio.wait_for(watch.__anext__(), 2)    # nothing changed: the resend
-        times.append(time.monotonic() - t0)
-        assert resent == changed
-        await watch.aclose()
-        assert not board._wakers                                  # a closed watch leaves nothing behind
-
-    asyncio.run(main())
+    watch = board.watch()
+    next(watch)
+    t0 = time.monotonic()
+    threading.Timer(0.1, lambda: board.replace([DeviceHealth("p", "gpu-0", "Unhealthy", "x")])).start()
+    changed = next(watch)
+    times.append(time.monotonic() - t0)
+    assert changed[0].status == "Unhealthy"
+    resent = next(watch)                                          # nothing changed: the resend
+    times.append(time.monotonic() - t0)
+    assert resent == changed
+    watch.close()
     assert 0.05 <= times[0] < 0.4 and times[1] >= 0.55
 
 
