@@ -144,8 +144,10 @@ class ClusterAccess:
             self._transport.close()
 
 
-def in_cluster(directory: Path = SERVICE_ACCOUNT_DIR) -> ClusterAccess:
-    """The pod's service account: KUBERNETES_SERVICE_HOST/PORT, its token (re-read) and CA."""
+def in_cluster(directory: Path | None = None) -> ClusterAccess:
+    """The pod's service account (in `directory`, else SERVICE_ACCOUNT_DIR): KUBERNETES_SERVICE_HOST/PORT, its
+    token (re-read) and CA."""
+    directory = directory or SERVICE_ACCOUNT_DIR
     host, port = os.environ.get("KUBERNETES_SERVICE_HOST", ""), os.environ.get("KUBERNETES_SERVICE_PORT", "")
     if not host or not port:
         raise ConnectError("in-cluster configuration: KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT "
