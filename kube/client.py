@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kube.httpclient import StreamResponse, TransportError
-from kube.kubeconfig import cluster_access
+from kube.kubeconfig import ClusterAccess, cluster_access
 
 RESOURCE_V1 = "/apis/resource.k8s.io/v1"
 SLICES = f"{RESOURCE_V1}/resourceslices"
@@ -71,8 +71,15 @@ class KubeApi:
 
     def __init__(self, api_client: Any, timeout: float = 30.0) -> None:
         self.api_client = api_client
-        self.access = cluster_access(api_client)
         self.timeout = timeout
+        self._access: ClusterAccess | None = None
+
+    @property
+    def access(self) -> ClusterAccess:
+        """Resolved at the first request: a KubeApi can be built before it has anything to reach."""
+        if self._access is None:
+            self._access = cluster_access(self.api_client)
+        return self._access
 
     @property
     def host(self) -> str:
