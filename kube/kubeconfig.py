@@ -93,7 +93,7 @@ class TokenCredentials:
 
 
 class ApiClientCredentials:
-    """The credential headers a kubernetes ApiClient builds (exec plugins, auth-provider, its own config)."""
+    """The headers a kubernetes ApiClient builds (exec plugins, auth-provider, its own config, default headers)."""
 
     def __init__(self, api_client: Any) -> None:
         self._client = api_client
@@ -105,7 +105,9 @@ class ApiClientCredentials:
             return built[1]
         _, _, headers, _, _ = self._client.param_serialize(
             method="GET", resource_path="", header_params={}, auth_settings=["BearerToken"])
-        fresh = {k: v for k, v in headers.items() if k.lower() in ("authorization",)}
+        # Credentials and the client's default headers (Impersonate-User, say); the request sets its own Accept,
+        # Content-Type and User-Agent.
+        fresh = {k: v for k, v in headers.items() if k.lower() not in ("accept", "content-type", "user-agent")}
         self._built = (now, fresh)
         return fresh
 

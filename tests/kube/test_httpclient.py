@@ -340,3 +340,20 @@ def test_in_cluster_reads_the_service_account(tmp_path: Path, monkeypatch: pytes
     (tmp_path / "ca.crt").unlink()
     with pytest.raises(ConnectError, match=f"CA file {tmp_path / 'ca.crt'}: no such file"):
         kubeconfig.in_cluster(tmp_path)
+
+
+def test_a_kubernetes_api_client_is_read_as_an_access_with_its_headers(serve: Callable[..., Scripted]) -> None:
+    """Callers that hand over a kubernetes ApiClient (exec-plugin kubeconfigs, tests impersonating a user) get its
+    token and default headers, and every KubeApi on it shares one connection per thread."""
+    from kubernetes import client as kclient
+
+    server = serve(lambda r: response({}))
+    config = kclient.Configuration()
+    config.host = server.url
+    config.api_key = {"BearerToken": "Bearer from-client"}
+    api_client = kclient.ApiClient(config)
+    api_client.set_default_header("Impersonate-User", "someone")
+    KubeApi(api_client).get("/a")
+    KubeApi(api_client).get("/b")
+    assert [(r.conn, r.headers["authorization"], r.headers["impersonate-user"]) for r in server.requests] == [
+        (1, "Bearer from-client", "someone")] * 2
