@@ -316,7 +316,7 @@ def _iter_body(rfile: BufferedReader, method: str, status: int, headers: dict[st
             if size > MAX_BODY:
                 raise TransportError(f"response chunk of {size} bytes is larger than {MAX_BODY} bytes")
             data = rfile.read(size)
-            if len(data) != size or rfile.read(2) not in (b"\r\n", b"\n"):
+            if len(data) != size or rfile.readline(3) not in (b"\r\n", b"\n"):
                 raise TransportError("the server closed the connection inside a chunked body")
             yield data
     length = _content_length(headers)

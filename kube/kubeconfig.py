@@ -134,10 +134,15 @@ class ClusterAccess:
     def host(self) -> str:
         return self.server
 
+    def __post_init__(self) -> None:
+        try:
+            self._transport = HttpTransport(Server(self.server, self.ssl_context, self.tls_server_name, self.proxy))
+        except ValueError as exc:
+            raise ConnectError(f"{self.source or 'API server'}: {exc}") from exc
+
     @property
     def transport(self) -> HttpTransport:
-        if self._transport is None:
-            self._transport = HttpTransport(Server(self.server, self.ssl_context, self.tls_server_name, self.proxy))
+        assert self._transport is not None
         return self._transport
 
     def close(self) -> None:
