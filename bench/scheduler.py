@@ -290,7 +290,7 @@ class BindWatch:
                             if len(self.bound) >= self.expected:
                                 break
                 finally:
-                    resp.release_conn()
+                    resp.close()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, which raises it
             self.error = exc
         finally:

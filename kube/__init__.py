@@ -2,7 +2,9 @@
 (ops) and the local test bed:
 
 * ``client``: plain-JSON access to the API (``KubeApi``), its errors and the resource paths;
-* ``connect``: an ApiClient from a kubeconfig, the in-cluster service account or the default kubeconfig;
+* ``httpclient``: HTTP/1.1 to the API server (one kept-alive connection per thread, streamed watches);
+* ``kubeconfig``: a ``ClusterAccess`` (server, TLS, credentials) from a kubeconfig or the service account;
+* ``connect``: which of those a command uses (kubeconfig, in-cluster, default kubeconfig), the namespace;
 * ``serverversion``: which slice features the API server accepts;
 * ``backoff``: exponential back-off per work item;
 * ``resourceslices``: the ResourceSlice publisher (desired pools vs. what is stored, minimal writes), with

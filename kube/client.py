@@ -1,19 +1,19 @@
-"""Plain-JSON access to the Kubernetes API through a `kubernetes.client.ApiClient`.
+"""Plain-JSON access to the Kubernetes API.
 
-The typed models of the Python client drop fields they do not know when reading and validate bodies
-before writing, so everything here sends and receives wire-format dicts. The ApiClient only supplies
-the connection: host, TLS and credentials from the kubeconfig.
+Everything here sends and receives wire-format dicts (typed client models drop fields they do not know and
+validate bodies before writing). Requests go through kube.httpclient; where the server is and the credentials
+come from a kube.kubeconfig.ClusterAccess.
 """
 from __future__ import annotations
 
 import json
 import re
-import time
 import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
-import urllib3
+from kube.httpclient import StreamResponse, TransportError
+from kube.kubeconfig import ClusterAccess, cluster_access
 
 RESOURCE_V1 = "/apis/resource.k8s.io/v1"
 SLICES = f"{RESOURCE_V1}/resourceslices"
@@ -23,10 +23,7 @@ NODES = "/api/v1/nodes"
 # a thousandth of the bytes of full ResourceSlices, for readers that need names, versions and annotations.
 METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 METADATA_OBJECT = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
-# How long a KubeApi reuses the server URL and credential headers it built (see KubeApi._host_and_headers). The
-# client itself re-reads an in-cluster token at most once a minute; a token that expires meanwhile gets a 401, and
-# the request is sent again with fresh credentials.
-CONNECTION_REUSE_S = 10.0
+USER_AGENT = "gpu-dra"
 
 
 class EncodedObject(bytes):
@@ -69,67 +66,65 @@ class ApiUnavailable(Exception):
 
 
 class KubeApi:
-    """A few JSON verbs on top of an ApiClient's connection pool and credentials."""
+    """A few JSON verbs on top of a ClusterAccess (or a kubernetes ApiClient, read as one): its transport (one
+    kept-alive connection per thread) and credentials."""
 
     def __init__(self, api_client: Any, timeout: float = 30.0) -> None:
         self.api_client = api_client
         self.timeout = timeout
-        self._connection: tuple[float, str, dict[str, str]] | None = None   # (built at, host, headers)
+        self._access: ClusterAccess | None = None
+
+    @property
+    def access(self) -> ClusterAccess:
+        """Resolved at the first request: a KubeApi can be built before it has anything to reach."""
+        if self._access is None:
+            self._access = cluster_access(self.api_client)
+        return self._access
 
     @property
     def host(self) -> str:
-        return str(self.api_client.configuration.host)
-
-    def _host_and_headers(self) -> tuple[str, dict[str, str], bool]:
-        """The server URL and the headers every request carries (credentials, User-Agent), as the ApiClient builds
-        them, reused for ``CONNECTION_REUSE_S``: building them runs the kubeconfig's refresh hook, which re-reads
-        the credentials and scans the whole environment for proxy variables (0.06-0.15 ms of CPU per request,
-        growing with the environment)."""
-        now = time.monotonic()
-        cached = self._connection
-        if cached is not None and now - cached[0] < CONNECTION_REUSE_S:
-            return cached[1], cached[2], True
-        _, host, headers, _, _ = self.api_client.param_serialize(
-            method="GET", resource_path="", header_params={}, auth_settings=["BearerToken"])
-        self._connection = (now, host, headers)
-        return host, headers, False
+        return self.access.server
 
     def request(self, method: str, path: str, query: dict[str, Any] | None = None, body: Any = None,
                 content_type: str = "application/json", timeout: float | None = None,
                 stream: bool = False, accept: str = "application/json") -> Any:
-        """One request; returns the decoded JSON document (or the raw urllib3 response when stream=True).
-        A bytes body (e.g. an EncodedObject) is sent as it is: it is JSON already. A 401 (credentials that
-        expired while reused) builds the credentials again and sends the request once more."""
-        data = body if isinstance(body, bytes) or body is None else json.dumps(body)
-        suffix = path
+        """One request; returns the decoded JSON document (or a StreamResponse, which the caller closes, when
+        stream=True). A bytes body (e.g. an EncodedObject) is sent as it is: it is JSON already. A 401 after which
+        the credentials read anew differ (a rotated token) sends the request once more."""
+        data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+        target = path
         if query:
-            suffix += "?" + urllib.parse.urlencode({k: _query_value(v) for k, v in query.items() if v is not None})
+            target += "?" + urllib.parse.urlencode({k: _query_value(v) for k, v in query.items() if v is not None})
+        read_timeout = timeout if timeout is not None else self.timeout
+        connect_timeout = min(10.0, timeout or self.timeout)
+        transport, credentials = self.access.transport, self.access.credentials
         for attempt in (1, 2):
-            host, common, reused = self._host_and_headers()
-            headers = {**common, "Accept": accept}
+            headers = {**credentials.headers(), "Accept": accept, "User-Agent": USER_AGENT}
             if body is not None:
                 headers["Content-Type"] = content_type
             try:
-                resp = self.api_client.rest_client.pool_manager.request(
-                    method, host + suffix, body=data, headers=headers, preload_content=not stream,
-                    timeout=urllib3.Timeout(connect=min(10.0, timeout or self.timeout),
-                                            read=timeout if timeout is not None else self.timeout),
-                    retries=False)
-            except (urllib3.exceptions.HTTPError, OSError) as exc:
-                raise ApiUnavailable(f"{method} {self.host}{path}: {type(exc).__name__}: {exc}") from exc
-            if resp.status == 401 and attempt == 1 and reused:
-                self._connection = None
                 if stream:
-                    resp.release_conn()
+                    resp: Any = transport.open_stream(method, target, headers, data, connect_timeout, read_timeout)
+                else:
+                    resp = transport.request(method, target, headers, data, connect_timeout, read_timeout)
+            except TransportError as exc:
+                raise ApiUnavailable(f"{method} {self.host}{path}: {exc}") from exc
+            if resp.status == 401 and attempt == 1 and credentials.refresh():
+                if stream:
+                    resp.close()
                 continue
             break
         if stream:
             if not 200 <= resp.status < 300:
-                text = resp.read().decode(errors="replace")
-                resp.release_conn()
+                try:
+                    text = resp.read().decode(errors="replace")
+                except TransportError as exc:
+                    raise ApiUnavailable(f"{method} {self.host}{path}: {exc}") from exc
+                finally:
+                    resp.close()
                 raise ApiError(method, path, resp.status, text)
             return resp
-        text = resp.data.decode(errors="replace")
+        text = resp.body.decode(errors="replace")
         if not 200 <= resp.status < 300:
             raise ApiError(method, path, resp.status, text)
         return json.loads(text) if text else {}
@@ -198,10 +193,13 @@ class KubeApi:
             raise ApiError("GET", "/version", 200, json.dumps({"message": f"unreadable version {doc}"})) from exc
 
 
-def iter_json_lines(resp: Any) -> Iterator[dict[str, Any]]:
+def iter_json_lines(resp: StreamResponse) -> Iterator[dict[str, Any]]:
     """The JSON documents of a streamed watch response, one per line."""
     buf = b""
-    for chunk in resp.stream(64 * 1024, decode_content=True):
+    for chunk in resp.iter_chunks():
+        if not buf and chunk.endswith(b"\n") and chunk.count(b"\n") == 1:
+            yield json.loads(chunk)          # the API server sends each watch event as one chunk
+            continue
         buf += chunk
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)

@@ -1,67 +1,56 @@
-"""How the controllers and commands get an ApiClient: a kubeconfig file, the in-cluster service account, or the
-default kubeconfig ($KUBECONFIG, ~/.kube/config), in that order; a named context instead of the current one;
+"""How the controllers and commands reach the API server: a kubeconfig file, the in-cluster service account, or
+the default kubeconfig ($KUBECONFIG, ~/.kube/config), in that order; a named context instead of the current one;
 and the default namespace as kubectl finds it (the context's namespace, the service account's, "default")."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
+from kube.kubeconfig import (
+    ClusterAccess,
+    ConnectError,
+    cluster_access,
+    from_kubeconfig,
+    in_cluster,
+    kubeconfig_files,
+    read_kubeconfigs,
+)
 
-class ConnectError(RuntimeError):
-    """No usable cluster credentials; the message says what was tried."""
-
+__all__ = ["ConnectError", "api_client_from", "default_namespace"]
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
-def api_client_from(kubeconfig: str | None = None, context: str | None = None) -> Any:
+def api_client_from(kubeconfig: str | None = None, context: str | None = None) -> ClusterAccess:
     """`context`: a context of the kubeconfig instead of its current one (never the in-cluster account then)."""
-    from kubernetes import client as kclient
-    from kubernetes import config as kconfig
-
     if kubeconfig:
         if not Path(kubeconfig).is_file():
             raise ConnectError(f"--kubeconfig {kubeconfig}: no such file")
-        _check_context(kubeconfig, context)
-        try:
-            return kconfig.new_client_from_config(config_file=kubeconfig, context=context)
-        except kconfig.ConfigException as exc:
-            raise ConnectError(f"--kubeconfig {kubeconfig}: {exc}") from exc
+        return _from_kubeconfig(kubeconfig, context, f"--kubeconfig {kubeconfig}")
     if context:
-        _check_context(None, context)
-        try:
-            return kconfig.new_client_from_config(config_file=os.environ.get("KUBECONFIG"), context=context)
-        except kconfig.ConfigException as exc:
-            raise ConnectError(f"--context {context}: {exc}") from exc
+        return _from_kubeconfig(None, context, f"--context {context}")
     if os.environ.get("KUBERNETES_SERVICE_HOST"):
-        cfg = type.__call__(kclient.Configuration)
-        try:
-            kconfig.load_incluster_config(client_configuration=cfg)
-        except kconfig.ConfigException as exc:
-            raise ConnectError(f"in-cluster configuration: {exc}") from exc
-        return kclient.ApiClient(configuration=cfg)
+        return in_cluster()
     try:
-        return kconfig.new_client_from_config()
-    except kconfig.ConfigException as exc:
+        return _from_kubeconfig(None, None, "default kubeconfig")
+    except ConnectError as exc:
         raise ConnectError(f"no --kubeconfig given, not running in a cluster, and the default kubeconfig "
                            f"is unusable: {exc}") from exc
 
 
-def _contexts(kubeconfig: str | None) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+def _from_kubeconfig(kubeconfig: str | None, context: str | None, what: str) -> ClusterAccess:
+    access = from_kubeconfig(kubeconfig, context)
+    if access is not None:
+        return access
+    # Exec credential plugins and auth-providers: the kubernetes package's machinery builds the credentials.
     from kubernetes import config as kconfig
 
     try:
-        # $KUBECONFIG as it is now (the client reads it once, when imported); a list of files is merged.
-        contexts, current = kconfig.list_kube_config_contexts(config_file=kubeconfig or os.environ.get("KUBECONFIG"))
-    except (kconfig.ConfigException, OSError) as exc:
-        raise ConnectError(f"kubeconfig {kubeconfig or '(default)'}: {exc}") from exc
-    return list(contexts or []), current
-
-
-def _check_context(kubeconfig: str | None, context: str | None) -> None:
-    if context and not any(c.get("name") == context for c in _contexts(kubeconfig)[0]):
-        raise ConnectError(f"--context {context}: no such context in kubeconfig {kubeconfig or '(default)'}")
+        api_client = kconfig.new_client_from_config(config_file=kubeconfig or os.environ.get("KUBECONFIG"),
+                                                    context=context)
+    except kconfig.ConfigException as exc:
+        raise ConnectError(f"{what}: {exc}") from exc
+    return cluster_access(api_client)
 
 
 def default_namespace(kubeconfig: str | None = None, context: str | None = None) -> str:
@@ -75,12 +64,13 @@ def default_namespace(kubeconfig: str | None = None, context: str | None = None)
     if kubeconfig and not Path(kubeconfig).is_file():
         raise ConnectError(f"--kubeconfig {kubeconfig}: no such file")
     try:
-        contexts, current = _contexts(kubeconfig)
+        merged = read_kubeconfigs(kubeconfig_files(kubeconfig))
     except ConnectError:
         if kubeconfig or context:
             raise
         return "default"            # no kubeconfig at all: connecting will say so
-    chosen = next((c for c in contexts if c.get("name") == context), None) if context else current
-    if context and chosen is None:
+    name = context or merged.current
+    if context and name not in merged.contexts:
         raise ConnectError(f"--context {context}: no such context in kubeconfig {kubeconfig or '(default)'}")
-    return str(((chosen or {}).get("context") or {}).get("namespace") or "default")
+    chosen = merged.contexts.get(name or "", ({}, None))[0]
+    return str(chosen.get("namespace") or "default")

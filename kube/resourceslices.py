@@ -1037,7 +1037,7 @@ class ResourceSliceController:
                 raise ApiUnavailable(f"watch of ResourceSlices broke: {exc}") from exc
         finally:
             self._watch_resp = None
-            resp.release_conn()
+            resp.close()
 
     def _is_own_echo(self, kind: str | None, obj: dict[str, Any]) -> bool:
         meta = obj.get("metadata", {})

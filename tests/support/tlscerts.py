@@ -19,8 +19,9 @@ def _openssl(*args: str) -> None:
 
 
 def make_serving_cert(directory: Path, name: str = "webhook", ips: tuple[str, ...] = ("127.0.0.1",),
-                      dns: tuple[str, ...] = ("localhost",)) -> ServingCert:
-    """<name>-ca.crt, <name>.crt and <name>.key in `directory`: an EC CA and a certificate for `ips` and `dns`."""
+                      dns: tuple[str, ...] = ("localhost",), usage: str = "serverAuth") -> ServingCert:
+    """<name>-ca.crt, <name>.crt and <name>.key in `directory`: an EC CA and a certificate for `ips` and `dns`
+    (`usage` "clientAuth": a client certificate)."""
     directory.mkdir(parents=True, exist_ok=True)
     ca_key, ca = directory / f"{name}-ca.key", directory / f"{name}-ca.crt"
     key, csr, cert = directory / f"{name}.key", directory / f"{name}.csr", directory / f"{name}.crt"
@@ -31,7 +32,8 @@ def make_serving_cert(directory: Path, name: str = "webhook", ips: tuple[str, ..
     _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
              "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={name}")
     sans = ",".join([*(f"IP:{ip}" for ip in ips), *(f"DNS:{d}" for d in dns)])
-    ext.write_text(f"subjectAltName={sans}\nextendedKeyUsage=serverAuth\nbasicConstraints=CA:FALSE\n")
+    ext.write_text((f"subjectAltName={sans}\n" if sans else "") +
+                   f"extendedKeyUsage={usage}\nbasicConstraints=CA:FALSE\n")
     _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
              "-out", str(cert), "-days", "2", "-extfile", str(ext))
     return ServingCert(ca=ca, cert=cert, key=key)
