@@ -214,6 +214,8 @@ def test_update_remove_and_idempotence(tmp_path, boot_file):
 
 @pytest.mark.parametrize("failing", ["write", "fsync"])
 def test_failed_write_keeps_memory_equal_to_disk(tmp_path, boot_file, monkeypatch, failing):
+    if failing == "fsync":
+        boot_file = tmp_path / "no-boot-id"      # only then are appends fsync'd
     store = store_at(tmp_path, boot_file)
     store.load()
     store.put(full_record("keep"))
@@ -232,6 +234,26 @@ def test_failed_write_keeps_memory_equal_to_disk(tmp_path, boot_file, monkeypatc
     reread.load()
     assert set(reread.claims()) == {"keep"}
     assert sorted(p.name for p in store.path.parent.iterdir()) == ["checkpoint.json", "checkpoint.json.journal"]
+
+
+def test_appends_are_fsynced_only_without_a_boot_id(tmp_path, boot_file, monkeypatch):
+    """A lost page cache is a reboot, which voids every record of the earlier boot: with a boot ID a change needs
+    no fsync; without one nothing would tell the earlier boot's records apart, so changes are made durable."""
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    with_boot = store_at(tmp_path / "a", boot_file)
+    with_boot.load()
+    synced.clear()
+    with_boot.put(full_record("u1"))
+    with_boot.remove("u1")
+    assert synced == []
+    without = store_at(tmp_path / "b", tmp_path / "no-boot-id")
+    without.load()
+    synced.clear()
+    without.put(full_record("u2"))
+    without.remove("u2")
+    assert len(synced) == 2
 
 
 def test_writes_before_load_are_refused(tmp_path, boot_file):
