@@ -6,7 +6,9 @@ Device kinds (attribute ``type``):
 * ``mig``    a MIG partition, ``gpu-<minor>-mig-<profile slug>-<GI profile id>-<start>``. *Static* partitions
              exist now (their MIG uuid is published); *dynamic* ones are every profile at every valid placement
              and are created when a claim is prepared.
-* ``slot``   one of N shared slots of a GPU, ``gpu-<minor>-slot-<k>`` (``sharing`` = time-slicing or mps).
+* ``slot``   one of N shared slots of a GPU, ``gpu-<minor>-slot-<k>`` (``sharing`` = time-slicing or mps); with
+             the policy's ``slots.layout: capacity`` instead one device ``gpu-<minor>-slots`` with consumable
+             capacity ``slots: N`` (``allowMultipleAllocations``): each claim takes a share of 1 or more slots.
 * ``shared`` a consumable-capacity device, ``gpu-<minor>-shared``: many claims share it, each asking for an
              amount of ``memory`` (``allowMultipleAllocations``).
 
@@ -25,6 +27,12 @@ instance limit is not already implied by the geometry.
   overlapping partitions exclude each other, and any slot excludes it;
 * a slot consumes 1 of every memory slice: up to S slots coexist, and any slot excludes the whole GPU and
   every partition.
+
+With ``slots.layout: capacity`` S is 1 in the counters: the one slots device consumes 1 of every memory slice,
+and the scheduler charges a multi-allocatable device's counters once, when its first share is allocated
+(later shares skip the counter check; k8s.io/dynamic-resource-allocation structured/internal/incubating,
+``skipCounterCheck``), while its ``slots`` capacity bounds the shares. So while any share is out the whole GPU
+and every partition are excluded, and the device is free of counters again when its last share is gone.
 
 Device order is the driver's only lever on placement (the scheduler takes the first device that fits), so it
 is deliberate. GPUs in ascending minor; per GPU: the whole GPU, then MIG partitions, then slots, then the
@@ -101,6 +109,10 @@ def shared_device_name(minor: int) -> str:
     return f"gpu-{minor}-shared"
 
 
+def slots_device_name(minor: int) -> str:
+    return f"gpu-{minor}-slots"
+
+
 def counter_set_name(minor: int) -> str:
     return f"gpu-{minor}-counters"
 
@@ -121,6 +133,7 @@ _NAME_PATTERNS = (
     (re.compile(r"^gpu-(\d+)$"), KIND_GPU),
     (re.compile(r"^gpu-(\d+)-mig-([a-z0-9-]+)-(\d+)-(\d+)$"), KIND_MIG),
     (re.compile(r"^gpu-(\d+)-slot-(\d+)$"), KIND_SLOT),
+    (re.compile(r"^gpu-(\d+)-slots$"), KIND_SLOT),
     (re.compile(r"^gpu-(\d+)-shared$"), KIND_SHARED),
 )
 
@@ -135,7 +148,7 @@ def parse_device_name(name: str) -> DeviceName:
         if kind == KIND_MIG:
             return DeviceName(kind, minor, profile_slug=m.group(2), profile_id=int(m.group(3)), start=int(m.group(4)))
         if kind == KIND_SLOT:
-            return DeviceName(kind, minor, slot=int(m.group(2)))
+            return DeviceName(kind, minor, slot=int(m.group(2)) if m.lastindex == 2 else None)
         return DeviceName(kind, minor)
     raise ValueError(f"not a device name of this driver: {name!r}")
 
@@ -175,10 +188,10 @@ class Device:
     mig_ci_id: int | None = None                # static only
     # slots and shares
     sharing: str = "none"                       # none | time-slicing | mps
-    slot_index: int | None = None
+    slot_index: int | None = None               # None for the slots device of the capacity layout
     slot_count: int | None = None
-    mps_thread_percentage: int | None = None    # default for MPS slots: 100/N
-    mps_memory_limit_mib: int | None = None     # default for MPS slots: total/N
+    mps_thread_percentage: int | None = None    # default for MPS slots: 100/N (per slot of a share)
+    mps_memory_limit_mib: int | None = None     # default for MPS slots: total/N (per slot of a share)
     share_min_bytes: int | None = None          # consumable share device
     share_step_bytes: int | None = None
     # wire format
@@ -342,7 +355,13 @@ class _GpuPlan:
     static_instances: tuple[MigInstance, ...] = ()
     slots: int = 0
     slot_strategy: str = "time-slicing"
+    slot_capacity: bool = False                 # slots as one consumable-capacity device
     shares: bool = False
+
+    @property
+    def slot_counter(self) -> int:
+        """What each memory slice counter holds: one unit per slot device (N, or 1 for the slots device)."""
+        return 1 if self.slot_capacity else max(self.slots, 1)
 
 
 def _chosen_profiles(gpu: GpuInfo, pol: GpuPolicy, origin: str) -> tuple[MigProfile, ...]:
@@ -410,6 +429,7 @@ def _plan(gpu: GpuInfo, pol: GpuPolicy, origin: str, warnings: list[str]) -> _Gp
         if pol.slots is not None:
             plan.slots = pol.slots.count
             plan.slot_strategy = pol.slots.strategy
+            plan.slot_capacity = pol.slots.layout == "capacity"
     elif pol.publish_whole or pol.slots is not None:
         warnings.append(f"{who}: MIG mode is enabled and cannot be switched off at runtime; "
                         "the whole GPU and its slots are not published")
@@ -420,7 +440,7 @@ def _counter_set(gpu: GpuInfo, plan: _GpuPlan) -> CounterSet | None:
     exclusive_kinds = int(plan.whole) + int(bool(plan.dynamic_profiles)) + int(plan.slots > 0)
     if not plan.dynamic_profiles and exclusive_kinds < 2:
         return None  # nothing on this GPU excludes anything else
-    s = max(plan.slots, 1)
+    s = plan.slot_counter
     m = max(gpu.memory_slices, memory_slice_count(gpu.mig_profiles)) if plan.dynamic_profiles else 1
     counters: dict[str, int] = {f"memory-slice-{i}": s for i in range(m)}
     if plan.dynamic_profiles:
@@ -454,7 +474,7 @@ class _GpuFields(TypedDict):
 def _gpu_devices(gpu: GpuInfo, inv: NodeInventory, plan: _GpuPlan) -> tuple[list[Device], CounterSet | None]:
     cs = _counter_set(gpu, plan)
     slices = [k for k in (cs.counters if cs else {}) if k.startswith("memory-slice-")]
-    s = max(plan.slots, 1)
+    s = plan.slot_counter
     common = common_attributes(gpu, inv)
     base = _GpuFields(gpu_uuid=gpu.uuid, gpu_index=gpu.index, gpu_minor=gpu.minor, gpu_pci_bus_id=gpu.pci_bus_id)
     devices: list[Device] = []
@@ -492,6 +512,9 @@ def _gpu_devices(gpu: GpuInfo, inv: NodeInventory, plan: _GpuPlan) -> tuple[list
             mig_ci_id=inst.ci_id if inst else None, attributes=attrs, capacity=cap,
             consumes_counters=_consumes(cs, use)))
 
+    if plan.slot_capacity and plan.slots:
+        devices.append(_slots_device(gpu, plan, common, base, _consumes(cs, {key: 1 for key in slices})))
+        return devices, cs
     for k in range(plan.slots):
         n = plan.slots
         mps = plan.slot_strategy == "mps"
@@ -508,6 +531,24 @@ def _gpu_devices(gpu: GpuInfo, inv: NodeInventory, plan: _GpuPlan) -> tuple[list
     return devices, cs
 
 
+def _slots_device(gpu: GpuInfo, plan: _GpuPlan, common: Mapping[str, dict[str, Any]], base: _GpuFields,
+                  consumes: tuple[dict[str, Any], ...]) -> Device:
+    """The capacity layout's one slot device: ``slots: N`` consumable, a share takes 1 unless it asks for more.
+
+    Only ``slots`` is published as capacity: every capacity of a multi-allocatable device is consumable, and
+    one without a requestPolicy would be taken whole by a request that does not name it. What a share gets
+    (MPS threads and memory limit) follows from its slots, k/N of the GPU, when it is prepared."""
+    n = plan.slots
+    mps = plan.slot_strategy == "mps"
+    attrs = {"type": _s(KIND_SLOT), "parentUUID": _s(gpu.uuid), **common, "sharing": _s(plan.slot_strategy)}
+    cap = {"slots": {"value": str(n), "requestPolicy": {
+        "default": "1", "validRange": {"min": "1", "max": str(n), "step": "1"}}}}
+    return Device(
+        name=slots_device_name(gpu.minor), kind=KIND_SLOT, **base, sharing=plan.slot_strategy, slot_count=n,
+        mps_thread_percentage=100 // n if mps else None, mps_memory_limit_mib=gpu.memory_mib // n if mps else None,
+        attributes=attrs, capacity=cap, consumes_counters=consumes, allow_multiple_allocations=True)
+
+
 def _shared_device(gpu: GpuInfo, inv: NodeInventory, pol: GpuPolicy) -> Device:
     shares = pol.memory_shares
     assert shares is not None
@@ -520,8 +561,8 @@ def _shared_device(gpu: GpuInfo, inv: NodeInventory, pol: GpuPolicy) -> Device:
     # Every capacity of a multi-allocatable device is consumable, and a request that does not name one
     # consumes all of it unless a requestPolicy says otherwise. So the share device publishes only `memory`
     # (with a policy); SM count and engines would make the first claim take them all.
-    # The share device is the GPU's only device: combining it with whole/MIG/slot devices would need counters
-    # that consumable capacity cannot subtract from, so a GPU is either shared by memory or not at all.
+    # The share device is the GPU's only device. It could exclude whole/MIG devices the way the slots device
+    # does (counters charged once while any share is out), but the policy keeps memory shares on their own.
     cap = {"memory": {"value": format_bytes(total), "requestPolicy": {
         "default": format_bytes(shares.default_bytes),
         "validRange": {"min": format_bytes(lo), "max": format_bytes(hi), "step": format_bytes(step)},

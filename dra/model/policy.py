@@ -16,11 +16,14 @@ A GPU policy says what is published for that GPU:
   node it considers, so a cluster that uses two profiles should publish two (docs/devices.md, "What the
   scheduler pays"). A name the GPU does not have is an error naming the GPU's profiles (judged when devices
   are built, where the GPU is known).
-* ``slots``: ``{count: N (1..64), strategy: time-slicing|mps}``: N shared-slot devices per GPU. Any slot
-  excludes the whole GPU and every MIG partition; up to N slots coexist.
+* ``slots``: ``{count: N (1..64), strategy: time-slicing|mps, layout: devices|capacity}``: N shared slots per
+  GPU. Any slot excludes the whole GPU and every MIG partition; up to N slots coexist. ``layout: devices``
+  (default) publishes N slot devices; ``layout: capacity`` publishes one slot device with consumable capacity
+  ``slots: N`` that up to N claims share, each taking 1 slot unless it asks for more (Kubernetes 1.36+; fewer
+  devices for the scheduler to walk, docs/devices.md "Slots as capacity").
 * ``memoryShares``: consumable-capacity mode: one device per GPU that many claims may share, each asking for
-  an amount of ``memory``. It excludes ``wholeGpu``, ``mig`` and ``slots`` (the scheduler cannot mix
-  consumable capacity with counters on the same memory in a meaningful way, see dra/model/devices.py).
+  an amount of ``memory``. It excludes ``wholeGpu``, ``mig`` and ``slots`` (a GPU shared by memory is
+  shared by memory only; ``slots.layout: capacity`` is the layout that combines a shared device with them).
   ``{minimum: 1Gi, step: 1Gi, default: <minimum>, strategy: mps|time-slicing}``.
 
 Field names are accepted in camelCase (``wholeGpu``, ``memoryShares``) and in snake_case (``whole_gpu``,
@@ -87,11 +90,15 @@ class _Strict(BaseModel):
     )
 
 
+SlotLayout = Literal["devices", "capacity"]
+
+
 class SlotPolicy(_Strict):
-    """N shared slots per GPU."""
+    """N shared slots per GPU: N devices, or one device whose consumable capacity is N slots."""
 
     count: int = Field(ge=1, le=MAX_SLOTS)
     strategy: SharingStrategy = "time-slicing"
+    layout: SlotLayout = "devices"
 
 
 class MemorySharePolicy(_Strict):

@@ -954,3 +954,40 @@ def test_unexpected_exception_fails_only_its_claim_as_internal(dynamic):
     assert dynamic.mig_devices(1) == []           # what the bad claim had done is undone
     assert dynamic.driver.checkpoint.get(bad.uid) is None
     assert len(dynamic.mig_devices(0)) == 1 and dynamic.driver.checkpoint.get(good.uid).completed
+
+
+def test_slot_capacity_shares_get_their_slots_worth_of_mps_limits(tmp_path):
+    node = Node(tmp_path, {"default": {"slots": {"count": 4, "strategy": "mps", "layout": "capacity"}}})
+    slots = node.model.by_name()["gpu-0-slots"]
+    one = node.add_claim("one", [{"request": "s", "device": "gpu-0-slots", "shareID": "s-1",
+                                  "consumedCapacity": {"slots": "1"}}])
+    two = node.add_claim("two", [{"request": "s", "device": "gpu-0-slots", "shareID": "s-2",
+                                  "consumedCapacity": {"slots": "2"}}])
+    [d1] = ok(node.driver, one).devices
+    ok(node.driver, two)
+    assert d1.cdi_device_ids == (f"{CDI_KIND}={one.uid}-gpu-0-slots-s-1",)
+    assert len([d for d in node.control.daemons.values() if d.alive]) == 1      # one daemon for the GPU's shares
+    assert mps_env(node, one)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+    assert mps_env(node, one)["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={slots.mps_memory_limit_mib}M"
+    assert mps_env(node, two)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    assert mps_env(node, two)["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={2 * slots.mps_memory_limit_mib}M"
+    # A config may lower a share's limits but not raise them above its slots.
+    greedy = node.add_claim("greedy", [{"request": "s", "device": "gpu-0-slots", "shareID": "s-3",
+                                        "consumedCapacity": {"slots": "1"}}],
+                            [opaque(gpu_config(strategy="MPS", mps={"activeThreadPercentage": 40}))])
+    assert "exceeds the slot's share of 25 % (one of 4 slots" in node.driver.prepare([greedy])[greedy.uid].error
+    node.driver.unprepare([one])
+    assert any(d.alive for d in node.control.daemons.values())
+    node.driver.unprepare([two])
+    assert not any(d.alive for d in node.control.daemons.values())
+
+
+@pytest.mark.parametrize("consumed, words", [({}, "no consumedCapacity for slots"),
+                                             ({"slots": "5"}, "from 1 to 4"),
+                                             ({"slots": "two"}, "not a quantity")])
+def test_slot_capacity_share_without_a_valid_slot_count_is_refused(tmp_path, consumed, words):
+    node = Node(tmp_path, {"default": {"slots": {"count": 4, "strategy": "time-slicing", "layout": "capacity"}}})
+    ref = node.add_claim("c", [{"request": "s", "device": "gpu-0-slots", "shareID": "s-1",
+                                "consumedCapacity": consumed}])
+    error = node.driver.prepare([ref])[ref.uid].error
+    assert words in error and "gpu-0-slots" in error

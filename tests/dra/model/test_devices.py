@@ -522,3 +522,61 @@ def test_dynamic_mig_profile_the_gpu_lacks_is_an_error_naming_it_and_the_gpus_pr
     assert "GPU 0" in text and "rules[0]" in text and "'1g.5gb'" in text and "H100-80GB" in text
     assert "its profiles: 1g.10gb, 1g.10gb+me, 1g.20gb" in text
     assert "'1g.10gb'" not in text
+
+
+# --------------------------------------------------------------------------------------------- slots as capacity
+
+def slot_capacity(n, strategy="mps", profiles=("1g.10gb",)):
+    return policy({"default": {"mig": "dynamic", "dynamicMig": {"profiles": list(profiles)},
+                               "slots": {"count": n, "strategy": strategy, "layout": "capacity"}}})
+
+
+def admitted_once(model, names) -> bool:
+    """The scheduler's counter accounting when each name is a device (a multi-allocatable one may be named many
+    times, once per share): a device's counters are charged once, however many shares it has out."""
+    return admitted(model, list(dict.fromkeys(names)))
+
+
+def test_slot_capacity_layout_is_one_device_per_gpu_with_slots_capacity():
+    model = build_devices(inventory(h100(0), h100(1)), slot_capacity(4))
+    per_gpu = [d.name for d in model.devices if d.gpu_minor == 0]
+    assert per_gpu[0] == "gpu-0" and per_gpu[-1] == "gpu-0-slots" and len(per_gpu) == 1 + 7 + 1
+    d = model.by_name()["gpu-0-slots"]
+    assert d.kind == "slot" and d.allow_multiple_allocations and d.slot_index is None and d.slot_count == 4
+    assert d.attributes["type"] == {"string": "slot"} and d.attributes["sharing"] == {"string": "mps"}
+    assert d.capacity == {"slots": {"value": "4", "requestPolicy": {
+        "default": "1", "validRange": {"min": "1", "max": "4", "step": "1"}}}}
+    assert (d.mps_thread_percentage, d.mps_memory_limit_mib) == (25, 81559 // 4)   # per slot of a share
+    wire = d.to_wire()
+    assert wire["allowMultipleAllocations"] is True
+    [consumes] = wire["consumesCounters"]
+    assert consumes["counterSet"] == "gpu-0-counters"
+    assert consumes["counters"] == {f"memory-slice-{i}": {"value": "1"} for i in range(8)}
+    # One unit per memory slice: the slots device is charged once, whatever its shares.
+    [cs, _] = model.counter_sets
+    assert {k: v for k, v in cs.counters.items() if k.startswith("memory-slice-")} == {
+        f"memory-slice-{i}": 1 for i in range(8)}
+    assert parse_device_name("gpu-0-slots").kind == "slot" and parse_device_name("gpu-0-slots").slot is None
+
+
+def test_slot_capacity_excludes_whole_gpu_and_every_partition_while_a_share_is_out():
+    model = build_devices(inventory(h100(0)), slot_capacity(4))
+    assert admitted_once(model, ["gpu-0-slots"] * 4)
+    for other in (d.name for d in model.devices if d.name != "gpu-0-slots"):
+        assert admitted_once(model, [other])
+        assert not admitted_once(model, ["gpu-0-slots", other]), other
+    partitions = [d.name for d in model.devices if d.kind == "mig"]
+    assert admitted_once(model, partitions)                     # 7 × 1g.10gb at once, as before
+
+
+def test_slot_capacity_layout_without_exclusive_kinds_has_no_counters():
+    model = build_devices(inventory(l4(0)), policy({"default": {"wholeGpu": False, "slots": {
+        "count": 3, "strategy": "time-slicing", "layout": "capacity"}}}))
+    assert model.counter_sets == () and [d.name for d in model.devices] == ["gpu-0-slots"]
+    d = model.devices[0]
+    assert d.consumes_counters == () and d.mps_thread_percentage is None and d.mps_memory_limit_mib is None
+
+
+def test_slot_device_layout_is_still_the_default():
+    model = build_devices(inventory(h100(0)), dynamic_with_slots(4))
+    assert [d.name for d in model.devices if d.kind == "slot"] == [f"gpu-0-slot-{k}" for k in range(4)]

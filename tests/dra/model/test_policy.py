@@ -134,3 +134,11 @@ def test_dynamic_mig_profiles_are_read_in_both_spellings():
         pol = parse({"rules": [{"match": {"model": "H100"}, "mig": "dynamic", key: {"profiles": ["1g.10gb+me"]}}]})
         assert pol.for_gpu(h100(0)).dynamic_mig.profiles == ["1g.10gb+me"]
     assert parse({"default": {"mig": "dynamic"}}).default.dynamic_mig is None
+
+
+def test_slot_layout_is_devices_or_capacity():
+    assert parse_node_policy({"default": {"slots": {"count": 2}}}, "t").default.slots.layout == "devices"
+    pol = parse_node_policy({"default": {"slots": {"count": 2, "layout": "capacity"}}}, "t")
+    assert pol.default.slots.layout == "capacity"
+    with pytest.raises(PolicyError, match=r"default\.slots\.layout"):
+        parse_node_policy({"default": {"slots": {"count": 2, "layout": "shares"}}}, "t")
