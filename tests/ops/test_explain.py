@@ -331,6 +331,38 @@ def test_consumable_capacity_left_on_a_memory_share() -> None:
     assert exp.verdict == NOT_ALLOCATABLE and "together need more" in format_text(exp)
 
 
+def _with_slots_device(slots: int = 2) -> list[dict[str, Any]]:
+    """One H100 of _slices plus the capacity layout's slot device: every memory slice once, `slots` shares."""
+    out = _slices(gpus=1)
+    out[1]["spec"]["devices"].append({
+        "name": "gpu-0-slots", "attributes": _attrs("slot", 0, sharing="mps"), "allowMultipleAllocations": True,
+        "capacity": {"slots": {"value": str(slots), "requestPolicy": {
+            "default": "1", "validRange": {"min": "1", "max": str(slots), "step": "1"}}}},
+        "consumesCounters": [{"counterSet": "gpu-0-counters",
+                              "counters": {f"memory-slice-{i}": {"value": "1"} for i in range(8)}}]})
+    return out
+
+
+def test_a_slot_device_charges_its_counters_once_however_many_shares() -> None:
+    slices, slot = _with_slots_device(), f"slot.{D}"
+    share = _allocated(_claim("s1", _req("slot", slot)), "node-a", "gpu-0-slots", pod="p1",
+                       shareID="a", consumedCapacity={"slots": "1"})
+    exp = run(_claim("c", _req("slot", slot)), slices, [share])
+    assert exp.verdict == ALLOCATABLE and exp.sentence.endswith("slot -> gpu-0-slots"), format_text(exp)
+    whole = run(_claim("w", _req()), slices, [share])
+    assert whole.verdict == NOT_ALLOCATABLE
+    assert "counter set gpu-0-counters is used up by gpu-0-slots held by ml/s1 (pod ml/p1)" in format_text(whole)
+    # Two shares of one claim on a free GPU: the counters are taken by the first only.
+    assert run(_claim("two", _req("a", slot), _req("b", slot)), slices).verdict == ALLOCATABLE
+    # Its slots are what bounds the shares.
+    full = run(_claim("c", _req("slot", slot)), slices,
+               [share, _allocated(_claim("s2", _req("slot", slot)), "node-a", "gpu-0-slots", shareID="b",
+                                  consumedCapacity={"slots": "1"})])
+    assert full.verdict == NOT_ALLOCATABLE and "gpu-0-slots is short of slots: 0 left, 1 needed" in format_text(full)
+    held = run(_claim("c", _req("slot", slot)), slices, [_allocated(_claim("w", _req()), "node-a", "gpu-0")])
+    assert held.verdict == NOT_ALLOCATABLE and "used up by gpu-0 held by ml/w" in format_text(held)
+
+
 def test_claims_of_one_pod_are_allocated_together() -> None:
     a, b = _claim("a", _req()), _claim("b", _req())
     exp = explain([Target("ml/a", a), Target("ml/b", b)], CLASSES, _slices(gpus=1), [a, b])
