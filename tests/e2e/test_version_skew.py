@@ -48,7 +48,8 @@ FLEET = {"nodes": [
                            "memoryShares": {"minimum": "1Gi", "step": "1Gi"}}]}},
     {"name": "skew-l4",
      "gpus": [{"model": "L4", "count": 2}],
-     "policy": {"default": {"wholeGpu": True, "slots": {"count": 4, "strategy": "time-slicing"}}}},
+     "policy": {"default": {"wholeGpu": True,
+                            "slots": {"count": 4, "strategy": "time-slicing", "layout": "capacity"}}}},
 ]}
 # What 1.34 gets: whole GPUs (not the static-MIG one, not the memory-share one) and the static MIG partitions.
 WHOLE_GPUS = {"skew-hgx": {"gpu-1", "gpu-2"}, "skew-l4": {"gpu-0", "gpu-1"}}
@@ -125,6 +126,9 @@ def test_the_fleet_uses_every_policy_that_needs_a_newer_server(fleet_file: Path)
     devices = [d for part in parts for d in part.get("devices", [])]
     assert any(part.get("sharedCounters") for part in parts)
     assert {"gpu", "mig", "slot", "shared"} <= {_type(d) for d in devices}
+    # Slots in both layouts: N slot devices (skew-hgx GPU 2) and one slot device with capacity (skew-l4).
+    assert any(d["name"] == "gpu-2-slot-3" for d in devices)
+    assert any(_type(d) == "slot" and d.get("allowMultipleAllocations") and "slots" in d["capacity"] for d in devices)
     assert sum(1 for d in devices if d["name"].startswith("gpu-1-mig-")) > 10     # dynamic MIG on GPU 1
 
 
