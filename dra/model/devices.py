@@ -5,7 +5,10 @@ Device kinds (attribute ``type``):
 * ``gpu``    the whole GPU, ``gpu-<minor>``.
 * ``mig``    a MIG partition, ``gpu-<minor>-mig-<profile slug>-<GI profile id>-<start>``. *Static* partitions
              exist now (their MIG uuid is published); *dynamic* ones are every profile at every valid placement
-             and are created when a claim is prepared.
+             and are created when a claim is prepared. With ``dynamicMig.layout: capacity`` (one profile) instead
+             one device ``gpu-<minor>-mig-<profile slug>-<GI profile id>`` with consumable capacity ``instances: N``
+             (``allowMultipleAllocations``): each claim takes a share of 1 or more instances, and the node plugin
+             creates them at free placements when the share is prepared.
 * ``slot``   one of N shared slots of a GPU, ``gpu-<minor>-slot-<k>`` (``sharing`` = time-slicing or mps); with
              the policy's ``slots.layout: capacity`` instead one device ``gpu-<minor>-slots`` with consumable
              capacity ``slots: N`` (``allowMultipleAllocations``): each claim takes a share of 1 or more slots.
@@ -33,6 +36,15 @@ and the scheduler charges a multi-allocatable device's counters once, when its f
 (later shares skip the counter check; k8s.io/dynamic-resource-allocation structured/internal/incubating,
 ``skipCounterCheck``), while its ``slots`` capacity bounds the shares. So while any share is out the whole GPU
 and every partition are excluded, and the device is free of counters again when its last share is gone.
+
+With ``dynamicMig.layout: capacity`` the GPU publishes one profile as one partition device, and no device per
+placement. It consumes S of every memory slice (it stands for any of the profile's placements, so it excludes
+the whole GPU and every slot while a share is out), and no engine or instance counters: nothing else on the
+GPU competes for them. Its ``instances`` capacity, N = the most instances of the profile that fit together,
+bounds the shares. That is exact because a profile's placements never overlap each other (checked for every
+profile of the catalog; a profile whose placements do overlap is refused for this layout), so any k ≤ N
+instances fit at whatever placements are free: the counts (instances, compute slices, OFA engines) are all
+that limits them.
 
 Device order is the driver's only lever on placement (the scheduler takes the first device that fits), so it
 is deliberate. GPUs in ascending minor; per GPU: the whole GPU, then MIG partitions, then slots, then the
@@ -113,6 +125,10 @@ def slots_device_name(minor: int) -> str:
     return f"gpu-{minor}-slots"
 
 
+def mig_instances_device_name(minor: int, profile_name: str, profile_id: int) -> str:
+    return f"gpu-{minor}-mig-{profile_slug(profile_name)}-{profile_id}"
+
+
 def counter_set_name(minor: int) -> str:
     return f"gpu-{minor}-counters"
 
@@ -132,6 +148,7 @@ class DeviceName:
 _NAME_PATTERNS = (
     (re.compile(r"^gpu-(\d+)$"), KIND_GPU),
     (re.compile(r"^gpu-(\d+)-mig-([a-z0-9-]+)-(\d+)-(\d+)$"), KIND_MIG),
+    (re.compile(r"^gpu-(\d+)-mig-([a-z0-9]+)-(\d+)$"), KIND_MIG),         # one profile as capacity: no start
     (re.compile(r"^gpu-(\d+)-slot-(\d+)$"), KIND_SLOT),
     (re.compile(r"^gpu-(\d+)-slots$"), KIND_SLOT),
     (re.compile(r"^gpu-(\d+)-shared$"), KIND_SHARED),
@@ -146,7 +163,8 @@ def parse_device_name(name: str) -> DeviceName:
             continue
         minor = int(m.group(1))
         if kind == KIND_MIG:
-            return DeviceName(kind, minor, profile_slug=m.group(2), profile_id=int(m.group(3)), start=int(m.group(4)))
+            start = int(m.group(4)) if m.lastindex == 4 else None
+            return DeviceName(kind, minor, profile_slug=m.group(2), profile_id=int(m.group(3)), start=start)
         if kind == KIND_SLOT:
             return DeviceName(kind, minor, slot=int(m.group(2)) if m.lastindex == 2 else None)
         return DeviceName(kind, minor)
@@ -181,7 +199,8 @@ class Device:
     mig_dynamic: bool = False                   # created at prepare (dynamic) or existing (static)
     mig_profile_id: int | None = None
     mig_profile_name: str | None = None
-    mig_start: int | None = None
+    mig_start: int | None = None                # None for the one-profile device of the capacity layout
+    mig_instances: int | None = None            # capacity layout: instances N that fit together
     mig_size: int | None = None                 # memory slices
     mig_uuid: str | None = None                 # static only
     mig_gi_id: int | None = None                # static only
@@ -356,6 +375,7 @@ class _GpuPlan:
     slots: int = 0
     slot_strategy: str = "time-slicing"
     slot_capacity: bool = False                 # slots as one consumable-capacity device
+    mig_capacity: bool = False                  # the one dynamic profile as one consumable-capacity device
     shares: bool = False
 
     @property
@@ -378,6 +398,31 @@ def _chosen_profiles(gpu: GpuInfo, pol: GpuPolicy, origin: str) -> tuple[MigProf
             f"which {model} does not have (its profiles: {', '.join(have)})")
     wanted = set(pol.dynamic_mig.profiles)
     return tuple(p for p in gpu.mig_profiles if p.name in wanted)
+
+
+def overlapping_placements(profile: MigProfile) -> tuple[int, int] | None:
+    """Two starts of ``profile`` whose memory slices overlap, or None: the capacity layout's premise is that
+    any free placement of the profile is as good as another, which holds only when none overlap."""
+    for i, a in enumerate(profile.starts):
+        for b in profile.starts[i + 1:]:
+            if set(interval(profile, a)) & set(interval(profile, b)):
+                return a, b
+    return None
+
+
+def instances_together(profiles: Sequence[MigProfile], profile: MigProfile) -> int:
+    """How many instances of ``profile`` fit on the GPU at once: N of the capacity layout."""
+    return min(profile.max_instances, max_instances_alone(profiles, profile.profile_id))
+
+
+def _check_capacity_profile(gpu: GpuInfo, profile: MigProfile, origin: str) -> None:
+    clash = overlapping_placements(profile)
+    if clash is not None:
+        a, b = clash
+        raise DeviceModelError(
+            f"{describe_gpu(gpu)}: node policy {origin} dynamicMig.layout: capacity cannot publish {profile.name}: "
+            f"its placements at memory slices {a} and {b} overlap, so its instances are not interchangeable "
+            "(use layout: placements)")
 
 
 def _plan(gpu: GpuInfo, pol: GpuPolicy, origin: str, warnings: list[str]) -> _GpuPlan:
@@ -417,6 +462,10 @@ def _plan(gpu: GpuInfo, pol: GpuPolicy, origin: str, warnings: list[str]) -> _Gp
                 p for p in _chosen_profiles(gpu, pol, origin)
                 if any(can_place(gpu.mig_profiles, (), p.profile_id, s) is None for s in p.starts)
             )
+            if pol.dynamic_mig is not None and pol.dynamic_mig.layout == "capacity":
+                for p in plan.dynamic_profiles:
+                    _check_capacity_profile(gpu, p, origin)
+                plan.mig_capacity = True
         else:
             warnings.append(f"{who}: dynamic MIG needs MIG mode enabled before the driver starts on this GPU "
                             "(switching needs a GPU reset); publishing it without MIG partitions")
@@ -438,12 +487,13 @@ def _plan(gpu: GpuInfo, pol: GpuPolicy, origin: str, warnings: list[str]) -> _Gp
 
 def _counter_set(gpu: GpuInfo, plan: _GpuPlan) -> CounterSet | None:
     exclusive_kinds = int(plan.whole) + int(bool(plan.dynamic_profiles)) + int(plan.slots > 0)
-    if not plan.dynamic_profiles and exclusive_kinds < 2:
+    placements = bool(plan.dynamic_profiles) and not plan.mig_capacity    # partitions that exclude each other
+    if not placements and exclusive_kinds < 2:
         return None  # nothing on this GPU excludes anything else
     s = plan.slot_counter
-    m = max(gpu.memory_slices, memory_slice_count(gpu.mig_profiles)) if plan.dynamic_profiles else 1
+    m = max(gpu.memory_slices, memory_slice_count(gpu.mig_profiles)) if placements else 1
     counters: dict[str, int] = {f"memory-slice-{i}": s for i in range(m)}
-    if plan.dynamic_profiles:
+    if placements:
         budget = budget_of(gpu.mig_profiles)
         if budget.compute_slices is not None:
             counters["compute-slices"] = budget.compute_slices
@@ -488,7 +538,10 @@ def _gpu_devices(gpu: GpuInfo, inv: NodeInventory, plan: _GpuPlan) -> tuple[list
 
     by_id = {p.profile_id: p for p in gpu.mig_profiles}
     placements: list[tuple[MigProfile, int, MigInstance | None]] = []
-    if plan.dynamic_profiles:
+    if plan.mig_capacity:
+        devices += [_mig_instances_device(gpu, prof, common, base, _consumes(cs, {k: s for k in slices}))
+                    for prof in plan.dynamic_profiles]
+    elif plan.dynamic_profiles:
         placements = [(p, start, None) for p in plan.dynamic_profiles for start in p.starts
                       if can_place(gpu.mig_profiles, (), p.profile_id, start) is None]
     else:
@@ -547,6 +600,29 @@ def _slots_device(gpu: GpuInfo, plan: _GpuPlan, common: Mapping[str, dict[str, A
         name=slots_device_name(gpu.minor), kind=KIND_SLOT, **base, sharing=plan.slot_strategy, slot_count=n,
         mps_thread_percentage=100 // n if mps else None, mps_memory_limit_mib=gpu.memory_mib // n if mps else None,
         attributes=attrs, capacity=cap, consumes_counters=consumes, allow_multiple_allocations=True)
+
+
+def _mig_instances_device(gpu: GpuInfo, prof: MigProfile, common: Mapping[str, dict[str, Any]], base: _GpuFields,
+                          consumes: tuple[dict[str, Any], ...]) -> Device:
+    """The capacity layout's one partition device: ``instances: N`` consumable, a share takes 1 unless it asks
+    for more, and gets that many MIG devices of the profile.
+
+    Every capacity of a multi-allocatable device is consumable, and one without a requestPolicy would be taken
+    whole by a request that does not name it, so only ``instances`` is capacity. What one instance has (memory,
+    multiprocessors, engines) is published as attributes ``instanceMemoryMiB``, ``instanceMultiprocessors``,
+    ``instance<Engine>``: true of every share, whatever its instance count."""
+    n = instances_together(gpu.mig_profiles, prof)
+    attrs = {"type": _s(KIND_MIG), "parentUUID": _s(gpu.uuid), "profile": _s(prof.name), **common,
+             "sharing": _s("none"), "instanceMemoryMiB": _i(prof.memory_mib),
+             "instanceMultiprocessors": _i(prof.multiprocessors), "instanceCopyEngines": _i(prof.copy_engines),
+             "instanceDecoders": _i(prof.decoders), "instanceEncoders": _i(prof.encoders),
+             "instanceJpegEngines": _i(prof.jpeg_engines), "instanceOfaEngines": _i(prof.ofa_engines)}
+    cap = {"instances": {"value": str(n), "requestPolicy": {
+        "default": "1", "validRange": {"min": "1", "max": str(n), "step": "1"}}}}
+    return Device(
+        name=mig_instances_device_name(gpu.minor, prof.name, prof.profile_id), kind=KIND_MIG, **base,
+        mig_dynamic=True, mig_profile_id=prof.profile_id, mig_profile_name=prof.name, mig_size=prof.memory_slices,
+        mig_instances=n, attributes=attrs, capacity=cap, consumes_counters=consumes, allow_multiple_allocations=True)
 
 
 def _shared_device(gpu: GpuInfo, inv: NodeInventory, pol: GpuPolicy) -> Device:
