@@ -53,6 +53,7 @@ class DevicePlan:
     # key share one config object (one MPS daemon per GPU for them)
     timeslice: str | None                  # interval to apply to the GPU (time-slicing), None: leave it alone
     mps: MpsPlan | None                    # MPS daemon to run for this device, None: no MPS
+    mig_instances: int = 1                 # MIG devices to create for a share of a one-profile MIG device
 
     @property
     def name(self) -> str:
@@ -94,23 +95,28 @@ class SlotShare:
         return f"{self.slots} of {self.count} slots" if self.slots > 1 else f"one of {self.count} slots"
 
 
+def consumed_units(result: AllocatedDevice, capacity: str, n: int, where: str) -> int:
+    """The whole number of units (1..n) of ``capacity`` a share of a capacity-layout device consumed (the
+    scheduler fills in the requestPolicy default when the request names none)."""
+    raw = result.consumed_capacity.get(capacity)
+    if raw is None:
+        raise PlanError(f"{where}: the allocation has no consumedCapacity for {capacity} (a share of this device "
+                        "always has one; was the claim allocated by a scheduler without consumable capacity?)")
+    try:
+        amount = parse_quantity(raw)
+    except ValueError:
+        raise PlanError(f"{where}: consumedCapacity {capacity} {raw!r} is not a quantity") from None
+    if amount != int(amount) or not 1 <= amount <= n:
+        raise PlanError(f"{where}: consumedCapacity {capacity} {raw} is not a whole number of {capacity} "
+                        f"from 1 to {n}")
+    return int(amount)
+
+
 def slot_share(result: AllocatedDevice, device: Device, where: str) -> SlotShare:
     """The share of a slot device: 1 slot for a slot of the devices layout, the consumed ``slots`` capacity for
-    the slots device of the capacity layout (the scheduler fills in the requestPolicy default)."""
+    the slots device of the capacity layout."""
     n = device.slot_count or 1
-    k = 1
-    if device.allow_multiple_allocations:
-        raw = result.consumed_capacity.get("slots")
-        if raw is None:
-            raise PlanError(f"{where}: the allocation has no consumedCapacity for slots (a share of a slots device "
-                            "always has one; was the claim allocated by a scheduler without consumable capacity?)")
-        try:
-            amount = parse_quantity(raw)
-        except ValueError:
-            raise PlanError(f"{where}: consumedCapacity slots {raw!r} is not a quantity") from None
-        if amount != int(amount) or not 1 <= amount <= n:
-            raise PlanError(f"{where}: consumedCapacity slots {raw} is not a whole number of slots from 1 to {n}")
-        k = int(amount)
+    k = consumed_units(result, "slots", n, where) if device.allow_multiple_allocations else 1
     threads = device.mps_thread_percentage * k if device.mps_thread_percentage is not None else None
     mib = device.mps_memory_limit_mib * k if device.mps_memory_limit_mib is not None else None
     return SlotShare(k, n, threads, mib)
@@ -192,7 +198,15 @@ def _device_plan(result: AllocatedDevice, device: Device, index: int, config: De
     elif device.kind == KIND_MIG:
         if strategy == "MPS":
             mps = mps_plan(None, None)
-    return DevicePlan(result=result, device=device, config_key=key, timeslice=timeslice, mps=mps)
+    instances = 1
+    if device.kind == KIND_MIG and device.allow_multiple_allocations:
+        instances = consumed_units(result, "instances", device.mig_instances or 1, where)
+        if mps is not None and instances > 1:
+            raise PlanError(f"{where}: {_config_where(key)}: sharing.strategy: MPS serves one MIG device per daemon; "
+                            f"a share of {instances} instances would need {instances} (ask for one instance per "
+                            "request, or leave MPS out)")
+    return DevicePlan(result=result, device=device, config_key=key, timeslice=timeslice, mps=mps,
+                      mig_instances=instances)
 
 
 def _path(obj: Any, *keys: str) -> list[Any]:

@@ -201,6 +201,7 @@ class Device:
     mig_profile_name: str | None = None
     mig_start: int | None = None                # None for the one-profile device of the capacity layout
     mig_instances: int | None = None            # capacity layout: instances N that fit together
+    mig_starts: tuple[int, ...] = ()            # capacity layout: the profile's placements
     mig_size: int | None = None                 # memory slices
     mig_uuid: str | None = None                 # static only
     mig_gi_id: int | None = None                # static only
@@ -622,7 +623,7 @@ def _mig_instances_device(gpu: GpuInfo, prof: MigProfile, common: Mapping[str, d
     return Device(
         name=mig_instances_device_name(gpu.minor, prof.name, prof.profile_id), kind=KIND_MIG, **base,
         mig_dynamic=True, mig_profile_id=prof.profile_id, mig_profile_name=prof.name, mig_size=prof.memory_slices,
-        mig_instances=n, attributes=attrs, capacity=cap, consumes_counters=consumes, allow_multiple_allocations=True)
+        mig_instances=n, mig_starts=tuple(prof.starts), attributes=attrs, capacity=cap, consumes_counters=consumes, allow_multiple_allocations=True)
 
 
 def _shared_device(gpu: GpuInfo, inv: NodeInventory, pol: GpuPolicy) -> Device:

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mig_layouts import check_layout, maximal_layouts
 
+from dra.model.catalog import CATALOG
 from dra.model.devices import (
     DeviceModelError,
     build_devices,
@@ -23,7 +24,6 @@ from dra.model.devices import (
     profile_slug,
     semver,
 )
-from dra.model.catalog import CATALOG
 from dra.model.mig import can_place
 from dra.model.policy import parse_node_policy
 from dra.node.inventory import discover
