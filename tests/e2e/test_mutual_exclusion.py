@@ -31,11 +31,13 @@ SLOTS = 3
 UNALLOCATABLE = "cannot allocate all claims"
 
 
-def _one_h100(cluster: Any, api_client: Any, driver_name: str, tmp_path: Path, layout: str) -> PublishedFleet:
+def _one_h100(cluster: Any, api_client: Any, driver_name: str, tmp_path: Path, layout: str,
+              mig: dict[str, Any] | None = None) -> PublishedFleet:
     prefix = driver_name.split(".")[0]
     slots = {"count": SLOTS, "strategy": "time-slicing", "layout": layout}
+    policy = {"wholeGpu": True, "mig": "dynamic", "slots": slots, **({"dynamicMig": mig} if mig else {})}
     doc = {"nodes": [{"name": f"{prefix}-solo", "gpus": [{"model": "H100-80GB", "count": 1}],
-                      "policy": {"default": {"wholeGpu": True, "mig": "dynamic", "slots": slots}}}]}
+                      "policy": {"default": policy}}]}
     return PublishedFleet(cluster, api_client, driver_name, doc, tmp_path).publish()
 
 
@@ -49,6 +51,15 @@ def one_gpu(cluster: Any, api_client: Any, driver_name: str, tmp_path: Path) -> 
 @pytest.fixture
 def slots_as_capacity(cluster: Any, api_client: Any, driver_name: str, tmp_path: Path) -> Iterator[PublishedFleet]:
     fleet = _one_h100(cluster, api_client, driver_name, tmp_path, "capacity")
+    yield fleet
+    fleet.remove()
+
+
+@pytest.fixture
+def mig_as_capacity(cluster: Any, api_client: Any, driver_name: str, tmp_path: Path) -> Iterator[PublishedFleet]:
+    """The 3-device GPU: whole, 1g.10gb as one device with instances: 7, slots as one device with slots: 3."""
+    fleet = _one_h100(cluster, api_client, driver_name, tmp_path, "capacity",
+                      {"profiles": ["1g.10gb"], "layout": "capacity"})
     yield fleet
     fleet.remove()
 
@@ -186,3 +197,47 @@ def test_a_held_whole_gpu_keeps_the_slot_shares_out(api_client: Any, slots_as_ca
     claims.waiting(claims.add("share", "slot"))
     claims.remove("whole")
     assert claims.allocated("share") == "gpu-0-slots"
+
+
+# ------------------------------------------------------------------------ one MIG profile as capacity (instances)
+
+ONE_G = "gpu-0-mig-1g10gb-19"
+INSTANCES = 7          # 1g.10gb instances that fit on an H100 together
+
+
+def test_mig_shares_coexist_up_to_the_instances_and_exclude_slots_and_the_whole_gpu_until_the_last_goes(
+        api_client: Any, mig_as_capacity: PublishedFleet, ns: str) -> None:
+    assert {name for (_, _, name) in mig_as_capacity.devices()} == {"gpu-0", ONE_G, "gpu-0-slots"}
+    claims = Claims(api_client, mig_as_capacity, ns)
+    three = claims.result(claims.add("three", "mig", "1g.10gb", capacity={"instances": "3"}))
+    assert (three["device"], three["consumedCapacity"]) == (ONE_G, {"instances": "3"})
+    singles = [claims.result(claims.add(f"one-{k}", "mig", "1g.10gb")) for k in range(INSTANCES - 3)]
+    assert {r["device"] for r in singles} == {ONE_G}
+    assert [r["consumedCapacity"] for r in singles] == [{"instances": "1"}] * (INSTANCES - 3)   # the default
+    assert len({r["shareID"] for r in [three, *singles]}) == INSTANCES - 2
+    claims.waiting(claims.add("one-too-many", "mig", "1g.10gb"))
+    claims.waiting(claims.add("slot", "slot"))
+    claims.waiting(claims.add("whole", "gpu"))
+    claims.remove("slot")
+    claims.remove("whole")
+    claims.remove("three")
+    # Instances freed let the waiting share in; shares are still out, so a slot share asked for now waits.
+    assert claims.allocated("one-too-many") == ONE_G
+    claims.waiting(claims.add("slot-after", "slot"))
+    for k in range(INSTANCES - 3):
+        claims.remove(f"one-{k}")
+    claims.remove("one-too-many")
+    # The last share is gone: the GPU is free of the MIG device's counters again.
+    assert claims.allocated("slot-after") == "gpu-0-slots"
+    claims.waiting(claims.add("whole-after", "gpu"))
+    claims.remove("slot-after")
+    assert claims.allocated("whole-after") == "gpu-0"
+    claims.waiting(claims.add("mig-after", "mig", "1g.10gb"))
+
+
+def test_a_share_asking_for_more_instances_than_the_gpu_has_waits(
+        api_client: Any, mig_as_capacity: PublishedFleet, ns: str) -> None:
+    claims = Claims(api_client, mig_as_capacity, ns)
+    claims.waiting(claims.add("eight", "mig", "1g.10gb", capacity={"instances": str(INSTANCES + 1)}))
+    assert claims.result(claims.add("seven", "mig", "1g.10gb", capacity={"instances": str(INSTANCES)}))[
+        "consumedCapacity"] == {"instances": str(INSTANCES)}
