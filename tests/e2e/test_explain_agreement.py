@@ -333,6 +333,9 @@ CASES = [
          "is used up by gpu-0-mig-1g10gb-19 held by", policy=MIG_CAPACITY, first=[MIG_1G]),
     Case("mig-share-of-a-held-gpu", H100, MIG_1G, False, "is used up by gpu-0 held by", policy=MIG_CAPACITY,
          first=[ONE]),
+    # count: 2 looks for a second device after the first: one GPU's slot device cannot serve both (slots: 2 can).
+    Case("slot-count-two-on-one-gpu", H100, _spec(_req("slot", _exactly(SLOT, count=2))), False, "only 1 match",
+         policy=SLOT_CAPACITY),
     Case("distinct-parents-one-per-gpu", [{"model": "H100-80GB", "count": 3}],
          _spec(_req("mig", _exactly(MIG, "device.attributes['D'].profile == '1g.10gb'", count=3)),
                constraints=[{"distinctAttribute": "D/parentUUID"}]), True, policy=MIG_ONLY),
