@@ -333,6 +333,8 @@ CASES = [
          "is used up by gpu-0-mig-1g10gb-19 held by", policy=MIG_CAPACITY, first=[MIG_1G]),
     Case("mig-share-of-a-held-gpu", H100, MIG_1G, False, "is used up by gpu-0 held by", policy=MIG_CAPACITY,
          first=[ONE]),
+    Case("mig-count-two-on-one-gpu", H100, _spec(_req("mig", _exactly(
+        MIG, "device.attributes['D'].profile == '1g.10gb'", count=2))), False, "only 1 match", policy=MIG_CAPACITY),
     # count: 2 looks for a second device after the first: one GPU's slot device cannot serve both (slots: 2 can).
     Case("slot-count-two-on-one-gpu", H100, _spec(_req("slot", _exactly(SLOT, count=2))), False, "only 1 match",
          policy=SLOT_CAPACITY),
