@@ -101,6 +101,21 @@ SHAPES: dict[str, Shape] = {
                   {"gpu": 0.4, "mig-1g10gb": 0.4, "mps-slot": 0.2},
                   "as rich, dynamic MIG limited to the profile the claims use (dynamicMig.profiles: [1g.10gb]; "
                   "96 devices per node)"),
+    # As used, with each GPU's 4 MPS slots published as one device with consumable capacity slots: 4 (node policy
+    # slots.layout: capacity): 72 devices per node.
+    "capacity": Shape({"default": {**H100_POLICY["default"], "dynamicMig": {"profiles": ["1g.10gb"]},
+                                   "slots": {**H100_POLICY["default"]["slots"], "layout": "capacity"}}},
+                      {"gpu": 0.4, "mig-1g10gb": 0.4, "mps-slot": 0.2},
+                      "as used, the 4 MPS slots of a GPU as one device with capacity slots: 4 "
+                      "(slots.layout: capacity; 72 devices per node)"),
+    # As capacity, with the one MIG profile as one device with consumable capacity instances: 7 too (node policy
+    # dynamicMig.layout: capacity, what `gpu-dra convert --dynamic-mig --mig-capacity` writes): 24 devices per node.
+    "capacity-mig": Shape({"default": {**H100_POLICY["default"],
+                                       "dynamicMig": {"profiles": ["1g.10gb"], "layout": "capacity"},
+                                       "slots": {**H100_POLICY["default"]["slots"], "layout": "capacity"}}},
+                          {"gpu": 0.4, "mig-1g10gb": 0.4, "mps-slot": 0.2},
+                          "as capacity, the 1g.10gb profile of a GPU as one device with capacity instances: 7 "
+                          "(dynamicMig.layout: capacity; 24 devices per node)"),
 }
 
 

@@ -30,6 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dynamic-mig", action="store_true",
                         help="MIG GPUs get mig: dynamic (partitions made per claim) instead of static, publishing the "
                              "profiles each mig-parted entry names (dynamicMig.profiles)")
+    parser.add_argument("--mig-capacity", action="store_true",
+                        help="with --dynamic-mig: a mig-parted entry that names one profile publishes it as one "
+                             "device per GPU with instances capacity (dynamicMig.layout: capacity, Kubernetes "
+                             "1.36+) instead of one device per placement; entries of several profiles keep those")
     parser.add_argument("--default-config", metavar="NAME",
                         help="the device plugin config of nodes without the nvidia.com/device-plugin.config label "
                              "(default: the only one given)")
@@ -79,8 +83,11 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--extended-resource uses driver {NVIDIA_DRIVER_NAME} (compatibility mode), "
                              f"not --driver-name {args.driver_name}")
         validate_driver_name(driver)
+        if args.mig_capacity and not args.dynamic_mig:
+            raise ValueError("--mig-capacity applies to dynamic MIG only; give --dynamic-mig too")
         documents = [d for name in args.filename for d in _read(name)]
-        opts = Options(driver=driver, dynamic_mig=args.dynamic_mig, extended_resource=args.extended_resource,
+        opts = Options(driver=driver, dynamic_mig=args.dynamic_mig, mig_capacity=args.mig_capacity,
+                       extended_resource=args.extended_resource,
                        default_config=args.default_config, all_configs=args.all_configs)
         result = convert(documents, opts)
     except (ConvertError, ValueError, OSError) as exc:

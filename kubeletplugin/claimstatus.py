@@ -113,7 +113,7 @@ class KubernetesClaimStatusWriter:
 def status_devices(record: Any, catalog: Mapping[str, Any], pool_name: str) -> list[DeviceStatus]:
     """The status entries of a prepared claim (a checkpoint ``ClaimRecord``): which GPU or MIG device each of
     its devices in this pool is."""
-    dynamic = {m.device: m for m in record.undo.mig_devices}
+    dynamic = {m.device: m for m in record.undo.mig_devices if m.share_id is None}
     out = []
     for d in record.devices:
         if d.pool != pool_name:
@@ -129,10 +129,16 @@ def status_devices(record: Any, catalog: Mapping[str, Any], pool_name: str) -> l
             data["pciBusID"] = dev.gpu_pci_bus_id
             if dev.kind == KIND_MIG:
                 data["migProfile"] = dev.mig_profile_name
-                m = dynamic.get(d.device)
+                instances = [m for m in record.undo.mig_devices
+                             if m.share_id is not None and (m.device, m.share_id) == (d.device, d.share_id)]
+                m = dynamic.get(d.device) or (instances[0] if instances else None)
                 gi, ci = (m.gi_id, m.ci_id) if m is not None else (dev.mig_gi_id, dev.mig_ci_id)
                 if gi is not None and ci is not None:
                     data["gpuInstanceID"], data["computeInstanceID"] = gi, ci
+                if instances:   # a share of a MIG device shared by instances: every MIG device it got
+                    data["migDevices"] = [{"uuid": x.mig_uuid or "", "gpuInstanceID": x.gi_id,
+                                           "computeInstanceID": x.ci_id, "placementStart": x.start}
+                                          for x in instances]
         if d.admin_access:
             data["adminAccess"] = True
         out.append(DeviceStatus(pool=d.pool, device=d.device, share_id=d.share_id, data=data))

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Protocol
 
 from api.quantity import MIB
 from dra.model.devices import KIND_MIG, Device
+from dra.model.mig import free_starts
 from dra.node import migdevices as mig
 from dra.node.cdi import MpsMounts
 from dra.node.checkpoint import CheckpointStore, ClaimRecord, MigUndo, MpsUse, TimeSliceUndo, UndoInfo
@@ -42,18 +43,20 @@ class MigListener(Protocol):
 
 @dataclass(frozen=True)
 class Applied:
-    """What the hardware steps produced, for the CDI spec: MIG identities by plan index, MPS directories by
-    device UUID, and the claim's MPS client limits (environment of every MPS device of the claim)."""
+    """What the hardware steps produced, for the CDI spec: MIG identities by plan index (the first MIG device;
+    a share of k instances of a one-profile MIG device has its other k-1 in ``more_mig_ids``), MPS directories
+    by device UUID, and the claim's MPS client limits (environment of every MPS device of the claim)."""
 
     mig_ids: dict[int, MigIdentity] = field(default_factory=dict)
+    more_mig_ids: dict[int, tuple[MigIdentity, ...]] = field(default_factory=dict)
     mps_mounts: dict[str, MpsMounts] = field(default_factory=dict)
     mps_env: tuple[str, ...] = ()
 
 
-def mig_undo(device: str, live: mig.MigLive) -> MigUndo:
-    """The undo record of a MIG device that realises ``device``."""
+def mig_undo(device: str, live: mig.MigLive, share_id: str | None = None) -> MigUndo:
+    """The undo record of a MIG device that realises ``device`` (for a share: one of its instances)."""
     return MigUndo(device=device, parent_uuid=live.parent_uuid, gi_id=live.gi_id, ci_id=live.ci_id,
-                   mig_uuid=live.uuid or None, profile_id=live.profile_id, start=live.start)
+                   mig_uuid=live.uuid or None, profile_id=live.profile_id, start=live.start, share_id=share_id)
 
 
 class ClaimActions:
@@ -79,13 +82,16 @@ class ClaimActions:
                    for p in plans)
 
     def apply(self, ref: ClaimRef, plans: list[DevicePlan], log: Any) -> Applied:
-        mig_ids = self._realize_mig(ref.uid, plans, log)
+        more: dict[int, tuple[MigIdentity, ...]] = {}
+        mig_ids = self._realize_mig(ref.uid, plans, log, more)
         self._apply_time_slices(ref, plans, log)
         mounts = self._start_mps(ref, plans, mig_ids, log)
-        return Applied(mig_ids, mounts, mps_client_env(ref, plans, mig_ids))
+        return Applied(mig_ids, more, mounts, mps_client_env(ref, plans, mig_ids))
 
-    def _realize_mig(self, uid: str, plans: list[DevicePlan], log: Any) -> dict[int, MigIdentity]:
-        """Create dynamic MIG devices; returns the identity per plan index of every MIG device."""
+    def _realize_mig(self, uid: str, plans: list[DevicePlan], log: Any,
+                     more: dict[int, tuple[MigIdentity, ...]]) -> dict[int, MigIdentity]:
+        """Create dynamic MIG devices; returns the identity per plan index of every MIG device (the further
+        instances of a share go into ``more``)."""
         dynamic_gpus = self.dynamic_mig_gpus()
         mig_ids: dict[int, MigIdentity] = {}
         for i, p in enumerate(plans):
@@ -95,7 +101,13 @@ class ClaimActions:
                     # Used whole (or by slots/shares): MIG mode must be off for CUDA to see all of the GPU.
                     self._ensure_whole_gpu(d)
                 continue
-            if d.mig_dynamic and p.result.admin_access:
+            if d.mig_dynamic and d.mig_start is None:
+                if p.result.admin_access:
+                    raise PrepareError(f"device {d.name}: admin access to a MIG device shared by instances names "
+                                       "no one MIG device; watch the GPU instead")
+                made = self._create_instances(uid, p, log)
+                mig_ids[i], more[i] = made[0], tuple(made[1:])
+            elif d.mig_dynamic and p.result.admin_access:
                 mig_ids[i] = self._existing_dynamic_mig(d)
             elif d.mig_dynamic:
                 assert d.mig_profile_id is not None and d.mig_start is not None
@@ -111,6 +123,29 @@ class ClaimActions:
             else:
                 mig_ids[i] = (d.mig_uuid, d.mig_gi_id, d.mig_ci_id)
         return mig_ids
+
+    def _create_instances(self, uid: str, p: DevicePlan, log: Any) -> list[MigIdentity]:
+        """A share of k instances of a one-profile MIG device: k MIG devices at free placements of the profile,
+        chosen from what exists on the GPU now (the caller holds the GPU lock). Each is checkpointed with the
+        share as it is created, so unprepare destroys exactly these and a restart finds them."""
+        d = p.device
+        assert d.mig_profile_id is not None and d.mig_profile_name is not None
+        taken = [(m.profile_id, m.start) for m in mig.list_mig_devices(self.nvml, d.gpu_uuid)]
+        starts = free_starts(d.mig_profile_name, d.mig_profile_id, d.mig_starts, d.mig_instances or 1, taken,
+                             p.mig_instances)
+        if isinstance(starts, str):
+            raise PrepareError(f"device {d.name} (request {p.result.base_request!r}): no free placement for the "
+                               f"share of {p.mig_instances} instance(s): {starts}. The scheduler counted them "
+                               "free; another MIG device on the GPU that this driver did not create takes them")
+        made: list[MigIdentity] = []
+        for start in starts:
+            live = mig.create_mig_device(self.nvml, d.gpu_uuid, d.mig_profile_id, start)
+            self._crash_point("mig-created")
+            self.add_undo(uid, mig_devices=[mig_undo(d.name, live, p.result.share_id)])
+            log.info("created MIG device", device=d.name, share=p.result.share_id, mig_uuid=live.uuid,
+                     gi=live.gi_id, ci=live.ci_id, start=start)
+            made.append((live.uuid, live.gi_id, live.ci_id))
+        return made
 
     def _apply_time_slices(self, ref: ClaimRef, plans: list[DevicePlan], log: Any) -> None:
         """One interval per GPU for this claim; the GPU-wide setting is shared with other claims on it."""

@@ -449,6 +449,7 @@ class Driver:
             uuid, gi_ci = (mig_id[0], (mig_id[1], mig_id[2])) if mig_id else (d.gpu_uuid, None)
             cdi_devices.append(ClaimDevice(
                 name=d.name, uuid=uuid, gpu_minor=d.gpu_minor, gpu_index=d.gpu_index, mig=gi_ci,
+                more_mig=applied.more_mig_ids.get(i, ()),
                 requests=(p.result.base_request,), share_id=p.result.share_id,
                 mps=applied.mps_mounts.get(uuid) if p.mps is not None else None,
                 env=applied.mps_env if p.mps is not None else ()))

@@ -53,6 +53,7 @@ class DevicePlan:
     # key share one config object (one MPS daemon per GPU for them)
     timeslice: str | None                  # interval to apply to the GPU (time-slicing), None: leave it alone
     mps: MpsPlan | None                    # MPS daemon to run for this device, None: no MPS
+    mig_instances: int = 1                 # MIG devices to create for a share of a one-profile MIG device
 
     @property
     def name(self) -> str:
@@ -79,17 +80,59 @@ def _interval(sharing: Any) -> str:
     return ts.interval if ts is not None else TIMESLICE_DEFAULT
 
 
-def _check_slot_share(mps: MpsPlan, device: Device, where: str) -> None:
+@dataclass(frozen=True)
+class SlotShare:
+    """What one allocation of a slot device holds: ``slots`` of the GPU's ``count``, and the MPS limits that
+    come with them (k/N of the GPU's threads and memory; None for time-slicing)."""
+
+    slots: int
+    count: int
+    thread_percentage: int | None
+    memory_limit_mib: int | None
+
+    @property
+    def words(self) -> str:
+        return f"{self.slots} of {self.count} slots" if self.slots > 1 else f"one of {self.count} slots"
+
+
+def consumed_units(result: AllocatedDevice, capacity: str, n: int, where: str) -> int:
+    """The whole number of units (1..n) of ``capacity`` a share of a capacity-layout device consumed (the
+    scheduler fills in the requestPolicy default when the request names none)."""
+    raw = result.consumed_capacity.get(capacity)
+    if raw is None:
+        raise PlanError(f"{where}: the allocation has no consumedCapacity for {capacity} (a share of this device "
+                        "always has one; was the claim allocated by a scheduler without consumable capacity?)")
+    try:
+        amount = parse_quantity(raw)
+    except ValueError:
+        raise PlanError(f"{where}: consumedCapacity {capacity} {raw!r} is not a quantity") from None
+    if amount != int(amount) or not 1 <= amount <= n:
+        raise PlanError(f"{where}: consumedCapacity {capacity} {raw} is not a whole number of {capacity} "
+                        f"from 1 to {n}")
+    return int(amount)
+
+
+def slot_share(result: AllocatedDevice, device: Device, where: str) -> SlotShare:
+    """The share of a slot device: 1 slot for a slot of the devices layout, the consumed ``slots`` capacity for
+    the slots device of the capacity layout."""
+    n = device.slot_count or 1
+    k = consumed_units(result, "slots", n, where) if device.allow_multiple_allocations else 1
+    threads = device.mps_thread_percentage * k if device.mps_thread_percentage is not None else None
+    mib = device.mps_memory_limit_mib * k if device.mps_memory_limit_mib is not None else None
+    return SlotShare(k, n, threads, mib)
+
+
+def _check_slot_share(mps: MpsPlan, share: SlotShare, where: str) -> None:
     """An MPS slot's limits are its share of the GPU; a config may lower them, never raise them (other slots of
     the GPU are published on the assumption that it does not)."""
-    share_threads, share_mib = device.mps_thread_percentage, device.mps_memory_limit_mib
+    share_threads, share_mib = share.thread_percentage, share.memory_limit_mib
     if share_threads is not None and mps.thread_percentage is not None and mps.thread_percentage > share_threads:
         raise PlanError(f"{where}: activeThreadPercentage {mps.thread_percentage} exceeds the slot's share of "
-                        f"{share_threads} % (one of {device.slot_count} slots; a config may only lower it)")
+                        f"{share_threads} % ({share.words}; a config may only lower it)")
     limit = mps.pinned_memory_limit_bytes
     if share_mib is not None and limit is not None and limit > share_mib * MIB:
         raise PlanError(f"{where}: pinned memory limit {limit // MIB}Mi exceeds the slot's share of {share_mib}Mi "
-                        f"(one of {device.slot_count} slots; a config may only lower it)")
+                        f"({share.words}; a config may only lower it)")
 
 
 def _device_plan(result: AllocatedDevice, device: Device, index: int, config: DeviceConfig | None,
@@ -121,14 +164,16 @@ def _device_plan(result: AllocatedDevice, device: Device, index: int, config: De
             if strategy == "TimeSlicing":
                 raise PlanError(f"{where}: {_config_where(key)}: sharing.strategy: TimeSlicing does not apply to "
                                 "an MPS slot (the slot's sharing attribute is mps)")
-            mps = mps_plan(device.mps_thread_percentage,
-                           device.mps_memory_limit_mib * MIB if device.mps_memory_limit_mib else None)
+            share = slot_share(result, device, where)
+            mps = mps_plan(share.thread_percentage,
+                           share.memory_limit_mib * MIB if share.memory_limit_mib else None)
             if not limits_above_share:
-                _check_slot_share(mps, device, f"{where}: {_config_where(key)}: sharing.mps")
+                _check_slot_share(mps, share, f"{where}: {_config_where(key)}: sharing.mps")
         else:
             if strategy == "MPS":
                 raise PlanError(f"{where}: {_config_where(key)}: sharing.strategy: MPS does not apply to a "
                                 "time-slicing slot (the slot's sharing attribute is time-slicing)")
+            slot_share(result, device, where)     # a malformed share is refused for time-slicing too
             # Without a TimeSlicing config the GPU keeps its interval (others' claims may have set it).
             timeslice = _interval(sharing) if strategy == "TimeSlicing" else None
     elif device.kind == KIND_SHARED:
@@ -153,7 +198,15 @@ def _device_plan(result: AllocatedDevice, device: Device, index: int, config: De
     elif device.kind == KIND_MIG:
         if strategy == "MPS":
             mps = mps_plan(None, None)
-    return DevicePlan(result=result, device=device, config_key=key, timeslice=timeslice, mps=mps)
+    instances = 1
+    if device.kind == KIND_MIG and device.allow_multiple_allocations:
+        instances = consumed_units(result, "instances", device.mig_instances or 1, where)
+        if mps is not None and instances > 1:
+            raise PlanError(f"{where}: {_config_where(key)}: sharing.strategy: MPS serves one MIG device per daemon; "
+                            f"a share of {instances} instances would need {instances} (ask for one instance per "
+                            "request, or leave MPS out)")
+    return DevicePlan(result=result, device=device, config_key=key, timeslice=timeslice, mps=mps,
+                      mig_instances=instances)
 
 
 def _path(obj: Any, *keys: str) -> list[Any]:

@@ -289,11 +289,32 @@ def _mps_uses(spec: Mapping[str, Any], mps_root: Path | None, devices: Mapping[s
     return list(uses.values())
 
 
+def _visible_uuids(cdi_device: Mapping[str, Any]) -> set[str]:
+    """The UUIDs a CDI device of a claim spec shows its container (``NVIDIA_VISIBLE_DEVICES``)."""
+    for entry in ((cdi_device.get("containerEdits") or {}).get("env") or []):
+        key, _, value = str(entry).partition("=")
+        if key == "NVIDIA_VISIBLE_DEVICES":
+            return {u for u in value.split(",") if u}
+    return set()
+
+
+def _placements_of(d: Device, live: Mapping[tuple[str, int, int], mig.MigLive],
+                   visible: set[str]) -> list[tuple[str, int, int]]:
+    """The live MIG devices a claim's dynamic MIG device stands for: the one at its placement, or for a share of
+    a one-profile MIG device (no placement in its name) those of its profile its container sees."""
+    if d.mig_start is not None:
+        placement = (d.gpu_uuid, d.mig_profile_id or 0, d.mig_start)
+        return [placement] if placement in live else []
+    return [key for key, m in sorted(live.items())
+            if key[:2] == (d.gpu_uuid, d.mig_profile_id) and m.uuid and m.uuid in visible]
+
+
 def recover_claims(cdi: CdiSpecWriter, devices: Mapping[str, Device], nvml: Any, pool: str,
                    skip: Sequence[str] = (), mps_root: Path | None = None) -> Recovery:
     """One ``PrepareCompleted`` record (``recovered=True``) per claim CDI spec whose UID is not in ``skip``."""
     problems: list[str] = []
     parsed: dict[str, list[tuple[str, str | None, str]]] = {}     # uid -> [(device, share id, cdi id)]
+    visible: dict[tuple[str, str], set[str]] = {}                  # (uid, cdi id) -> UUIDs its container sees
     mps: dict[str, list[MpsUse]] = {}
     for uid, path in sorted(cdi.list_claim_specs().items()):
         if uid in skip:
@@ -304,6 +325,7 @@ def recover_claims(cdi: CdiSpecWriter, devices: Mapping[str, Device], nvml: Any,
             for d in spec.get("devices") or []:
                 name, share = split_cdi_device_name(uid, str(d["name"]), devices)
                 entries.append((name, share, f"{spec['kind']}={d['name']}"))
+                visible[(uid, entries[-1][2])] = _visible_uuids(d)
         except (OSError, ValueError, KeyError, TypeError) as err:
             problems.append(f"{path}: {err}")
             continue
@@ -322,10 +344,11 @@ def recover_claims(cdi: CdiSpecWriter, devices: Mapping[str, Device], nvml: Any,
         live = {}
     owners: dict[tuple[str, int, int], list[str]] = {}
     for uid, entries in parsed.items():
-        for name, _, _ in entries:
+        for name, _, cdi_id in entries:
             d = devices.get(name)
             if d is not None and d.kind == KIND_MIG and d.mig_dynamic:
-                owners.setdefault((d.gpu_uuid, d.mig_profile_id or 0, d.mig_start or 0), []).append(uid)
+                for placement in _placements_of(d, live, visible[(uid, cdi_id)]):
+                    owners.setdefault(placement, []).append(uid)
 
     records = []
     for uid, entries in parsed.items():
@@ -334,12 +357,11 @@ def recover_claims(cdi: CdiSpecWriter, devices: Mapping[str, Device], nvml: Any,
             d = devices.get(name)
             uuid = None
             if d is not None and d.kind == KIND_MIG and d.mig_dynamic:
-                placement = (d.gpu_uuid, d.mig_profile_id or 0, d.mig_start or 0)
-                m = live.get(placement)
-                if m is not None:
-                    uuid = m.uuid or None
+                for placement in _placements_of(d, live, visible[(uid, cdi_id)]):
+                    m = live[placement]
+                    uuid = uuid or m.uuid or None
                     if len(owners[placement]) == 1:
-                        undo.append(mig_undo(name, m))
+                        undo.append(mig_undo(name, m, share if d.mig_start is None else None))
                     else:
                         problems.append(f"claim {uid}: MIG device {name} is named by claims "
                                         f"{', '.join(owners[placement])}; not destroyed on their unprepare")

@@ -5,8 +5,13 @@ Device kinds (attribute ``type``):
 * ``gpu``    the whole GPU, ``gpu-<minor>``.
 * ``mig``    a MIG partition, ``gpu-<minor>-mig-<profile slug>-<GI profile id>-<start>``. *Static* partitions
              exist now (their MIG uuid is published); *dynamic* ones are every profile at every valid placement
-             and are created when a claim is prepared.
-* ``slot``   one of N shared slots of a GPU, ``gpu-<minor>-slot-<k>`` (``sharing`` = time-slicing or mps).
+             and are created when a claim is prepared. With ``dynamicMig.layout: capacity`` (one profile) instead
+             one device ``gpu-<minor>-mig-<profile slug>-<GI profile id>`` with consumable capacity ``instances: N``
+             (``allowMultipleAllocations``): each claim takes a share of 1 or more instances, and the node plugin
+             creates them at free placements when the share is prepared.
+* ``slot``   one of N shared slots of a GPU, ``gpu-<minor>-slot-<k>`` (``sharing`` = time-slicing or mps); with
+             the policy's ``slots.layout: capacity`` instead one device ``gpu-<minor>-slots`` with consumable
+             capacity ``slots: N`` (``allowMultipleAllocations``): each claim takes a share of 1 or more slots.
 * ``shared`` a consumable-capacity device, ``gpu-<minor>-shared``: many claims share it, each asking for an
              amount of ``memory`` (``allowMultipleAllocations``).
 
@@ -25,6 +30,21 @@ instance limit is not already implied by the geometry.
   overlapping partitions exclude each other, and any slot excludes it;
 * a slot consumes 1 of every memory slice: up to S slots coexist, and any slot excludes the whole GPU and
   every partition.
+
+With ``slots.layout: capacity`` S is 1 in the counters: the one slots device consumes 1 of every memory slice,
+and the scheduler charges a multi-allocatable device's counters once, when its first share is allocated
+(later shares skip the counter check; k8s.io/dynamic-resource-allocation structured/internal/incubating,
+``skipCounterCheck``), while its ``slots`` capacity bounds the shares. So while any share is out the whole GPU
+and every partition are excluded, and the device is free of counters again when its last share is gone.
+
+With ``dynamicMig.layout: capacity`` the GPU publishes one profile as one partition device, and no device per
+placement. It consumes S of every memory slice (it stands for any of the profile's placements, so it excludes
+the whole GPU and every slot while a share is out), and no engine or instance counters: nothing else on the
+GPU competes for them. Its ``instances`` capacity, N = the most instances of the profile that fit together,
+bounds the shares. That is exact because a profile's placements never overlap each other (checked for every
+profile of the catalog; a profile whose placements do overlap is refused for this layout), so any k ≤ N
+instances fit at whatever placements are free: the counts (instances, compute slices, OFA engines) are all
+that limits them.
 
 Device order is the driver's only lever on placement (the scheduler takes the first device that fits), so it
 is deliberate. GPUs in ascending minor; per GPU: the whole GPU, then MIG partitions, then slots, then the
@@ -101,6 +121,14 @@ def shared_device_name(minor: int) -> str:
     return f"gpu-{minor}-shared"
 
 
+def slots_device_name(minor: int) -> str:
+    return f"gpu-{minor}-slots"
+
+
+def mig_instances_device_name(minor: int, profile_name: str, profile_id: int) -> str:
+    return f"gpu-{minor}-mig-{profile_slug(profile_name)}-{profile_id}"
+
+
 def counter_set_name(minor: int) -> str:
     return f"gpu-{minor}-counters"
 
@@ -120,7 +148,9 @@ class DeviceName:
 _NAME_PATTERNS = (
     (re.compile(r"^gpu-(\d+)$"), KIND_GPU),
     (re.compile(r"^gpu-(\d+)-mig-([a-z0-9-]+)-(\d+)-(\d+)$"), KIND_MIG),
+    (re.compile(r"^gpu-(\d+)-mig-([a-z0-9]+)-(\d+)$"), KIND_MIG),         # one profile as capacity: no start
     (re.compile(r"^gpu-(\d+)-slot-(\d+)$"), KIND_SLOT),
+    (re.compile(r"^gpu-(\d+)-slots$"), KIND_SLOT),
     (re.compile(r"^gpu-(\d+)-shared$"), KIND_SHARED),
 )
 
@@ -133,9 +163,10 @@ def parse_device_name(name: str) -> DeviceName:
             continue
         minor = int(m.group(1))
         if kind == KIND_MIG:
-            return DeviceName(kind, minor, profile_slug=m.group(2), profile_id=int(m.group(3)), start=int(m.group(4)))
+            start = int(m.group(4)) if m.lastindex == 4 else None
+            return DeviceName(kind, minor, profile_slug=m.group(2), profile_id=int(m.group(3)), start=start)
         if kind == KIND_SLOT:
-            return DeviceName(kind, minor, slot=int(m.group(2)))
+            return DeviceName(kind, minor, slot=int(m.group(2)) if m.lastindex == 2 else None)
         return DeviceName(kind, minor)
     raise ValueError(f"not a device name of this driver: {name!r}")
 
@@ -168,17 +199,19 @@ class Device:
     mig_dynamic: bool = False                   # created at prepare (dynamic) or existing (static)
     mig_profile_id: int | None = None
     mig_profile_name: str | None = None
-    mig_start: int | None = None
+    mig_start: int | None = None                # None for the one-profile device of the capacity layout
+    mig_instances: int | None = None            # capacity layout: instances N that fit together
+    mig_starts: tuple[int, ...] = ()            # capacity layout: the profile's placements
     mig_size: int | None = None                 # memory slices
     mig_uuid: str | None = None                 # static only
     mig_gi_id: int | None = None                # static only
     mig_ci_id: int | None = None                # static only
     # slots and shares
     sharing: str = "none"                       # none | time-slicing | mps
-    slot_index: int | None = None
+    slot_index: int | None = None               # None for the slots device of the capacity layout
     slot_count: int | None = None
-    mps_thread_percentage: int | None = None    # default for MPS slots: 100/N
-    mps_memory_limit_mib: int | None = None     # default for MPS slots: total/N
+    mps_thread_percentage: int | None = None    # default for MPS slots: 100/N (per slot of a share)
+    mps_memory_limit_mib: int | None = None     # default for MPS slots: total/N (per slot of a share)
     share_min_bytes: int | None = None          # consumable share device
     share_step_bytes: int | None = None
     # wire format
@@ -342,7 +375,14 @@ class _GpuPlan:
     static_instances: tuple[MigInstance, ...] = ()
     slots: int = 0
     slot_strategy: str = "time-slicing"
+    slot_capacity: bool = False                 # slots as one consumable-capacity device
+    mig_capacity: bool = False                  # the one dynamic profile as one consumable-capacity device
     shares: bool = False
+
+    @property
+    def slot_counter(self) -> int:
+        """What each memory slice counter holds: one unit per slot device (N, or 1 for the slots device)."""
+        return 1 if self.slot_capacity else max(self.slots, 1)
 
 
 def _chosen_profiles(gpu: GpuInfo, pol: GpuPolicy, origin: str) -> tuple[MigProfile, ...]:
@@ -359,6 +399,31 @@ def _chosen_profiles(gpu: GpuInfo, pol: GpuPolicy, origin: str) -> tuple[MigProf
             f"which {model} does not have (its profiles: {', '.join(have)})")
     wanted = set(pol.dynamic_mig.profiles)
     return tuple(p for p in gpu.mig_profiles if p.name in wanted)
+
+
+def overlapping_placements(profile: MigProfile) -> tuple[int, int] | None:
+    """Two starts of ``profile`` whose memory slices overlap, or None: the capacity layout's premise is that
+    any free placement of the profile is as good as another, which holds only when none overlap."""
+    for i, a in enumerate(profile.starts):
+        for b in profile.starts[i + 1:]:
+            if set(interval(profile, a)) & set(interval(profile, b)):
+                return a, b
+    return None
+
+
+def instances_together(profiles: Sequence[MigProfile], profile: MigProfile) -> int:
+    """How many instances of ``profile`` fit on the GPU at once: N of the capacity layout."""
+    return min(profile.max_instances, max_instances_alone(profiles, profile.profile_id))
+
+
+def _check_capacity_profile(gpu: GpuInfo, profile: MigProfile, origin: str) -> None:
+    clash = overlapping_placements(profile)
+    if clash is not None:
+        a, b = clash
+        raise DeviceModelError(
+            f"{describe_gpu(gpu)}: node policy {origin} dynamicMig.layout: capacity cannot publish {profile.name}: "
+            f"its placements at memory slices {a} and {b} overlap, so its instances are not interchangeable "
+            "(use layout: placements)")
 
 
 def _plan(gpu: GpuInfo, pol: GpuPolicy, origin: str, warnings: list[str]) -> _GpuPlan:
@@ -398,6 +463,10 @@ def _plan(gpu: GpuInfo, pol: GpuPolicy, origin: str, warnings: list[str]) -> _Gp
                 p for p in _chosen_profiles(gpu, pol, origin)
                 if any(can_place(gpu.mig_profiles, (), p.profile_id, s) is None for s in p.starts)
             )
+            if pol.dynamic_mig is not None and pol.dynamic_mig.layout == "capacity":
+                for p in plan.dynamic_profiles:
+                    _check_capacity_profile(gpu, p, origin)
+                plan.mig_capacity = True
         else:
             warnings.append(f"{who}: dynamic MIG needs MIG mode enabled before the driver starts on this GPU "
                             "(switching needs a GPU reset); publishing it without MIG partitions")
@@ -410,6 +479,7 @@ def _plan(gpu: GpuInfo, pol: GpuPolicy, origin: str, warnings: list[str]) -> _Gp
         if pol.slots is not None:
             plan.slots = pol.slots.count
             plan.slot_strategy = pol.slots.strategy
+            plan.slot_capacity = pol.slots.layout == "capacity"
     elif pol.publish_whole or pol.slots is not None:
         warnings.append(f"{who}: MIG mode is enabled and cannot be switched off at runtime; "
                         "the whole GPU and its slots are not published")
@@ -418,12 +488,13 @@ def _plan(gpu: GpuInfo, pol: GpuPolicy, origin: str, warnings: list[str]) -> _Gp
 
 def _counter_set(gpu: GpuInfo, plan: _GpuPlan) -> CounterSet | None:
     exclusive_kinds = int(plan.whole) + int(bool(plan.dynamic_profiles)) + int(plan.slots > 0)
-    if not plan.dynamic_profiles and exclusive_kinds < 2:
+    placements = bool(plan.dynamic_profiles) and not plan.mig_capacity    # partitions that exclude each other
+    if not placements and exclusive_kinds < 2:
         return None  # nothing on this GPU excludes anything else
-    s = max(plan.slots, 1)
-    m = max(gpu.memory_slices, memory_slice_count(gpu.mig_profiles)) if plan.dynamic_profiles else 1
+    s = plan.slot_counter
+    m = max(gpu.memory_slices, memory_slice_count(gpu.mig_profiles)) if placements else 1
     counters: dict[str, int] = {f"memory-slice-{i}": s for i in range(m)}
-    if plan.dynamic_profiles:
+    if placements:
         budget = budget_of(gpu.mig_profiles)
         if budget.compute_slices is not None:
             counters["compute-slices"] = budget.compute_slices
@@ -454,7 +525,7 @@ class _GpuFields(TypedDict):
 def _gpu_devices(gpu: GpuInfo, inv: NodeInventory, plan: _GpuPlan) -> tuple[list[Device], CounterSet | None]:
     cs = _counter_set(gpu, plan)
     slices = [k for k in (cs.counters if cs else {}) if k.startswith("memory-slice-")]
-    s = max(plan.slots, 1)
+    s = plan.slot_counter
     common = common_attributes(gpu, inv)
     base = _GpuFields(gpu_uuid=gpu.uuid, gpu_index=gpu.index, gpu_minor=gpu.minor, gpu_pci_bus_id=gpu.pci_bus_id)
     devices: list[Device] = []
@@ -468,7 +539,10 @@ def _gpu_devices(gpu: GpuInfo, inv: NodeInventory, plan: _GpuPlan) -> tuple[list
 
     by_id = {p.profile_id: p for p in gpu.mig_profiles}
     placements: list[tuple[MigProfile, int, MigInstance | None]] = []
-    if plan.dynamic_profiles:
+    if plan.mig_capacity:
+        devices += [_mig_instances_device(gpu, prof, common, base, _consumes(cs, {k: s for k in slices}))
+                    for prof in plan.dynamic_profiles]
+    elif plan.dynamic_profiles:
         placements = [(p, start, None) for p in plan.dynamic_profiles for start in p.starts
                       if can_place(gpu.mig_profiles, (), p.profile_id, start) is None]
     else:
@@ -492,6 +566,9 @@ def _gpu_devices(gpu: GpuInfo, inv: NodeInventory, plan: _GpuPlan) -> tuple[list
             mig_ci_id=inst.ci_id if inst else None, attributes=attrs, capacity=cap,
             consumes_counters=_consumes(cs, use)))
 
+    if plan.slot_capacity and plan.slots:
+        devices.append(_slots_device(gpu, plan, common, base, _consumes(cs, {key: 1 for key in slices})))
+        return devices, cs
     for k in range(plan.slots):
         n = plan.slots
         mps = plan.slot_strategy == "mps"
@@ -508,6 +585,47 @@ def _gpu_devices(gpu: GpuInfo, inv: NodeInventory, plan: _GpuPlan) -> tuple[list
     return devices, cs
 
 
+def _slots_device(gpu: GpuInfo, plan: _GpuPlan, common: Mapping[str, dict[str, Any]], base: _GpuFields,
+                  consumes: tuple[dict[str, Any], ...]) -> Device:
+    """The capacity layout's one slot device: ``slots: N`` consumable, a share takes 1 unless it asks for more.
+
+    Only ``slots`` is published as capacity: every capacity of a multi-allocatable device is consumable, and
+    one without a requestPolicy would be taken whole by a request that does not name it. What a share gets
+    (MPS threads and memory limit) follows from its slots, k/N of the GPU, when it is prepared."""
+    n = plan.slots
+    mps = plan.slot_strategy == "mps"
+    attrs = {"type": _s(KIND_SLOT), "parentUUID": _s(gpu.uuid), **common, "sharing": _s(plan.slot_strategy)}
+    cap = {"slots": {"value": str(n), "requestPolicy": {
+        "default": "1", "validRange": {"min": "1", "max": str(n), "step": "1"}}}}
+    return Device(
+        name=slots_device_name(gpu.minor), kind=KIND_SLOT, **base, sharing=plan.slot_strategy, slot_count=n,
+        mps_thread_percentage=100 // n if mps else None, mps_memory_limit_mib=gpu.memory_mib // n if mps else None,
+        attributes=attrs, capacity=cap, consumes_counters=consumes, allow_multiple_allocations=True)
+
+
+def _mig_instances_device(gpu: GpuInfo, prof: MigProfile, common: Mapping[str, dict[str, Any]], base: _GpuFields,
+                          consumes: tuple[dict[str, Any], ...]) -> Device:
+    """The capacity layout's one partition device: ``instances: N`` consumable, a share takes 1 unless it asks
+    for more, and gets that many MIG devices of the profile.
+
+    Every capacity of a multi-allocatable device is consumable, and one without a requestPolicy would be taken
+    whole by a request that does not name it, so only ``instances`` is capacity. What one instance has (memory,
+    multiprocessors, engines) is published as attributes ``instanceMemoryMiB``, ``instanceMultiprocessors``,
+    ``instance<Engine>``: true of every share, whatever its instance count."""
+    n = instances_together(gpu.mig_profiles, prof)
+    attrs = {"type": _s(KIND_MIG), "parentUUID": _s(gpu.uuid), "profile": _s(prof.name), **common,
+             "sharing": _s("none"), "instanceMemoryMiB": _i(prof.memory_mib),
+             "instanceMultiprocessors": _i(prof.multiprocessors), "instanceCopyEngines": _i(prof.copy_engines),
+             "instanceDecoders": _i(prof.decoders), "instanceEncoders": _i(prof.encoders),
+             "instanceJpegEngines": _i(prof.jpeg_engines), "instanceOfaEngines": _i(prof.ofa_engines)}
+    cap = {"instances": {"value": str(n), "requestPolicy": {
+        "default": "1", "validRange": {"min": "1", "max": str(n), "step": "1"}}}}
+    return Device(
+        name=mig_instances_device_name(gpu.minor, prof.name, prof.profile_id), kind=KIND_MIG, **base,
+        mig_dynamic=True, mig_profile_id=prof.profile_id, mig_profile_name=prof.name, mig_size=prof.memory_slices,
+        mig_instances=n, mig_starts=tuple(prof.starts), attributes=attrs, capacity=cap, consumes_counters=consumes, allow_multiple_allocations=True)
+
+
 def _shared_device(gpu: GpuInfo, inv: NodeInventory, pol: GpuPolicy) -> Device:
     shares = pol.memory_shares
     assert shares is not None
@@ -520,8 +638,8 @@ def _shared_device(gpu: GpuInfo, inv: NodeInventory, pol: GpuPolicy) -> Device:
     # Every capacity of a multi-allocatable device is consumable, and a request that does not name one
     # consumes all of it unless a requestPolicy says otherwise. So the share device publishes only `memory`
     # (with a policy); SM count and engines would make the first claim take them all.
-    # The share device is the GPU's only device: combining it with whole/MIG/slot devices would need counters
-    # that consumable capacity cannot subtract from, so a GPU is either shared by memory or not at all.
+    # The share device is the GPU's only device. It could exclude whole/MIG devices the way the slots device
+    # does (counters charged once while any share is out), but the policy keeps memory shares on their own.
     cap = {"memory": {"value": format_bytes(total), "requestPolicy": {
         "default": format_bytes(shares.default_bytes),
         "validRange": {"min": format_bytes(lo), "max": format_bytes(hi), "step": format_bytes(step)},

@@ -183,6 +183,25 @@ def fits(
     return f"{names} do not fit together: {why}"
 
 
+def free_starts(name: str, profile_id: int, starts: Sequence[int], limit: int, taken: Iterable[Placement],
+                count: int) -> list[int] | str:
+    """``count`` starts for new instances of one profile (``starts``: its placements, at most ``limit`` at
+    once) next to the MIG devices ``taken``, highest first like the placement layout's device order; or why
+    not. The profile's placements do not overlap (dra/model/devices.py checks it before publishing it this
+    way), so a start is free exactly when no instance sits there; a device of another profile on the GPU
+    (none is created in this layout) is reported, not placed around."""
+    taken = list(taken)
+    others = sorted({pid for pid, _ in taken if pid != profile_id})
+    placed = [s for pid, s in taken if pid == profile_id]
+    free = [s for s in sorted(starts, reverse=True) if s not in placed]
+    if others or len(placed) + count > limit or count > len(free):
+        extra = f"; MIG devices of other profiles ({', '.join(map(str, others))}) are on the GPU" if others else ""
+        return (f"{name}: {count} more instance(s) do not fit next to the {len(placed)} at memory slices "
+                f"{', '.join(map(str, sorted(placed))) or 'none'} (free placements: "
+                f"{', '.join(map(str, sorted(free))) or 'none'}; at most {limit} at once{extra})")
+    return free[:count]
+
+
 def max_instances_alone(profiles: Sequence[MigProfile], profile_id: int) -> int:
     """How many instances of one profile the geometry and budgets admit, ignoring ``max_instances``."""
     # Every GPU of a model has the same profiles: the placement search runs once per model, not per GPU.

@@ -15,12 +15,19 @@ A GPU policy says what is published for that GPU:
   at every valid placement, instead of all of them. Every published device costs the scheduler work on each
   node it considers, so a cluster that uses two profiles should publish two (docs/devices.md, "What the
   scheduler pays"). A name the GPU does not have is an error naming the GPU's profiles (judged when devices
-  are built, where the GPU is known).
-* ``slots``: ``{count: N (1..64), strategy: time-slicing|mps}``: N shared-slot devices per GPU. Any slot
-  excludes the whole GPU and every MIG partition; up to N slots coexist.
+  are built, where the GPU is known). ``layout: placements`` (default) publishes one device per profile and
+  placement; ``layout: capacity`` (exactly one profile) publishes one partition device per GPU with consumable
+  capacity ``instances: N`` that up to N claims share, each taking 1 instance unless it asks for more; the
+  plugin picks free placements when a share is prepared (Kubernetes 1.36+; docs/devices.md "One MIG profile
+  as capacity").
+* ``slots``: ``{count: N (1..64), strategy: time-slicing|mps, layout: devices|capacity}``: N shared slots per
+  GPU. Any slot excludes the whole GPU and every MIG partition; up to N slots coexist. ``layout: devices``
+  (default) publishes N slot devices; ``layout: capacity`` publishes one slot device with consumable capacity
+  ``slots: N`` that up to N claims share, each taking 1 slot unless it asks for more (Kubernetes 1.36+; fewer
+  devices for the scheduler to walk, docs/devices.md "Slots as capacity").
 * ``memoryShares``: consumable-capacity mode: one device per GPU that many claims may share, each asking for
-  an amount of ``memory``. It excludes ``wholeGpu``, ``mig`` and ``slots`` (the scheduler cannot mix
-  consumable capacity with counters on the same memory in a meaningful way, see dra/model/devices.py).
+  an amount of ``memory``. It excludes ``wholeGpu``, ``mig`` and ``slots`` (a GPU shared by memory is
+  shared by memory only; ``slots.layout: capacity`` is the layout that combines a shared device with them).
   ``{minimum: 1Gi, step: 1Gi, default: <minimum>, strategy: mps|time-slicing}``.
 
 Field names are accepted in camelCase (``wholeGpu``, ``memoryShares``) and in snake_case (``whole_gpu``,
@@ -87,11 +94,15 @@ class _Strict(BaseModel):
     )
 
 
+SlotLayout = Literal["devices", "capacity"]
+
+
 class SlotPolicy(_Strict):
-    """N shared slots per GPU."""
+    """N shared slots per GPU: N devices, or one device whose consumable capacity is N slots."""
 
     count: int = Field(ge=1, le=MAX_SLOTS)
     strategy: SharingStrategy = "time-slicing"
+    layout: SlotLayout = "devices"
 
 
 class MemorySharePolicy(_Strict):
@@ -133,10 +144,15 @@ class MemorySharePolicy(_Strict):
         return parse_quantity(self.default) if self.default is not None else self.minimum_bytes
 
 
+MigLayout = Literal["placements", "capacity"]
+
+
 class DynamicMigPolicy(_Strict):
-    """Which MIG profiles ``mig: dynamic`` publishes: each named profile at every valid placement."""
+    """Which MIG profiles ``mig: dynamic`` publishes: each named profile at every valid placement, or one
+    profile as one device whose consumable capacity is its instances."""
 
     profiles: list[str] = Field(min_length=1)
+    layout: MigLayout = "placements"
 
     @field_validator("profiles")
     @classmethod
@@ -148,6 +164,15 @@ class DynamicMigPolicy(_Strict):
         if twice:
             raise ValueError(f"{', '.join(map(repr, twice))} named more than once")
         return v
+
+    @model_validator(mode="after")
+    def _one_profile_as_capacity(self) -> "DynamicMigPolicy":
+        # Instances of one profile are interchangeable (any free placement will do); two profiles compete for
+        # memory slices, which one capacity cannot express.
+        if self.layout == "capacity" and len(self.profiles) != 1:
+            raise ValueError(f"layout: capacity needs exactly one profile in dynamicMig.profiles, got "
+                             f"{len(self.profiles)} ({', '.join(self.profiles)})")
+        return self
 
 
 class MpsNodePolicy(_Strict):

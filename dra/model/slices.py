@@ -7,7 +7,7 @@ GPU's devices kept in one slice where the per-slice limit allows). ``pool.resour
 
 What the server supports decides what is published (``ApiFeatures``): without partitionable devices only
 whole GPUs and static MIG partitions are published (counters stripped), without consumable capacity no
-memory-share devices, and without device taints tainted devices are withheld rather than offered untainted.
+memory-share devices and no device of a capacity layout (slots, one MIG profile), and without device taints tainted devices are withheld rather than offered untainted.
 Each omission comes back as a human-readable note.
 """
 from __future__ import annotations
@@ -80,6 +80,10 @@ def apply_features(
             continue
         if not features.consumable_capacity and d.kind == KIND_SHARED:
             dropped.setdefault("memory-share devices need consumable capacity (Kubernetes 1.36+)", []).append(d)
+            continue
+        if not features.consumable_capacity and d.needs_consumable_capacity:
+            dropped.setdefault("devices with consumable capacity (slots.layout: capacity, dynamicMig.layout: "
+                               "capacity) need consumable capacity (Kubernetes 1.36+)", []).append(d)
             continue
         if not features.device_taints and any(t.get("effect") in _BLOCKING_EFFECTS for t in d.taints):
             dropped.setdefault("unhealthy devices are withheld because the server has no device taints", []).append(d)

@@ -33,7 +33,7 @@ import logging
 import os
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
@@ -94,6 +94,7 @@ class ClaimDevice:
     gpu_minor: int                         # /dev/nvidia<minor> of the (parent) GPU
     gpu_index: int | None = None           # NVML index, to match toolkit specs that name GPUs by index
     mig: tuple[int, int] | None = None     # (GPU instance id, compute instance id) for a MIG device
+    more_mig: tuple[tuple[str, int, int], ...] = ()   # further MIG devices (uuid, GI, CI) of the same share
     requests: tuple[str, ...] = ()
     share_id: str | None = None            # consumable-capacity share: one CDI device per share
     mps: MpsMounts | None = None
@@ -374,7 +375,8 @@ def _visible_uuids(devices: Sequence[ClaimDevice]) -> list[str]:
     """Per device, the UUIDs of all devices sharing a request with it (the device itself when it has none)."""
     out = []
     for device in devices:
-        mates = [d.uuid for d in devices if d is device or (set(d.requests) & set(device.requests))]
+        mates = [u for d in devices if d is device or (set(d.requests) & set(device.requests))
+                 for u in (d.uuid, *(m[0] for m in d.more_mig))]
         out.append(",".join(dict.fromkeys(mates)))
     return out
 
@@ -417,21 +419,23 @@ def build_claim_spec(
         env = [f"NVIDIA_VISIBLE_DEVICES={visible}", *device.env]
         mps_env, mounts = _sharing_edits(device)
         edits: dict[str, Any] = {"env": env + mps_env}
-        toolkit_id = toolkit.lookup(device, toolkit_names) if toolkit is not None else None
-        if toolkit_id is None:
+        parts = [device, *(replace(device, uuid=uuid, mig=(gi, ci), more_mig=()) for uuid, gi, ci in device.more_mig)]
+        found = [toolkit.lookup(part, toolkit_names) for part in parts] if toolkit is not None else [None]
+        toolkit_ids = [t for t in found if t is not None] if all(found) else []
+        if not toolkit_ids:
             if driver_root is None:
                 raise ValueError(f"device {device.name} ({device.uuid}) is in no toolkit CDI spec and no driver root "
                                  "is configured")
             nodes: list[DeviceNodeInfo] = [driver_root.gpu_node(device.gpu_minor)]
-            if device.mig is not None:
-                nodes += list(driver_root.mig_cap_nodes(device.gpu_minor, *device.mig))
+            for part in parts:
+                if part.mig is not None:
+                    nodes += list(driver_root.mig_cap_nodes(part.gpu_minor, *part.mig))
             edits["deviceNodes"] = [n.to_cdi() for n in nodes]
             need_common = True
         if mounts:
             edits["mounts"] = mounts
         spec_devices.append({"name": name, "containerEdits": edits})
-        own_id = qualified_device_id(vendor, cdi_class, name)
-        ids.append([own_id] if toolkit_id is None else [own_id, toolkit_id])
+        ids.append([qualified_device_id(vendor, cdi_class, name), *toolkit_ids])
     spec: dict[str, Any] = {"cdiVersion": "", "kind": f"{vendor}/{cdi_class}"}
     if need_common:
         assert driver_root is not None

@@ -118,6 +118,7 @@ class MigUndo(_Record):
     mig_uuid: str | None = None              # None when the crash came between GI/CI creation and reading the UUID
     profile_id: int
     start: int
+    share_id: str | None = None              # the share it is an instance of (one-profile MIG device as capacity)
 
 
 class TimeSliceUndo(_Record):

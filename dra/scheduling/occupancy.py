@@ -46,6 +46,8 @@ class Holder:
     pods: tuple[str, ...]
     request: str = ""
     memory_bytes: int | None = None         # consumed memory of a shared device
+    slots: int | None = None                # consumed slots of a slot device with capacity (slots.layout: capacity)
+    instances: int | None = None            # consumed instances of a MIG device with capacity (dynamicMig.layout)
 
     def describe(self) -> str:
         pods = ", ".join(self.pods) if self.pods else "no pod"
@@ -196,9 +198,13 @@ def allocations(claims: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str,
             if r.get("driver") != driver:
                 continue
             consumed = (r.get("consumedCapacity") or {}).get("memory")
+            slots = (r.get("consumedCapacity") or {}).get("slots")
+            instances = (r.get("consumedCapacity") or {}).get("instances")
             out.setdefault((r.get("pool", ""), r.get("device", "")), []).append(Holder(
                 namespace=ns, claim=name, pods=users.get((ns, name), ()), request=str(r.get("request", "")),
-                memory_bytes=_quantity(consumed) if consumed is not None else None))
+                memory_bytes=_quantity(consumed) if consumed is not None else None,
+                slots=_quantity(slots) if slots is not None else None,
+                instances=_quantity(instances) if instances is not None else None))
     return out
 
 
@@ -297,6 +303,13 @@ def _summarise(gpu: GpuStatus, members: list[tuple[Mapping[str, Any], DeviceStat
     for d, ds in members:
         if ds.kind == KIND_GPU:
             gpu.whole_free = ds.state == FREE
+        elif ds.kind == KIND_SLOT and d.get("allowMultipleAllocations"):
+            # The capacity layout's one slot device: its counters were charged by its first share, so while
+            # it is held only its slots capacity bounds the next share.
+            total = _quantity(((d.get("capacity") or {}).get("slots") or {}).get("value"))
+            gpu.slots_total += total
+            if ds.state in (HELD, FREE):
+                gpu.slots_free += max(0, total - sum(h.slots or 0 for h in ds.holders))
         elif ds.kind == KIND_SLOT:
             gpu.slots_total += 1
         elif ds.kind == KIND_SHARED:
@@ -304,10 +317,18 @@ def _summarise(gpu: GpuStatus, members: list[tuple[Mapping[str, Any], DeviceStat
             used = sum(h.memory_bytes or 0 for h in ds.holders)
             gpu.share_total_bytes = (gpu.share_total_bytes or 0) + total
             gpu.share_free_bytes = (gpu.share_free_bytes or 0) + (max(0, total - used) if ds.state != TAINTED else 0)
-    gpu.slots_free = _first_fit([ds for _, ds in members if ds.kind == KIND_SLOT], need, left)
+    gpu.slots_free += _first_fit([ds for d, ds in members if ds.kind == KIND_SLOT
+                                  and not d.get("allowMultipleAllocations")], need, left)
     profiles: dict[str, list[DeviceState]] = {}
-    for _, ds in members:
-        if ds.kind == KIND_MIG:
+    for d, ds in members:
+        if ds.kind == KIND_MIG and d.get("allowMultipleAllocations"):
+            # One profile as capacity: its counters were charged by its first share, so while it is held only
+            # its instances capacity bounds the next share.
+            total = _quantity(((d.get("capacity") or {}).get("instances") or {}).get("value"))
+            free = max(0, total - sum(h.instances or 0 for h in ds.holders)) if ds.state in (HELD, FREE) else 0
+            if free:
+                gpu.mig_free[ds.detail] = free
+        elif ds.kind == KIND_MIG:
             profiles.setdefault(ds.detail, []).append(ds)
     for profile, group in profiles.items():
         placeable = _first_fit(group, need, left)

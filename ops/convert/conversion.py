@@ -29,6 +29,7 @@ EXIT_REFUSED = 4    # written; some fields, nodes or workloads were refused (lef
 class Options:
     driver: str
     dynamic_mig: bool = False
+    mig_capacity: bool = False             # with dynamic_mig: one-profile entries as dynamicMig.layout: capacity
     extended_resource: bool = False     # whole-GPU nvidia.com/gpu stays (compatibility mode's DeviceClass)
     default_config: str | None = None   # the device plugin config of nodes without the label
     all_configs: bool = False           # write the MIG state of configs that no given Node uses too
@@ -141,7 +142,8 @@ def convert(documents: list[tuple[str, Any]], opts: Options) -> Result:
     res.nodes = len(into.nodes)
     res.workloads = len(into.objects)
     if into.dps or into.migs:
-        res.groups = build_groups(into.dps, into.migs, into.nodes, opts.default_config, opts.dynamic_mig, f)
+        res.groups = build_groups(into.dps, into.migs, into.nodes, opts.default_config, opts.dynamic_mig, f,
+                                  opts.mig_capacity)
         used = {g.mig.name for g in res.groups if g.mig is not None}
         unused = [m for m in into.migs if into.nodes and m.name not in used and not opts.all_configs]
         _unused(unused, f)

@@ -87,12 +87,13 @@ def _group_name(dp: DevicePluginConfig | None, mig: MigConfig | None) -> str:
     return name if is_dns_label(name) else "group"
 
 
-def node_policy(dp: DevicePluginConfig | None, mig: MigConfig | None, dynamic: bool) -> dict[str, Any]:
+def node_policy(dp: DevicePluginConfig | None, mig: MigConfig | None, dynamic: bool,
+                mig_capacity: bool = False) -> dict[str, Any]:
     default: dict[str, Any] = dict(dp.gpu_policy) if dp else {"wholeGpu": True}
     shared = dict(default)
     rules: list[dict[str, Any]] = []
     for entry in (mig.entries if mig else []):
-        policy = gpu_policy(entry, dynamic) if entry.enabled else shared
+        policy = gpu_policy(entry, dynamic, mig_capacity) if entry.enabled else shared
         matches = entry.matches()
         if not matches:
             default = dict(policy)
@@ -127,7 +128,7 @@ def _selector(dp: DevicePluginConfig | None, mig: MigConfig | None, default_dp: 
 
 
 def build_groups(dps: list[DevicePluginConfig], migs: list[MigConfig], nodes: list[dict[str, Any]],
-                 default_dp: str | None, dynamic: bool, f: Findings) -> list[NodeGroup]:
+                 default_dp: str | None, dynamic: bool, f: Findings, mig_capacity: bool = False) -> list[NodeGroup]:
     if default_dp is None and len(dps) == 1:
         default_dp = dps[0].name
     if default_dp is not None and dps and default_dp not in {c.name for c in dps}:
@@ -181,7 +182,7 @@ def build_groups(dps: list[DevicePluginConfig], migs: list[MigConfig], nodes: li
         dp = by_dp.get(dp_name) if dp_name else None
         mig = by_mig.get(mig_name) if mig_name else None
         name = _group_name(dp, mig)
-        policy = node_policy(dp, mig, dynamic)
+        policy = node_policy(dp, mig, dynamic, mig_capacity)
         try:
             parse_node_policy(policy, source=f"node group {name}")
         except PolicyError as exc:

@@ -200,6 +200,10 @@ def _classify(ctx: _Context, pool: Pool, dev: PoolDevice, alt: Alternative) -> _
             if amount > left:
                 return _Candidate(dev, CAPACITY, f"short of {n}: {format_amount(left)} left, {format_amount(amount)} "
                                   f"needed (shared by {', '.join(h.describe() for h in holders)})", needs)
+        if holders:
+            # A multi-allocatable device's counters were charged once, by its first share; further shares skip
+            # the counter check (the scheduler's skipCounterCheck).
+            return _Candidate(dev, FREE, "", needs)
     for cs, counters in dev.consumes().items():
         for n, v in counters.items():
             if v > ctx.counter_free(pool, cs, n):
@@ -427,7 +431,7 @@ class _Search:
             return False
         if not alt.admin_access and dev.key in self.chosen and not dev.multi:
             return False
-        for cs, counters in dev.consumes().items():
+        for cs, counters in self._to_charge(dev).items():
             mine = self.counters.get((pool.driver, pool.name, cs), {})
             if any(v + mine.get(n, 0) > self.ctx.counter_free(pool, cs, n) for n, v in counters.items()):
                 return False
@@ -452,11 +456,19 @@ class _Search:
                     return False
         return True
 
+    def _to_charge(self, dev: PoolDevice) -> dict[str, dict[str, Fraction]]:
+        """The counters allocating ``dev`` once more takes: none for a multi-allocatable device that already has
+        a share out (allocated before, or chosen in this search), since its counters are charged once."""
+        if dev.multi and (self.ctx.usage.exclusive(dev.key) or dev.key in self.chosen):
+            return {}
+        return dev.consumes()
+
     def _apply(self, slot: _Slot, alt: Alternative, pool: Pool, c: _Candidate) -> tuple[Any, ...]:
         dev = c.dev
         added = dev.key not in self.chosen
         self.per_claim[slot.claim] += 1
-        for cs, counters in dev.consumes().items():
+        charged = self._to_charge(dev)
+        for cs, counters in charged.items():
             for n, v in counters.items():
                 self.counters[(pool.driver, pool.name, cs)][n] += v
         if alt.admin_access:
@@ -472,13 +484,13 @@ class _Search:
                 if con.applies_to(alt.request):
                     self.values[(slot.claim, ci)].append(_attribute(dev, con.match_attribute or con.distinct_attribute or ""))
                     pushed.append(ci)
-        return (slot, alt, pool, c, added, pushed)
+        return (slot, alt, pool, c, added, pushed, charged)
 
     def _release(self, slot: _Slot, alt: Alternative, pool: Pool, c: _Candidate, added: bool,
-                 pushed: list[int]) -> None:
+                 pushed: list[int], charged: dict[str, dict[str, Fraction]]) -> None:
         dev = c.dev
         self.per_claim[slot.claim] -= 1
-        for cs, counters in dev.consumes().items():
+        for cs, counters in charged.items():
             for n, v in counters.items():
                 self.counters[(pool.driver, pool.name, cs)][n] -= v
         if alt.admin_access:

@@ -114,9 +114,13 @@ def shape_run(shape: str, pods: int, span_s: float, cpu_s: float, rss_gib: float
 def test_ratios_to_the_baseline_are_what_the_targets_judge() -> None:
     runs = {"whole": shape_run("whole", 100, 2.0, 1.0, 0.2, 10.0),
             "rich": shape_run("rich", 100, 8.0, 5.0, 1.0, 20.0),
-            "used": shape_run("used", 100, 4.0, 2.5, 0.5, 12.0)}
+            "used": shape_run("used", 100, 4.0, 2.5, 0.5, 12.0),
+            "capacity": shape_run("capacity", 100, 3.0, 2.0, 0.4, 11.0),
+            "capacity-mig": shape_run("capacity-mig", 100, 2.5, 1.5, 0.3, 10.5)}
     figures = {f.key: f for f in figures_of(runs)}
     assert figures["scheduler.used.cpu_ratio"].value == pytest.approx(2.5)         # 25 vs 10 ms per pod
+    assert figures["scheduler.capacity.cpu_ratio"].value == pytest.approx(2.0)     # 20 vs 10 ms per pod
+    assert figures["scheduler.capacity-mig.cpu_ratio"].value == pytest.approx(1.5)  # 15 vs 10 ms per pod
     assert figures["scheduler.whole.bound_per_s"].value == pytest.approx(50.0)
     assert figures["scheduler.rich.bound_ratio"].value == pytest.approx(0.25)      # 12.5 vs 50 pods/s
     assert figures["scheduler.rich.cpu_ratio"].value == pytest.approx(5.0)         # 50 vs 10 ms per pod

@@ -193,6 +193,18 @@ SOME_PROFILES = {"default": {"wholeGpu": True, "mig": "dynamic", "dynamicMig": {
 TS_SLOTS = {"default": {"wholeGpu": True, "slots": {"count": 4, "strategy": "time-slicing"}}}
 SLOTS_ONLY = {"default": {"wholeGpu": False, "slots": {"count": 4, "strategy": "time-slicing"}}}
 SHARES = {"default": {"wholeGpu": False, "memoryShares": {"minimum": "1Gi", "step": "1Gi"}}}
+# slots.layout: capacity: one slot device per GPU with capacity slots: 3, beside the whole GPU and 1g.10gb MIG.
+SLOT_CAPACITY = {"default": {"wholeGpu": True, "mig": "dynamic", "dynamicMig": {"profiles": ["1g.10gb"]},
+                             "slots": {"count": 3, "strategy": "mps", "layout": "capacity"}}}
+A_SHARE = _spec(_req("slot", _exactly(SLOT)))
+TWO_SLOTS = _spec(_req("slot", _exactly(SLOT, capacity={"requests": {"slots": "2"}})))
+MIG_CAPACITY = {"default": {"wholeGpu": True, "mig": "dynamic",
+                            "dynamicMig": {"profiles": ["1g.10gb"], "layout": "capacity"},
+                            "slots": {"count": 3, "strategy": "mps", "layout": "capacity"}}}
+SIX_1G = _spec(_req("mig", _exactly(MIG, "device.attributes['D'].profile == '1g.10gb'",
+                                    capacity={"requests": {"instances": "6"}})))
+TWO_1G = _spec(_req("mig", _exactly(MIG, "device.attributes['D'].profile == '1g.10gb'",
+                                    capacity={"requests": {"instances": "2"}})))
 NO_SCHEDULE = {"key": "example.com/maintenance", "value": "planned", "effect": "NoSchedule"}
 FIRST_AVAILABLE = _spec({"name": "gpu", "firstAvailable": [
     _sub("h100", GPU, "device.attributes['D'].productName.startsWith('NVIDIA H100')"),
@@ -300,6 +312,32 @@ CASES = [
          policy=SOME_PROFILES),
     Case("mig-named-profile-beside-another", H100, MIG_1G, True, policy=SOME_PROFILES,
          first=[_spec(_req("mig", _exactly(MIG, "device.attributes['D'].profile == '3g.40gb'")))]),
+    # Slots as capacity: the device's counters are charged once, by its first share; its slots bound the shares.
+    Case("slot-share-beside-shares", H100, A_SHARE, True, policy=SLOT_CAPACITY, first=[A_SHARE, A_SHARE]),
+    Case("slot-shares-used-up", H100, A_SHARE, False, "is short of slots", policy=SLOT_CAPACITY,
+         first=[TWO_SLOTS, A_SHARE]),
+    Case("two-slots-beside-one", H100, TWO_SLOTS, True, policy=SLOT_CAPACITY, first=[A_SHARE]),
+    Case("whole-gpu-while-a-share-is-out", H100, ONE, False, "is used up by gpu-0-slots held by",
+         policy=SLOT_CAPACITY, first=[A_SHARE]),
+    Case("partition-while-a-share-is-out", H100, MIG_1G, False, "is used up by gpu-0-slots held by",
+         policy=SLOT_CAPACITY, first=[A_SHARE]),
+    Case("slot-share-of-a-held-gpu", H100, A_SHARE, False, "is used up by gpu-0 held by", policy=SLOT_CAPACITY,
+         first=[ONE]),
+    # One MIG profile as capacity: counters charged once by the first share; instances bound the shares.
+    Case("mig-share-beside-shares", H100, MIG_1G, True, policy=MIG_CAPACITY, first=[MIG_1G, TWO_1G]),
+    Case("mig-instances-used-up", H100, TWO_1G, False, "is short of instances", policy=MIG_CAPACITY,
+         first=[SIX_1G]),
+    Case("whole-gpu-while-a-mig-share-is-out", H100, ONE, False, "is used up by gpu-0-mig-1g10gb-19 held by",
+         policy=MIG_CAPACITY, first=[MIG_1G]),
+    Case("slot-share-while-a-mig-share-is-out", H100, A_SHARE, False,
+         "is used up by gpu-0-mig-1g10gb-19 held by", policy=MIG_CAPACITY, first=[MIG_1G]),
+    Case("mig-share-of-a-held-gpu", H100, MIG_1G, False, "is used up by gpu-0 held by", policy=MIG_CAPACITY,
+         first=[ONE]),
+    Case("mig-count-two-on-one-gpu", H100, _spec(_req("mig", _exactly(
+        MIG, "device.attributes['D'].profile == '1g.10gb'", count=2))), False, "only 1 match", policy=MIG_CAPACITY),
+    # count: 2 looks for a second device after the first: one GPU's slot device cannot serve both (slots: 2 can).
+    Case("slot-count-two-on-one-gpu", H100, _spec(_req("slot", _exactly(SLOT, count=2))), False, "only 1 match",
+         policy=SLOT_CAPACITY),
     Case("distinct-parents-one-per-gpu", [{"model": "H100-80GB", "count": 3}],
          _spec(_req("mig", _exactly(MIG, "device.attributes['D'].profile == '1g.10gb'", count=3)),
                constraints=[{"distinctAttribute": "D/parentUUID"}]), True, policy=MIG_ONLY),

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from plugin_helpers import allocated, container_edits, finish, published, run_example
+from plugin_helpers import allocated, container_edits, finish, published, run_example, run_objects
 from standin import PodPrepareError
-from standin.workloads import create, delete_pod, wait_for_scheduled_pod
+from standin.workloads import create, delete_pod, for_driver, wait_for_scheduled_pod
 
 pytestmark = pytest.mark.e2e
 
@@ -95,6 +95,51 @@ def test_dynamic_mig(kube, namespace, make_node):
     whole, = run_example(kube, node, namespace, "gpu-by-family")
     assert node.kubelet.prepare_pod(whole).devices["gpu"][0].device_name == "gpu-0"
     finish(kube, node, namespace, whole)
+
+
+def mig_share_pod(name: str, instances: int | None) -> list[dict[str, Any]]:
+    """A pod and its claim for a share of the one-profile MIG device: `instances` of it (None: the default)."""
+    exactly: dict[str, Any] = {"deviceClassName": "mig.gpu.dra-driver.io", "selectors": [
+        {"cel": {"expression": "device.attributes['gpu.dra-driver.io'].profile == '1g.10gb'"}}]}
+    if instances is not None:
+        exactly["capacity"] = {"requests": {"instances": str(instances)}}
+    claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
+             "spec": {"devices": {"requests": [{"name": "mig", "exactly": exactly}]}}}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+           "spec": {"restartPolicy": "Never",
+                    "containers": [{"name": "cuda", "image": "cuda", "resources": {"claims": [{"name": "mig"}]}}],
+                    "resourceClaims": [{"name": "mig", "resourceClaimName": name}]}}
+    return [claim, pod]
+
+
+def test_dynamic_mig_of_one_profile_as_capacity(kube, namespace, make_node):
+    """Shares of the one 1g.10gb device: each container sees exactly the MIG devices made for its share."""
+    node = make_node([{"model": "H100-80GB", "count": 1}], {"default": {
+        "wholeGpu": False, "mig": "dynamic", "dynamicMig": {"profiles": ["1g.10gb"], "layout": "capacity"}}})
+    assert list(published(node)) == ["gpu-0-mig-1g10gb-19"]
+    pods = {k: run_objects(kube, node, namespace, [for_driver(o, node.driver) for o in
+                                                   mig_share_pod(f"share-{k}", k if k > 1 else None)])[0]
+            for k in (2, 1)}
+    seen: dict[int, list[str]] = {}
+    for k, pod in pods.items():
+        prepared = node.kubelet.prepare_pod(pod)
+        dev, = prepared.devices["mig"]
+        assert dev.device_name == "gpu-0-mig-1g10gb-19"
+        edits = container_edits(node, prepared)
+        seen[k] = edits.env_map()["NVIDIA_VISIBLE_DEVICES"].split(",")
+        assert len(seen[k]) == k and all(u.startswith("MIG-") for u in seen[k]), seen
+        assert len([p for p in edits.device_paths() if p.startswith("/dev/nvidia-caps/")]) == 2 * k
+    # Exactly the MIG devices on the GPU, none seen by both shares, each recorded with its share.
+    live = {m.uuid: m.start for m in node.mig_devices()}
+    assert sorted(seen[1] + seen[2]) == sorted(live) and not set(seen[1]) & set(seen[2])
+    assert sorted(live.values()) == [4, 5, 6]                        # free placements from the top
+    records = node.checkpoint_claims().values()
+    assert sorted(len(r["undo"]["migDevices"]) for r in records) == [1, 2]
+    assert all(m["shareId"] for r in records for m in r["undo"]["migDevices"])
+    delete_pod(kube, namespace, pods[2]["metadata"]["name"])
+    node.kubelet.unprepare_pod(pods[2])
+    assert [m.uuid for m in node.mig_devices()] == seen[1]          # only the other share's is left
+    finish(kube, node, namespace, pods[1])
 
 
 def test_time_slicing_slot(kube, namespace, make_node):

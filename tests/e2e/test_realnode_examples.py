@@ -34,9 +34,14 @@ MPS_PIPE = "/tmp/nvidia-mps"
 _DEVICE_NAME = re.compile(r"^gpu-(\d+)(?:-mig-[0-9a-z]+-(\d+)-(\d+))?")
 
 
+# GPU 5: dynamic MIG of one profile as capacity (one device, instances: 7), beside the shared fleet's GPUs.
+MIG_CAPACITY_GPU = ({"model": "H100-80GB", "count": 1},
+                    {"wholeGpu": False, "mig": "dynamic", "dynamicMig": {"profiles": ["1g.10gb"], "layout": "capacity"}})
+
+
 @pytest.fixture(scope="module")
 def real() -> Iterator[RealNode]:
-    with RealNode().running() as node:
+    with RealNode(extra_gpus=[MIG_CAPACITY_GPU]).running() as node:
         yield node
 
 
@@ -79,6 +84,15 @@ def expected_view(real: RealNode, plugin: LocalNodePlugin, results: list[dict[st
         else:
             assert attrs["type"] == "mig", attrs
             live = migdevices.list_mig_devices(nvml, attrs["parentUUID"])
+            if "instanceMemoryMiB" in attrs:    # a share of one profile as capacity: the GPU's MIG devices
+                migs = sorted(live, key=lambda x: -x.start)     # (one share at a time), made highest first
+                assert len(migs) == int(r["consumedCapacity"]["instances"]), (r, migs)
+                for mig in migs:
+                    dynamic.append(mig.uuid)
+                    visible.append(mig.uuid)
+                    for cap in root.mig_cap_nodes(minor, mig.gi_id, mig.ci_id):
+                        nodes[cap.path] = (cap.major, cap.minor)
+                continue
             if "uuid" in attrs:      # static: the partition exists with its UUID
                 mig = next(x for x in live if x.uuid == attrs["uuid"])
             else:                    # dynamic: created for this claim at its placement
@@ -281,10 +295,13 @@ def test_example_runs_and_its_container_sees_its_devices(real: RealNode, ours: L
 
 # ---- scenarios the examples do not cover ----------------------------------------------------------
 
-def claim_template(name: str, device_class: str, cel: str | None = None) -> dict[str, Any]:
+def claim_template(name: str, device_class: str, cel: str | None = None,
+                   capacity: dict[str, str] | None = None) -> dict[str, Any]:
     request: dict[str, Any] = {"deviceClassName": device_class}
     if cel:
         request["selectors"] = [{"cel": {"expression": cel}}]
+    if capacity:
+        request["capacity"] = {"requests": capacity}
     return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": name},
             "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": request}]}}}}
 
@@ -295,6 +312,21 @@ def pod_with(name: str, template: str, containers: list[str]) -> dict[str, Any]:
                      "containers": [{"name": c, "image": "unused", "command": ["true"],
                                      "resources": {"claims": [{"name": "gpu"}]}} for c in containers],
                      "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": template}]}}
+
+
+def test_a_share_of_two_mig_instances_sees_exactly_its_two_mig_devices(real: RealNode, ours: LocalNodePlugin) -> None:
+    """One MIG profile as capacity: a share of 2 instances gets two new MIG devices, and its container sees
+    exactly those through its device nodes, NVIDIA_VISIBLE_DEVICES, CUDA and NVML; unprepare destroys them."""
+    published = real.devices(ours)
+    assert [n for n in published if n.startswith("gpu-5-")] == ["gpu-5-mig-1g10gb-19"]
+    cel = f"has(device.attributes['{DEFAULT_DRIVER_NAME}'].instanceMemoryMiB)"
+    pods, checked = run_and_check(real, ours, "mig-capacity", [
+        claim_template("two-1g", f"mig.{DEFAULT_DRIVER_NAME}", cel, {"instances": "2"}),
+        pod_with("two-1g", "two-1g", ["cuda"])])
+    view = real.view("mig-capacity", "two-1g", "cuda")
+    assert len(view.env["NVIDIA_VISIBLE_DEVICES"].split(",")) == 2 and len(view.nvml_mig) == 2, view.env
+    assert len(checked[0].dynamic_mig) == 2
+    finish(real, ours, "mig-capacity", pods, checked)
 
 
 def test_static_mig_partition(real: RealNode, ours: LocalNodePlugin) -> None:

@@ -40,18 +40,21 @@ FLEET = {"nodes": [
     {"name": "skew-hgx",
      "gpus": [{"model": "H100-80GB", "count": 1,
                "mig": {"enabled": True, "instances": [{"profile": p, "start": s} for p, s in sorted(STATIC_LAYOUT)]}},
-              {"model": "H100-80GB", "count": 3}],
+              {"model": "H100-80GB", "count": 4}],
      "policy": {"default": {"wholeGpu": True, "mig": "dynamic"},
                 "rules": [{"match": {"index": 0}, "wholeGpu": False, "mig": "static"},
                           {"match": {"index": 2}, "slots": {"count": 4, "strategy": "mps"}},
                           {"match": {"index": 3}, "wholeGpu": False,
-                           "memoryShares": {"minimum": "1Gi", "step": "1Gi"}}]}},
+                           "memoryShares": {"minimum": "1Gi", "step": "1Gi"}},
+                          {"match": {"index": 4}, "wholeGpu": True, "mig": "dynamic",
+                           "dynamicMig": {"profiles": ["1g.10gb"], "layout": "capacity"}}]}},
     {"name": "skew-l4",
      "gpus": [{"model": "L4", "count": 2}],
-     "policy": {"default": {"wholeGpu": True, "slots": {"count": 4, "strategy": "time-slicing"}}}},
+     "policy": {"default": {"wholeGpu": True,
+                            "slots": {"count": 4, "strategy": "time-slicing", "layout": "capacity"}}}},
 ]}
 # What 1.34 gets: whole GPUs (not the static-MIG one, not the memory-share one) and the static MIG partitions.
-WHOLE_GPUS = {"skew-hgx": {"gpu-1", "gpu-2"}, "skew-l4": {"gpu-0", "gpu-1"}}
+WHOLE_GPUS = {"skew-hgx": {"gpu-1", "gpu-2", "gpu-4"}, "skew-l4": {"gpu-0", "gpu-1"}}
 ONE_CLEAR_LINE = re.compile(r"API server is Kubernetes 1\.34 \(older than 1\.36\): publishing only whole GPUs "
                             r"and static MIG devices")
 
@@ -125,7 +128,14 @@ def test_the_fleet_uses_every_policy_that_needs_a_newer_server(fleet_file: Path)
     devices = [d for part in parts for d in part.get("devices", [])]
     assert any(part.get("sharedCounters") for part in parts)
     assert {"gpu", "mig", "slot", "shared"} <= {_type(d) for d in devices}
+    # Slots in both layouts: N slot devices (skew-hgx GPU 2) and one slot device with capacity (skew-l4).
+    assert any(d["name"] == "gpu-2-slot-3" for d in devices)
+    assert any(_type(d) == "slot" and d.get("allowMultipleAllocations") and "slots" in d["capacity"] for d in devices)
     assert sum(1 for d in devices if d["name"].startswith("gpu-1-mig-")) > 10     # dynamic MIG on GPU 1
+    # Dynamic MIG in both layouts: a device per placement (GPU 1) and one profile as capacity (GPU 4).
+    assert [d["name"] for d in devices if d["name"].startswith("gpu-4-mig-")] == ["gpu-4-mig-1g10gb-19"]
+    assert any(d["name"] == "gpu-4-mig-1g10gb-19" and d.get("allowMultipleAllocations")
+               and "instances" in d["capacity"] for d in devices)
 
 
 def test_publish_is_accepted_and_offers_only_whole_gpus_and_static_mig(
@@ -151,7 +161,7 @@ def test_publish_is_accepted_and_offers_only_whole_gpus_and_static_mig(
     hgx = devices["skew-hgx"]
     assert {n for n, d in hgx.items() if _type(d) == "gpu"} == WHOLE_GPUS["skew-hgx"]
     mig = {n: d for n, d in hgx.items() if _type(d) == "mig"}
-    assert all(n.startswith("gpu-0-mig-") for n in mig), sorted(mig)     # none from the dynamic GPU 1
+    assert all(n.startswith("gpu-0-mig-") for n in mig), sorted(mig)     # none from the dynamic GPUs 1 and 4
     layout = {(d["attributes"]["profile"]["string"], int(n.rsplit("-", 1)[1])) for n, d in mig.items()}
     assert layout == STATIC_LAYOUT
     assert all("uuid" in d["attributes"] for d in mig.values())          # existing partitions

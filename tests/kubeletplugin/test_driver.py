@@ -954,3 +954,141 @@ def test_unexpected_exception_fails_only_its_claim_as_internal(dynamic):
     assert dynamic.mig_devices(1) == []           # what the bad claim had done is undone
     assert dynamic.driver.checkpoint.get(bad.uid) is None
     assert len(dynamic.mig_devices(0)) == 1 and dynamic.driver.checkpoint.get(good.uid).completed
+
+
+def test_slot_capacity_shares_get_their_slots_worth_of_mps_limits(tmp_path):
+    node = Node(tmp_path, {"default": {"slots": {"count": 4, "strategy": "mps", "layout": "capacity"}}})
+    slots = node.model.by_name()["gpu-0-slots"]
+    one = node.add_claim("one", [{"request": "s", "device": "gpu-0-slots", "shareID": "s-1",
+                                  "consumedCapacity": {"slots": "1"}}])
+    two = node.add_claim("two", [{"request": "s", "device": "gpu-0-slots", "shareID": "s-2",
+                                  "consumedCapacity": {"slots": "2"}}])
+    [d1] = ok(node.driver, one).devices
+    ok(node.driver, two)
+    assert d1.cdi_device_ids == (f"{CDI_KIND}={one.uid}-gpu-0-slots-s-1",)
+    assert len([d for d in node.control.daemons.values() if d.alive]) == 1      # one daemon for the GPU's shares
+    assert mps_env(node, one)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+    assert mps_env(node, one)["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={slots.mps_memory_limit_mib}M"
+    assert mps_env(node, two)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    assert mps_env(node, two)["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={2 * slots.mps_memory_limit_mib}M"
+    # A config may lower a share's limits but not raise them above its slots.
+    greedy = node.add_claim("greedy", [{"request": "s", "device": "gpu-0-slots", "shareID": "s-3",
+                                        "consumedCapacity": {"slots": "1"}}],
+                            [opaque(gpu_config(strategy="MPS", mps={"activeThreadPercentage": 40}))])
+    assert "exceeds the slot's share of 25 % (one of 4 slots" in node.driver.prepare([greedy])[greedy.uid].error
+    node.driver.unprepare([one])
+    assert any(d.alive for d in node.control.daemons.values())
+    node.driver.unprepare([two])
+    assert not any(d.alive for d in node.control.daemons.values())
+
+
+@pytest.mark.parametrize("consumed, words", [({}, "no consumedCapacity for slots"),
+                                             ({"slots": "5"}, "from 1 to 4"),
+                                             ({"slots": "two"}, "not a quantity")])
+def test_slot_capacity_share_without_a_valid_slot_count_is_refused(tmp_path, consumed, words):
+    node = Node(tmp_path, {"default": {"slots": {"count": 4, "strategy": "time-slicing", "layout": "capacity"}}})
+    ref = node.add_claim("c", [{"request": "s", "device": "gpu-0-slots", "shareID": "s-1",
+                                "consumedCapacity": consumed}])
+    error = node.driver.prepare([ref])[ref.uid].error
+    assert words in error and "gpu-0-slots" in error
+
+
+# ------------------------------------------------------------------------------------- one MIG profile as capacity
+
+MIG_CAPACITY = {"default": {"mig": "dynamic", "dynamicMig": {"profiles": ["1g.10gb"], "layout": "capacity"},
+                            "slots": {"count": 4, "strategy": "time-slicing", "layout": "capacity"}}}
+ONE_G = "gpu-0-mig-1g10gb-19"
+
+
+def mig_share(share: str, instances: str | None = "1") -> dict[str, Any]:
+    consumed = {"instances": instances} if instances is not None else {}
+    return {"request": "m", "device": ONE_G, "shareID": share, "consumedCapacity": consumed}
+
+
+def test_mig_capacity_shares_get_free_placements_highest_first_and_exactly_their_mig_devices(tmp_path):
+    node = Node(tmp_path, MIG_CAPACITY)
+    one = node.add_claim("one", [mig_share("s-1")])
+    three = node.add_claim("three", [mig_share("s-2", "3")])
+    [d1] = ok(node.driver, one).devices
+    assert d1.cdi_device_ids == (f"{CDI_KIND}={one.uid}-{ONE_G}-s-1",)
+    assert [m.start for m in node.mig_devices(0)] == [6]
+    ok(node.driver, three)
+    live = {m.start: m for m in node.mig_devices(0)}
+    assert sorted(live) == [3, 4, 5, 6]
+    record = node.driver.checkpoint.get(three.uid)
+    assert sorted((m.device, m.share_id, m.start) for m in record.undo.mig_devices) == [
+        (ONE_G, "s-2", 3), (ONE_G, "s-2", 4), (ONE_G, "s-2", 5)]
+    # One CDI device for the share: the GPU's node plus the caps of exactly its three MIG devices.
+    [spec_device] = node.spec_of(three)["devices"]
+    edits = spec_device["containerEdits"]
+    assert f"NVIDIA_VISIBLE_DEVICES={','.join(live[s].uuid for s in (5, 4, 3))}" in edits["env"]
+    paths = [n["path"] for n in edits["deviceNodes"]]
+    assert paths[0] == "/dev/nvidia0" and len(paths) == 1 + 3 * 2
+    from kubeletplugin.claimstatus import status_devices
+    [status] = status_devices(record, node.model.by_name(), NODE)
+    assert status.share_id == "s-2" and [m["placementStart"] for m in status.data["migDevices"]] == [5, 4, 3]
+    assert {m["uuid"] for m in status.data["migDevices"]} == {live[s].uuid for s in (3, 4, 5)}
+    # Unprepare destroys exactly the share's MIG devices; the other share's stays.
+    assert node.driver.unprepare([three])[three.uid].error == ""
+    assert [m.start for m in node.mig_devices(0)] == [6]
+    again = node.add_claim("again", [mig_share("s-3", "2")])
+    ok(node.driver, again)
+    assert sorted(m.start for m in node.mig_devices(0)) == [4, 5, 6]
+    node.driver.unprepare([one, again])
+    assert node.mig_devices(0) == []
+
+
+def test_mig_capacity_share_that_finds_no_free_placement_is_a_clear_claim_error(tmp_path):
+    node = Node(tmp_path, MIG_CAPACITY)
+    big = node.add_claim("big", [mig_share("s-1", "6")])
+    ok(node.driver, big)
+    over = node.add_claim("over", [mig_share("s-2", "2")])      # the scheduler would never allow this
+    error = node.driver.prepare([over])[over.uid].error
+    assert f"device {ONE_G} (request 'm'): no free placement for the share of 2 instance(s)" in error
+    assert "1g.10gb: 2 more instance(s) do not fit next to the 6" in error and "free placements: 0" in error
+    assert len(node.mig_devices(0)) == 6 and node.driver.checkpoint.get(over.uid) is None
+
+
+@pytest.mark.parametrize("consumed, words", [(None, "no consumedCapacity for instances"),
+                                             ("8", "from 1 to 7"), ("two", "not a quantity")])
+def test_mig_capacity_share_without_a_valid_instance_count_is_refused(tmp_path, consumed, words):
+    node = Node(tmp_path, MIG_CAPACITY)
+    ref = node.add_claim("c", [mig_share("s-1", consumed)])
+    error = node.driver.prepare([ref])[ref.uid].error
+    assert words in error and ONE_G in error and node.mig_devices(0) == []
+
+
+def test_mig_capacity_shares_survive_a_restart_and_a_lost_checkpoint(tmp_path):
+    node = Node(tmp_path, MIG_CAPACITY, state_file=tmp_path / "gpus.json")
+    two = node.add_claim("two", [mig_share("s-1", "2")])
+    one = node.add_claim("one", [mig_share("s-2", "1")])
+    before = ok(node.driver, two).devices
+    ok(node.driver, one)
+    owned = {m.uuid for m in node.mig_devices(0)}
+    driver = node.restart()
+    assert {m.uuid for m in node.mig_devices(0)} == owned and ok(driver, two).devices == before
+    lose_checkpoint(node, "torn file", two.uid)
+    driver = node.restart_process()
+    assert set(node.startup.adopted_from_cdi) == {two.uid, one.uid}
+    record = driver.checkpoint.get(two.uid)
+    assert sorted(m.start for m in record.undo.mig_devices) == [5, 6]
+    assert {m.share_id for m in record.undo.mig_devices} == {"s-1"}
+    assert [m.start for m in driver.checkpoint.get(one.uid).undo.mig_devices] == [4]
+    assert driver.unprepare([two])[two.uid].error == ""
+    assert [m.start for m in node.mig_devices(0)] == [4]
+    assert driver.unprepare([one])[one.uid].error == ""
+    assert node.mig_devices(0) == []
+
+
+def test_mig_capacity_share_with_mps_takes_one_instance(tmp_path):
+    node = Node(tmp_path, MIG_CAPACITY)
+    mps = opaque({"apiVersion": "gpu.dra-driver.io/v1alpha1", "kind": "MigDeviceConfig",
+                  "sharing": {"strategy": "MPS"}})
+    ref = node.add_claim("c", [mig_share("s-1", "2")], [mps])
+    assert "MPS serves one MIG device per daemon; a share of 2 instances" in node.driver.prepare([ref])[ref.uid].error
+    single = node.add_claim("single", [mig_share("s-2", "1")], [mps])
+    ok(node.driver, single)
+    [live] = node.mig_devices(0)
+    [daemon] = [d for d in node.control.daemons.values() if d.alive]
+    assert daemon.spec.visible_devices == (live.uuid,)
+    node.driver.unprepare([single])

@@ -242,6 +242,32 @@ def test_dynamic_mig_rules_name_each_entrys_profiles_and_publish_only_those() ->
     assert set(profiles) == {0, 1, 2, 3}
 
 
+def test_mig_capacity_writes_the_capacity_layout_for_entries_of_one_profile() -> None:
+    doc = {"version": "v1", "mig-configs": {"mixed": [
+        {"devices": [0, 1], "mig-enabled": True, "mig-devices": {"1g.10gb": 7}},
+        {"devices": [2], "mig-enabled": True, "mig-devices": {"3g.40gb": 1, "1g.10gb": 4}},
+        {"devices": [3, 4, 5, 6, 7], "mig-enabled": False}]}}
+    res = run(doc, _node("n", "mixed"), dynamic_mig=True, mig_capacity=True)
+    (g,) = res.groups
+    rules = {r["match"]["index"]: r.get("dynamicMig") for r in g.node_policy["rules"]}
+    assert rules[0] == rules[1] == {"profiles": ["1g.10gb"], "layout": "capacity"}
+    assert rules[2] == {"profiles": ["3g.40gb", "1g.10gb"]}          # two profiles: one device per placement
+    fleet = parse_fleet({"nodes": [{"name": "n", "gpus": [{"model": "H100-80GB", "count": 8}],
+                                    "policy": g.node_policy}]})
+    model = build_devices(discover_once(nvml_for_node(fleet.node("n"))), parse_node_policy(g.node_policy, "c"))
+    assert [d.name for d in model.devices if d.gpu_index == 0] == ["gpu-0-mig-1g10gb-19"]
+    assert len([d for d in model.devices if d.gpu_index == 2]) == 2 + 7
+    assert run(doc, _node("n", "mixed"), dynamic_mig=True).groups[0].node_policy["rules"][0]["dynamicMig"] == {
+        "profiles": ["1g.10gb"]}
+
+
+def test_mig_capacity_flag_needs_dynamic_mig(tmp_path: Any, capsys: Any) -> None:
+    path = tmp_path / "mig.yaml"
+    path.write_text(yaml.safe_dump(MIG_PARTED))
+    assert main(["convert", "-f", str(path), "--mig-capacity"]) == 2
+    assert "--mig-capacity applies to dynamic MIG only; give --dynamic-mig too" in capsys.readouterr().err
+
+
 def test_unknown_device_filter_and_profiles_of_another_model_are_reported() -> None:
     doc = {"version": "v1", "mig-configs": {"x": [
         {"devices": "all", "device-filter": ["0x12345678"], "mig-enabled": True},

@@ -331,6 +331,71 @@ def test_consumable_capacity_left_on_a_memory_share() -> None:
     assert exp.verdict == NOT_ALLOCATABLE and "together need more" in format_text(exp)
 
 
+def _with_slots_device(slots: int = 2) -> list[dict[str, Any]]:
+    """One H100 of _slices plus the capacity layout's slot device: every memory slice once, `slots` shares."""
+    out = _slices(gpus=1)
+    out[1]["spec"]["devices"].append({
+        "name": "gpu-0-slots", "attributes": _attrs("slot", 0, sharing="mps"), "allowMultipleAllocations": True,
+        "capacity": {"slots": {"value": str(slots), "requestPolicy": {
+            "default": "1", "validRange": {"min": "1", "max": str(slots), "step": "1"}}}},
+        "consumesCounters": [{"counterSet": "gpu-0-counters",
+                              "counters": {f"memory-slice-{i}": {"value": "1"} for i in range(8)}}]})
+    return out
+
+
+def test_a_slot_device_charges_its_counters_once_however_many_shares() -> None:
+    slices, slot = _with_slots_device(), f"slot.{D}"
+    share = _allocated(_claim("s1", _req("slot", slot)), "node-a", "gpu-0-slots", pod="p1",
+                       shareID="a", consumedCapacity={"slots": "1"})
+    exp = run(_claim("c", _req("slot", slot)), slices, [share])
+    assert exp.verdict == ALLOCATABLE and exp.sentence.endswith("slot -> gpu-0-slots"), format_text(exp)
+    whole = run(_claim("w", _req()), slices, [share])
+    assert whole.verdict == NOT_ALLOCATABLE
+    assert "counter set gpu-0-counters is used up by gpu-0-slots held by ml/s1 (pod ml/p1)" in format_text(whole)
+    # Two shares of one claim on a free GPU: the counters are taken by the first only.
+    assert run(_claim("two", _req("a", slot), _req("b", slot)), slices).verdict == ALLOCATABLE
+    # Its slots are what bounds the shares.
+    full = run(_claim("c", _req("slot", slot)), slices,
+               [share, _allocated(_claim("s2", _req("slot", slot)), "node-a", "gpu-0-slots", shareID="b",
+                                  consumedCapacity={"slots": "1"})])
+    assert full.verdict == NOT_ALLOCATABLE and "gpu-0-slots is short of slots: 0 left, 1 needed" in format_text(full)
+    held = run(_claim("c", _req("slot", slot)), slices, [_allocated(_claim("w", _req()), "node-a", "gpu-0")])
+    assert held.verdict == NOT_ALLOCATABLE and "used up by gpu-0 held by ml/w" in format_text(held)
+
+
+def _with_mig_instances_device(instances: int = 7) -> list[dict[str, Any]]:
+    """One H100 of _slices, its 1g.10gb as one device with capacity (dynamicMig.layout: capacity): every memory
+    slice once, `instances` shares, per-instance figures as attributes."""
+    out = _slices(gpus=1)
+    devices = out[1]["spec"]["devices"]
+    devices[:] = [d for d in devices if "-mig-" not in d["name"]]
+    devices.append({
+        "name": "gpu-0-mig-1g10gb-19", "allowMultipleAllocations": True,
+        "attributes": {**_attrs("mig", 0, profile="1g.10gb"), "instanceMemoryMiB": {"int": 9984}},
+        "capacity": {"instances": {"value": str(instances), "requestPolicy": {
+            "default": "1", "validRange": {"min": "1", "max": str(instances), "step": "1"}}}},
+        "consumesCounters": [{"counterSet": "gpu-0-counters",
+                              "counters": {f"memory-slice-{i}": {"value": "1"} for i in range(8)}}]})
+    return out
+
+
+def test_a_mig_device_with_instances_charges_its_counters_once_and_its_instances_bound_the_shares() -> None:
+    slices, mig = _with_mig_instances_device(instances=3), f"mig.{D}"
+    one_g = PROFILE % "1g.10gb"
+    share = _allocated(_claim("m1", _req("mig", mig, one_g)), "node-a", "gpu-0-mig-1g10gb-19", pod="p1",
+                       shareID="a", consumedCapacity={"instances": "2"})
+    exp = run(_claim("c", _req("mig", mig, one_g)), slices, [share])
+    assert exp.verdict == ALLOCATABLE and exp.sentence.endswith("mig -> gpu-0-mig-1g10gb-19"), format_text(exp)
+    whole = run(_claim("w", _req()), slices, [share])
+    assert whole.verdict == NOT_ALLOCATABLE
+    assert "counter set gpu-0-counters is used up by gpu-0-mig-1g10gb-19 held by ml/m1 (pod ml/p1)" in format_text(whole)
+    two = run(_claim("c", _req("mig", mig, one_g, capacity={"requests": {"instances": "2"}})), slices, [share])
+    assert two.verdict == NOT_ALLOCATABLE
+    assert "gpu-0-mig-1g10gb-19 is short of instances: 1 left, 2 needed" in format_text(two), format_text(two)
+    held = run(_claim("c", _req("mig", mig, one_g)), slices, [_allocated(_claim("w", _req()), "node-a", "gpu-0")])
+    assert held.verdict == NOT_ALLOCATABLE and "used up by gpu-0 held by ml/w" in format_text(held)
+
+
 def test_claims_of_one_pod_are_allocated_together() -> None:
     a, b = _claim("a", _req()), _claim("b", _req())
     exp = explain([Target("ml/a", a), Target("ml/b", b)], CLASSES, _slices(gpus=1), [a, b])

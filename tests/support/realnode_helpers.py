@@ -14,7 +14,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -40,15 +40,17 @@ NVIDIACTL = ("/dev/nvidiactl", (NVIDIA_MAJOR, 255))
 
 # One node for every scenario: GPU 0 whole or dynamic MIG; 1 also four MPS slots; 2 whole or four time-slicing
 # slots; 3 memory shares; 4 static MIG with a 2g.20gb and a 3g.40gb partition (no 1g.10gb, so the mig-partition
-# example always gets a dynamic one).
+# example always gets a dynamic one); modules may add GPUs from index 5 on (fleet_node extra).
 STATIC_MIG = [{"profile": "2g.20gb", "start": 0}, {"profile": "3g.40gb", "start": 4}]
 
 
-def fleet_node(name: str) -> dict[str, Any]:
+def fleet_node(name: str, extra: Sequence[tuple[dict[str, Any], dict[str, Any]]] = ()) -> dict[str, Any]:
+    """The real node's GPUs and policy; ``extra``: further GPUs (one each, indexes 5 on) with their policy."""
     return {
         "name": name,
         "gpus": [{"model": "H100-80GB", "count": 4},
-                 {"model": "H100-80GB", "count": 1, "mig": {"enabled": True, "instances": STATIC_MIG}}],
+                 {"model": "H100-80GB", "count": 1, "mig": {"enabled": True, "instances": STATIC_MIG}},
+                 *(gpu for gpu, _ in extra)],
         "policy": {
             "default": {"wholeGpu": True, "mig": "dynamic"},
             "rules": [
@@ -58,6 +60,7 @@ def fleet_node(name: str) -> dict[str, Any]:
                 {"match": {"index": 3}, "wholeGpu": False, "mig": "none",
                  "memoryShares": {"minimum": "1Gi", "step": "1Gi"}},
                 {"match": {"index": 4}, "wholeGpu": False, "mig": "static"},
+                *({"match": {"index": 5 + i}, **policy} for i, (_, policy) in enumerate(extra)),
             ],
         },
     }
@@ -68,8 +71,10 @@ class RealNode:
     `cluster_options` go to LocalCluster (e.g. service_accounts=True), `labels` to the node's kubelet."""
 
     def __init__(self, kubelet_config: dict[str, Any] | None = None, *,
-                 cluster_options: dict[str, Any] | None = None, labels: dict[str, str] | None = None) -> None:
+                 cluster_options: dict[str, Any] | None = None, labels: dict[str, str] | None = None,
+                 extra_gpus: Sequence[tuple[dict[str, Any], dict[str, Any]]] = ()) -> None:
         self.kubelet_config = kubelet_config
+        self.extra_gpus = list(extra_gpus)
         self.cluster_options = dict(cluster_options or {})
         self.labels = dict(labels or {})
         self.cluster: LocalCluster | None = None
@@ -89,7 +94,8 @@ class RealNode:
             pytest.fail(f"the real node did not start: {exc}", pytrace=False)
         assert self.node.workdir is not None
         self.fleet = self.node.workdir / "fleet.yaml"
-        self.fleet.write_text(yaml.safe_dump({"nodes": [fleet_node(self.node.name)]}, sort_keys=False))
+        self.fleet.write_text(yaml.safe_dump({"nodes": [fleet_node(self.node.name, self.extra_gpus)]},
+                                             sort_keys=False))
         self.api_client = self.cluster.api_client()
         self.kube = KubeApi(self.api_client)
         return self

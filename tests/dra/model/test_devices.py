@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import replace
-from itertools import permutations
+from itertools import combinations, permutations
 
 import pytest
 from gpu_fixtures import a30, from_catalog, h100, inventory, l4, with_instances
@@ -12,10 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mig_layouts import check_layout, maximal_layouts
 
+from dra.model.catalog import CATALOG
 from dra.model.devices import (
     DeviceModelError,
     build_devices,
+    instances_together,
     mig_device_name,
+    mig_instances_device_name,
+    overlapping_placements,
     parse_device_name,
     profile_slug,
     semver,
@@ -230,7 +234,7 @@ def test_names_and_parse_round_trip():
     assert "gpu-1-shared" in model.by_name()
 
 
-@pytest.mark.parametrize("bad", ["gpu", "gpu-x", "gpu-0-mig-1g10gb-19", "gpu-0-slot-", "vfio-0", "gpu-0-shared-1"])
+@pytest.mark.parametrize("bad", ["gpu", "gpu-x", "gpu-0-mig-1g10gb", "gpu-0-mig-1g10gb-19-", "gpu-0-slot-", "vfio-0", "gpu-0-shared-1"])
 def test_parse_rejects_foreign_names(bad):
     with pytest.raises(ValueError):
         parse_device_name(bad)
@@ -522,3 +526,150 @@ def test_dynamic_mig_profile_the_gpu_lacks_is_an_error_naming_it_and_the_gpus_pr
     assert "GPU 0" in text and "rules[0]" in text and "'1g.5gb'" in text and "H100-80GB" in text
     assert "its profiles: 1g.10gb, 1g.10gb+me, 1g.20gb" in text
     assert "'1g.10gb'" not in text
+
+
+# --------------------------------------------------------------------------------------------- slots as capacity
+
+def slot_capacity(n, strategy="mps", profiles=("1g.10gb",)):
+    return policy({"default": {"mig": "dynamic", "dynamicMig": {"profiles": list(profiles)},
+                               "slots": {"count": n, "strategy": strategy, "layout": "capacity"}}})
+
+
+def admitted_once(model, names) -> bool:
+    """The scheduler's counter accounting when each name is a device (a multi-allocatable one may be named many
+    times, once per share): a device's counters are charged once, however many shares it has out."""
+    return admitted(model, list(dict.fromkeys(names)))
+
+
+def test_slot_capacity_layout_is_one_device_per_gpu_with_slots_capacity():
+    model = build_devices(inventory(h100(0), h100(1)), slot_capacity(4))
+    per_gpu = [d.name for d in model.devices if d.gpu_minor == 0]
+    assert per_gpu[0] == "gpu-0" and per_gpu[-1] == "gpu-0-slots" and len(per_gpu) == 1 + 7 + 1
+    d = model.by_name()["gpu-0-slots"]
+    assert d.kind == "slot" and d.allow_multiple_allocations and d.slot_index is None and d.slot_count == 4
+    assert d.attributes["type"] == {"string": "slot"} and d.attributes["sharing"] == {"string": "mps"}
+    assert d.capacity == {"slots": {"value": "4", "requestPolicy": {
+        "default": "1", "validRange": {"min": "1", "max": "4", "step": "1"}}}}
+    assert (d.mps_thread_percentage, d.mps_memory_limit_mib) == (25, 81559 // 4)   # per slot of a share
+    wire = d.to_wire()
+    assert wire["allowMultipleAllocations"] is True
+    [consumes] = wire["consumesCounters"]
+    assert consumes["counterSet"] == "gpu-0-counters"
+    assert consumes["counters"] == {f"memory-slice-{i}": {"value": "1"} for i in range(8)}
+    # One unit per memory slice: the slots device is charged once, whatever its shares.
+    [cs, _] = model.counter_sets
+    assert {k: v for k, v in cs.counters.items() if k.startswith("memory-slice-")} == {
+        f"memory-slice-{i}": 1 for i in range(8)}
+    assert parse_device_name("gpu-0-slots").kind == "slot" and parse_device_name("gpu-0-slots").slot is None
+
+
+def test_slot_capacity_excludes_whole_gpu_and_every_partition_while_a_share_is_out():
+    model = build_devices(inventory(h100(0)), slot_capacity(4))
+    assert admitted_once(model, ["gpu-0-slots"] * 4)
+    for other in (d.name for d in model.devices if d.name != "gpu-0-slots"):
+        assert admitted_once(model, [other])
+        assert not admitted_once(model, ["gpu-0-slots", other]), other
+    partitions = [d.name for d in model.devices if d.kind == "mig"]
+    assert admitted_once(model, partitions)                     # 7 × 1g.10gb at once, as before
+
+
+def test_slot_capacity_layout_without_exclusive_kinds_has_no_counters():
+    model = build_devices(inventory(l4(0)), policy({"default": {"wholeGpu": False, "slots": {
+        "count": 3, "strategy": "time-slicing", "layout": "capacity"}}}))
+    assert model.counter_sets == () and [d.name for d in model.devices] == ["gpu-0-slots"]
+    d = model.devices[0]
+    assert d.consumes_counters == () and d.mps_thread_percentage is None and d.mps_memory_limit_mib is None
+
+
+def test_slot_device_layout_is_still_the_default():
+    model = build_devices(inventory(h100(0)), dynamic_with_slots(4))
+    assert [d.name for d in model.devices if d.kind == "slot"] == [f"gpu-0-slot-{k}" for k in range(4)]
+
+
+# ------------------------------------------------------------------------------------- one MIG profile as capacity
+
+def mig_capacity(profile="1g.10gb", *, whole=True, slots=None):
+    pol = {"wholeGpu": whole, "mig": "dynamic", "dynamicMig": {"profiles": [profile], "layout": "capacity"}}
+    if slots is not None:
+        pol["slots"] = slots
+    return policy({"default": pol})
+
+
+def test_mig_capacity_layout_is_one_partition_device_per_gpu():
+    model = build_devices(inventory(h100(0), h100(1)),
+                          mig_capacity(slots={"count": 4, "strategy": "mps", "layout": "capacity"}))
+    assert [d.name for d in model.devices if d.gpu_minor == 1] == ["gpu-1", "gpu-1-mig-1g10gb-19", "gpu-1-slots"]
+    d = model.by_name()["gpu-0-mig-1g10gb-19"]
+    assert d.kind == "mig" and d.mig_dynamic and d.allow_multiple_allocations
+    assert (d.mig_profile_id, d.mig_profile_name, d.mig_start, d.mig_instances) == (19, "1g.10gb", None, 7)
+    assert d.capacity == {"instances": {"value": "7", "requestPolicy": {
+        "default": "1", "validRange": {"min": "1", "max": "7", "step": "1"}}}}
+    prof = next(p for p in h100(0).mig_profiles if p.name == "1g.10gb")
+    assert d.attributes["profile"] == {"string": "1g.10gb"} and d.attributes["type"] == {"string": "mig"}
+    assert d.attributes["instanceMemoryMiB"] == {"int": prof.memory_mib}
+    assert d.attributes["instanceMultiprocessors"] == {"int": prof.multiprocessors}
+    assert len(d.attributes) + len(d.capacity) <= 32                     # the API's limit per device
+    # The counter set shrinks to one memory slice: nothing on the GPU competes for single slices any more.
+    [cs, _] = model.counter_sets
+    assert cs.counters == {"memory-slice-0": 1}
+    [consumes] = d.to_wire()["consumesCounters"]
+    assert consumes["counters"] == {"memory-slice-0": {"value": "1"}}
+    name = parse_device_name("gpu-0-mig-1g10gb-19")
+    assert (name.kind, name.minor, name.profile_slug, name.profile_id, name.start) == ("mig", 0, "1g10gb", 19, None)
+    assert parse_device_name("gpu-0-mig-1g10gb-19-6").start == 6
+
+
+def test_mig_capacity_excludes_whole_gpu_and_slots_while_a_share_is_out():
+    for slots in ({"count": 4, "strategy": "mps", "layout": "capacity"}, {"count": 3}):
+        model = build_devices(inventory(h100(0)), mig_capacity(slots=slots))
+        mig = "gpu-0-mig-1g10gb-19"
+        assert admitted_once(model, [mig] * 7)
+        for other in (d.name for d in model.devices if d.name != mig):
+            assert admitted_once(model, [other])
+            assert not admitted_once(model, [mig, other]), (slots, other)
+
+
+def test_mig_capacity_alone_has_no_counters():
+    model = build_devices(inventory(h100(0)), mig_capacity(whole=False))
+    assert model.counter_sets == () and [d.name for d in model.devices] == ["gpu-0-mig-1g10gb-19"]
+    assert model.devices[0].consumes_counters == ()
+
+
+@pytest.mark.parametrize("model_name", sorted(m for m, g in CATALOG.items() if g.mig_profiles))
+def test_every_catalog_profile_has_interchangeable_placements(model_name):
+    """The capacity layout's premise, for every profile of every MIG GPU: no two placements overlap, so k
+    instances fit at any free placements whenever k ≤ N (the most that fit together)."""
+    gpu = from_catalog(model_name, 0, mig_enabled=True)     # Ampere publishes dynamic MIG only with MIG on
+    for prof in gpu.mig_profiles:
+        assert overlapping_placements(prof) is None, prof.name
+        n = instances_together(gpu.mig_profiles, prof)
+        assert n >= 1
+        for taken in combinations(prof.starts, n - 1):                 # any n-1 placements out
+            state = [(prof.profile_id, s) for s in taken]
+            free = [s for s in prof.starts if s not in taken and can_place(gpu.mig_profiles, state, prof.profile_id, s) is None]
+            assert free, (prof.name, taken)
+        state = [(prof.profile_id, s) for s in prof.starts[:n]]
+        assert all(can_place(gpu.mig_profiles, state, prof.profile_id, s) is not None for s in prof.starts), prof.name
+        built = build_devices(inventory(gpu), mig_capacity(prof.name))
+        assert built.by_name()[mig_instances_device_name(0, prof.name, prof.profile_id)].mig_instances == n
+
+
+def test_mig_capacity_refuses_a_profile_whose_placements_overlap():
+    gpu = h100(0)
+    overlapping = tuple(replace(p, starts=(0, 1)) if p.name == "2g.20gb" else p for p in gpu.mig_profiles)
+    with pytest.raises(DeviceModelError) as info:
+        build_devices(inventory(replace(gpu, mig_profiles=overlapping)), mig_capacity("2g.20gb"))
+    text = str(info.value)
+    assert "dynamicMig.layout: capacity" in text and "2g.20gb" in text and "0 and 1 overlap" in text
+
+
+def test_mig_capacity_of_the_media_profile_is_one_instance():
+    d = build_devices(inventory(h100(0)), mig_capacity("1g.10gb+me")).by_name()["gpu-0-mig-1g10gbme-20"]
+    assert d.mig_instances == 1 and d.capacity["instances"]["value"] == "1"
+
+
+def test_mig_placement_layout_is_still_the_default():
+    model = build_devices(inventory(h100(0)), policy({"default": {"mig": "dynamic",
+                                                                  "dynamicMig": {"profiles": ["1g.10gb"]}}}))
+    assert len([d for d in model.devices if d.kind == "mig"]) == 7
+    assert not any(d.allow_multiple_allocations for d in model.devices)

@@ -134,3 +134,23 @@ def test_dynamic_mig_profiles_are_read_in_both_spellings():
         pol = parse({"rules": [{"match": {"model": "H100"}, "mig": "dynamic", key: {"profiles": ["1g.10gb+me"]}}]})
         assert pol.for_gpu(h100(0)).dynamic_mig.profiles == ["1g.10gb+me"]
     assert parse({"default": {"mig": "dynamic"}}).default.dynamic_mig is None
+
+
+def test_slot_layout_is_devices_or_capacity():
+    assert parse_node_policy({"default": {"slots": {"count": 2}}}, "t").default.slots.layout == "devices"
+    pol = parse_node_policy({"default": {"slots": {"count": 2, "layout": "capacity"}}}, "t")
+    assert pol.default.slots.layout == "capacity"
+    with pytest.raises(PolicyError, match=r"default\.slots\.layout"):
+        parse_node_policy({"default": {"slots": {"count": 2, "layout": "shares"}}}, "t")
+
+
+def test_dynamic_mig_layout_capacity_needs_exactly_one_profile():
+    dyn = parse_node_policy({"default": {"mig": "dynamic", "dynamicMig": {"profiles": ["1g.10gb"]}}}, "t")
+    assert dyn.default.dynamic_mig is not None and dyn.default.dynamic_mig.layout == "placements"
+    one = {"mig": "dynamic", "dynamicMig": {"profiles": ["1g.10gb"], "layout": "capacity"}}
+    assert parse_node_policy({"default": one}, "t").default.dynamic_mig.layout == "capacity"
+    two = {"mig": "dynamic", "dynamicMig": {"profiles": ["1g.10gb", "3g.40gb"], "layout": "capacity"}}
+    with pytest.raises(PolicyError, match=r"rules\[0\]\.dynamicMig: layout: capacity needs exactly one profile .*got 2"):
+        parse_node_policy({"rules": [{"match": {"index": 0}, **two}]}, "t")
+    with pytest.raises(PolicyError, match=r"default\.dynamicMig\.layout"):
+        parse_node_policy({"default": {**one, "dynamicMig": {"profiles": ["1g.10gb"], "layout": "any"}}}, "t")

@@ -258,3 +258,21 @@ def test_validate_slice_spec_alone_does_not_need_the_pool():
     specs = _good()
     assert validate_slice_spec(specs[1]) == []
     assert validate_slice_spec(specs[0]) == []
+
+
+def test_slot_capacity_layout_validates_and_is_left_out_before_1_36():
+    pol = policy({"default": {"mig": "dynamic", "dynamicMig": {"profiles": ["1g.10gb"]},
+                              "slots": {"count": 4, "strategy": "mps", "layout": "capacity"}}})
+    new = plan_pool(inventory(h100(0), h100(1)), pol, DRIVER, "n", ALL)
+    assert validate_pool(new.slices) == [] and new.notes == ()
+    devices = [d for s in new.slices for d in s.get("devices", [])]
+    assert len(devices) == 2 * 9
+    [slots] = [d for d in devices if d["name"] == "gpu-0-slots"]
+    assert slots["allowMultipleAllocations"] is True and slots["consumesCounters"]
+    old = plan_pool(inventory(h100(0)), pol, DRIVER, "n", OLD)
+    assert [d["name"] for s in old.slices for d in s["devices"]] == ["gpu-0"]
+    assert "gpu-0: 7 mig, 1 slot" in "\n".join(old.notes)
+    # A server with counters but without consumable capacity gets the N-device picture's absence explained.
+    no_cc = plan_pool(inventory(h100(0)), pol, DRIVER, "n", ApiFeatures(True, False, True))
+    assert "gpu-0-slots" not in [d["name"] for s in no_cc.slices for d in s.get("devices", [])]
+    assert "slots.layout: capacity" in "\n".join(no_cc.notes)

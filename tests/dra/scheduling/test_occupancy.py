@@ -135,6 +135,49 @@ def test_a_held_partition_leaves_no_slot() -> None:
     assert state(g, "gpu-2-slot-0") == BLOCKED
 
 
+CAPACITY_FLEET = {"nodes": [{"name": "node-c", "gpus": [{"model": "H100-80GB", "count": 1}], "policy": {"default": {
+    "mig": "dynamic", "dynamicMig": {"profiles": ["1g.10gb"]},
+    "slots": {"count": 4, "strategy": "mps", "layout": "capacity"}}}}]}
+
+
+def test_slot_shares_of_the_capacity_layout_count_their_slots_and_exclude_the_rest() -> None:
+    slices = published("node-c", CAPACITY_FLEET)
+    g = gpu(fleet_status(slices, [], [], DRIVER), 0, "node-c")
+    assert (g.slots_free, g.slots_total) == (4, 4) and g.whole_free is True and g.mig_free == {"1g.10gb": 7}
+    one = resource_claim("s1", "team", uid="uid-s1", typed=False, results=[{
+        "request": "gpu", "driver": DRIVER, "pool": "node-c", "device": "gpu-0-slots", "shareID": "a",
+        "consumedCapacity": {"slots": "1"}}])
+    two = resource_claim("s2", "team", uid="uid-s2", typed=False, results=[{
+        "request": "gpu", "driver": DRIVER, "pool": "node-c", "device": "gpu-0-slots", "shareID": "b",
+        "consumedCapacity": {"slots": "2"}}])
+    g = gpu(fleet_status(slices, [one, two], [], DRIVER), 0, "node-c")
+    assert (g.slots_free, g.slots_total) == (1, 4)
+    assert g.whole_free is False and g.mig_free == {}
+    assert state(g, "gpu-0-slots") == HELD and state(g, "gpu-0") == BLOCKED
+    whole = claim("w", "gpu-0", pool="node-c")
+    g = gpu(fleet_status(slices, [whole], [], DRIVER), 0, "node-c")
+    assert (g.slots_free, g.slots_total) == (0, 4) and state(g, "gpu-0-slots") == BLOCKED
+
+
+MIG_CAPACITY_FLEET = {"nodes": [{"name": "node-m", "gpus": [{"model": "H100-80GB", "count": 1}], "policy": {
+    "default": {"mig": "dynamic", "dynamicMig": {"profiles": ["1g.10gb"], "layout": "capacity"},
+                "slots": {"count": 4, "strategy": "mps", "layout": "capacity"}}}}]}
+
+
+def test_mig_shares_of_the_capacity_layout_count_their_instances_and_exclude_the_rest() -> None:
+    slices = published("node-m", MIG_CAPACITY_FLEET)
+    g = gpu(fleet_status(slices, [], [], DRIVER), 0, "node-m")
+    assert g.mig_free == {"1g.10gb": 7} and g.whole_free is True and g.slots_free == 4
+    shares = [resource_claim(f"m{i}", "team", uid=f"uid-m{i}", typed=False, results=[{
+        "request": "mig", "driver": DRIVER, "pool": "node-m", "device": "gpu-0-mig-1g10gb-19", "shareID": f"s{i}",
+        "consumedCapacity": {"instances": str(k)}}]) for i, k in enumerate((1, 3))]
+    g = gpu(fleet_status(slices, shares, [], DRIVER), 0, "node-m")
+    assert g.mig_free == {"1g.10gb": 3} and g.whole_free is False and g.slots_free == 0
+    assert state(g, "gpu-0-mig-1g10gb-19") == HELD and state(g, "gpu-0") == BLOCKED
+    g = gpu(fleet_status(slices, [claim("w", "gpu-0", pool="node-m")], [], DRIVER), 0, "node-m")
+    assert g.mig_free == {} and state(g, "gpu-0-mig-1g10gb-19") == BLOCKED
+
+
 def test_share_memory_left_is_the_total_less_what_claims_consumed() -> None:
     claims = [claim("a", "gpu-3-shared", memory="10Gi", pods=("p",)), claim("b", "gpu-3-shared", memory="4Gi")]
     g = gpu(fleet_status(published("node-a"), claims, [], DRIVER), 3)
