@@ -587,16 +587,12 @@ def _gpu_devices(gpu: GpuInfo, inv: NodeInventory, plan: _GpuPlan) -> tuple[list
 
 def _slots_device(gpu: GpuInfo, plan: _GpuPlan, common: Mapping[str, dict[str, Any]], base: _GpuFields,
                   consumes: tuple[dict[str, Any], ...]) -> Device:
-    """The capacity layout's one slot device: ``slots: N`` consumable, a share takes 1 unless it asks for more.
-
-    Only ``slots`` is published as capacity: every capacity of a multi-allocatable device is consumable, and
-    one without a requestPolicy would be taken whole by a request that does not name it. What a share gets
-    (MPS threads and memory limit) follows from its slots, k/N of the GPU, when it is prepared."""
+    """The capacity layout's one slot device: ``slots: N`` consumable (``_units``). What a share gets (MPS
+    threads and memory limit) follows from its slots, k/N of the GPU, when it is prepared."""
     n = plan.slots
     mps = plan.slot_strategy == "mps"
     attrs = {"type": _s(KIND_SLOT), "parentUUID": _s(gpu.uuid), **common, "sharing": _s(plan.slot_strategy)}
-    cap = {"slots": {"value": str(n), "requestPolicy": {
-        "default": "1", "validRange": {"min": "1", "max": str(n), "step": "1"}}}}
+    cap = _units("slots", n)
     return Device(
         name=slots_device_name(gpu.minor), kind=KIND_SLOT, **base, sharing=plan.slot_strategy, slot_count=n,
         mps_thread_percentage=100 // n if mps else None, mps_memory_limit_mib=gpu.memory_mib // n if mps else None,
@@ -605,25 +601,30 @@ def _slots_device(gpu: GpuInfo, plan: _GpuPlan, common: Mapping[str, dict[str, A
 
 def _mig_instances_device(gpu: GpuInfo, prof: MigProfile, common: Mapping[str, dict[str, Any]], base: _GpuFields,
                           consumes: tuple[dict[str, Any], ...]) -> Device:
-    """The capacity layout's one partition device: ``instances: N`` consumable, a share takes 1 unless it asks
-    for more, and gets that many MIG devices of the profile.
-
-    Every capacity of a multi-allocatable device is consumable, and one without a requestPolicy would be taken
-    whole by a request that does not name it, so only ``instances`` is capacity. What one instance has (memory,
-    multiprocessors, engines) is published as attributes ``instanceMemoryMiB``, ``instanceMultiprocessors``,
-    ``instance<Engine>``: true of every share, whatever its instance count."""
+    """The capacity layout's one partition device: ``instances: N`` consumable (``_units``); a share gets that
+    many MIG devices of the profile. What one instance has (memory, multiprocessors, engines) is published as
+    attributes ``instanceMemoryMiB``, ``instanceMultiprocessors``, ``instance<Engine>``: true of every share,
+    whatever its instance count."""
     n = instances_together(gpu.mig_profiles, prof)
     attrs = {"type": _s(KIND_MIG), "parentUUID": _s(gpu.uuid), "profile": _s(prof.name), **common,
              "sharing": _s("none"), "instanceMemoryMiB": _i(prof.memory_mib),
              "instanceMultiprocessors": _i(prof.multiprocessors), "instanceCopyEngines": _i(prof.copy_engines),
              "instanceDecoders": _i(prof.decoders), "instanceEncoders": _i(prof.encoders),
              "instanceJpegEngines": _i(prof.jpeg_engines), "instanceOfaEngines": _i(prof.ofa_engines)}
-    cap = {"instances": {"value": str(n), "requestPolicy": {
-        "default": "1", "validRange": {"min": "1", "max": str(n), "step": "1"}}}}
     return Device(
         name=mig_instances_device_name(gpu.minor, prof.name, prof.profile_id), kind=KIND_MIG, **base,
         mig_dynamic=True, mig_profile_id=prof.profile_id, mig_profile_name=prof.name, mig_size=prof.memory_slices,
-        mig_instances=n, mig_starts=tuple(prof.starts), attributes=attrs, capacity=cap, consumes_counters=consumes, allow_multiple_allocations=True)
+        mig_instances=n, mig_starts=tuple(prof.starts), attributes=attrs, capacity=_units("instances", n),
+        consumes_counters=consumes, allow_multiple_allocations=True)
+
+
+def _units(name: str, n: int) -> dict[str, dict[str, Any]]:
+    """The one capacity of a multi-allocatable device whose shares are counted in whole units: ``name: n``, a
+    share takes 1 unless it asks for more (up to n). Only this is published as capacity: every capacity of such a
+    device is consumable, and one without a requestPolicy would be taken whole by a request that does not name
+    it."""
+    return {name: {"value": str(n), "requestPolicy": {
+        "default": "1", "validRange": {"min": "1", "max": str(n), "step": "1"}}}}
 
 
 def _shared_device(gpu: GpuInfo, inv: NodeInventory, pol: GpuPolicy) -> Device:
