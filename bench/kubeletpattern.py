@@ -34,7 +34,7 @@ SETTLE_S = 5.0
 FLOOR_SETTLE_S = 1.0   # the bare server idles this long after answering, before its VmRSS is read
 # The plugin's heavy imports in the order the breakdown adds them ("a+b": one step).
 PLUGIN_IMPORTS = ("api.generated.dra.v1.api_pb2", "structlog", "prometheus_client", "pydantic", "api.config",
-                  "kube.client+kube.kubeconfig", "kubeletplugin.plugin")
+                  "kube.client+kube.connect+kubernetes.config", "kubeletplugin.plugin")
 # Run by a fresh interpreter: one step's imports, then its name on stdout, then wait for the parent to read VmRSS.
 _IMPORT_STEPS = """import importlib, sys
 print("python", flush=True); sys.stdin.readline()

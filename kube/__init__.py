@@ -1,10 +1,10 @@
 """The Kubernetes client layer, used by the driver's processes (kubeletplugin, controller), the operator tools
 (ops) and the local test bed:
 
-* ``client``: plain-JSON access to the API (``KubeApi``), its errors and the resource paths;
-* ``httpclient``: HTTP/1.1 to the API server (one kept-alive connection per thread, streamed watches);
-* ``kubeconfig``: a ``ClusterAccess`` (server, TLS, credentials) from a kubeconfig or the service account;
-* ``connect``: which of those a command uses (kubeconfig, in-cluster, default kubeconfig), the namespace;
+* ``client``: plain-JSON access to the API (``KubeApi``) over the urllib3 pool of a kubernetes ``ApiClient``, its
+  errors, the resource paths and streamed watches, with ``pool`` (bounds on what an answer may cost);
+* ``connect``: the ``ApiClient`` a command uses (kubeconfig, in-cluster, default kubeconfig), read by the
+  kubernetes package as kubectl reads it, refusing what kubectl refuses (``kubeconfigcheck``), the namespace;
 * ``serverversion``: which slice features the API server accepts;
 * ``backoff``: exponential back-off per work item;
 * ``resourceslices``: the ResourceSlice publisher (desired pools vs. what is stored, minimal writes), with

@@ -1,19 +1,25 @@
-"""Plain-JSON access to the Kubernetes API.
+"""Plain-JSON access to the Kubernetes API over the urllib3 pool of a `kubernetes.client.ApiClient`.
 
 Everything here sends and receives wire-format dicts (typed client models drop fields they do not know and
-validate bodies before writing). Requests go through kube.httpclient; where the server is and the credentials
-come from a kube.kubeconfig.ClusterAccess.
+validate bodies before writing). The ApiClient supplies the connection (its pool manager: server, TLS, proxy, as
+kube.connect or the kubernetes package's loaders configured it) and the credentials; kube.pool bounds what an
+answer may cost, and the bounds on bodies are here. No request is retried by urllib3: a 401 reads the
+credentials anew once, and the caller decides about everything else.
 """
 from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 import urllib.parse
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from kube.httpclient import StreamResponse, TransportError
-from kube.kubeconfig import ClusterAccess, cluster_access
+import urllib3
+
+from kube.pool import bounded_pool
 
 RESOURCE_V1 = "/apis/resource.k8s.io/v1"
 SLICES = f"{RESOURCE_V1}/resourceslices"
@@ -24,6 +30,15 @@ NODES = "/api/v1/nodes"
 METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 METADATA_OBJECT = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
 USER_AGENT = "gpu-dra"
+# An answer larger than this is refused, naming the limit, instead of being read without bound; a streamed line (a
+# watch event: one object, at most the API server's ~3 MiB request limit) likewise.
+MAX_BODY = 256 * 1024 * 1024
+MAX_LINE = 16 * 1024 * 1024
+# How long the credential headers an ApiClient built are reused (see Credentials). The kubernetes package re-reads
+# an in-cluster token at most once a minute; a token that expires meanwhile gets a 401, and the request is sent
+# again with credentials read anew.
+CREDENTIALS_REUSE_S = 10.0
+_READ_SIZE = 64 * 1024
 
 
 class EncodedObject(bytes):
@@ -65,66 +80,160 @@ class ApiUnavailable(Exception):
     """No answer from the API server (connection refused, reset, timed out, TLS failure)."""
 
 
+class Credentials:
+    """The headers every request of one ApiClient carries (credentials, its default headers, our User-Agent), as
+    the ApiClient builds them, shared by every KubeApi on it and reused for ``CREDENTIALS_REUSE_S``: building them
+    runs the configuration's refresh hook, which re-reads credentials and scans the environment for proxy
+    variables (tenths of a millisecond of CPU per request). ``reload``, where kube.connect knows where the
+    credentials came from, reads that source again (a token file, an exec plugin) after a 401."""
+
+    def __init__(self, api_client: Any) -> None:
+        self._client = api_client
+        self._lock = threading.Lock()
+        self._built: tuple[float, dict[str, str]] | None = None
+        self.reload: Callable[[], None] | None = None
+
+    def headers(self) -> dict[str, str]:
+        built = self._built
+        if built is not None and time.monotonic() - built[0] < CREDENTIALS_REUSE_S:
+            return built[1]
+        with self._lock:
+            try:
+                return self._build()
+            except Exception as exc:  # noqa: BLE001 - a refresh hook raises what its source makes it raise
+                if built is not None:
+                    return built[1]      # the credentials read before may still be good (a file being rotated)
+                raise ApiUnavailable(f"credentials: {type(exc).__name__}: {exc}") from exc
+
+    def renew(self, used: dict[str, str]) -> bool:
+        """After a 401: the credentials read anew; True when they differ from `used` (a resend may succeed)."""
+        with self._lock:
+            if self.reload is not None:
+                try:
+                    self.reload()
+                except Exception:  # noqa: BLE001 - a broken source raises anything there; the 401 stands
+                    return False
+            return self._build() != used
+
+    def _build(self) -> dict[str, str]:
+        _, _, built, _, _ = self._client.param_serialize(
+            method="GET", resource_path="", header_params={}, auth_settings=["BearerToken"])
+        # Values stripped: the kubernetes loaders keep a token file's trailing newline, which no header may carry.
+        headers = {k: str(v).strip() for k, v in built.items()
+                   if k.lower() not in ("accept", "content-type", "user-agent")}
+        auth = headers.get("authorization", "")
+        if auth[:7].lower() == "bearer ":
+            headers["authorization"] = "Bearer " + auth[7:].strip()    # as client-go writes it (in-cluster: "bearer")
+        headers["User-Agent"] = USER_AGENT
+        self._built = (time.monotonic(), headers)
+        return headers
+
+
+_credentials: weakref.WeakKeyDictionary[Any, Credentials] = weakref.WeakKeyDictionary()
+_credentials_lock = threading.Lock()
+
+
+def credentials_of(api_client: Any) -> Credentials:
+    """The one Credentials of `api_client`."""
+    with _credentials_lock:
+        creds = _credentials.get(api_client)
+        if creds is None:
+            creds = _credentials[api_client] = Credentials(api_client)
+        return creds
+
+
+class Stream:
+    """A streamed answer (a watch), read as it arrives: ``lines()`` (each bounded by ``MAX_LINE``) or, iterated,
+    its JSON documents. ``close()`` ends it; ``shutdown()``, from another thread, ends a read blocked in this one.
+    A broken or over-long stream raises ApiUnavailable."""
+
+    def __init__(self, resp: urllib3.BaseHTTPResponse, what: str) -> None:
+        self._resp, self._what = resp, what
+        self.status = resp.status
+
+    def lines(self) -> Iterator[bytes]:
+        buf = b""
+        try:
+            for chunk in self._resp.stream(_READ_SIZE):
+                if not buf and chunk.endswith(b"\n") and chunk.count(b"\n") == 1:
+                    yield chunk          # the API server sends each watch event as one chunk
+                    continue
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
+                if len(buf) > MAX_LINE or any(len(line) > MAX_LINE for line in lines):
+                    raise ApiUnavailable(f"{self._what}: a streamed line longer than {MAX_LINE} bytes")
+                yield from lines
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise ApiUnavailable(f"{self._what}: {_describe(exc)}") from exc
+        if buf.strip():
+            yield buf
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter_json_lines(self)
+
+    def shutdown(self) -> None:
+        try:
+            self._resp.shutdown()
+        except (OSError, ValueError):
+            pass                         # closed already
+
+    def close(self) -> None:
+        self._resp.close()
+        self._resp.release_conn()
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class KubeApi:
-    """A few JSON verbs on top of a ClusterAccess (or a kubernetes ApiClient, read as one): its transport (one
-    kept-alive connection per thread) and credentials."""
+    """A few JSON verbs on top of an ApiClient's connection pool and credentials."""
 
     def __init__(self, api_client: Any, timeout: float = 30.0) -> None:
         self.api_client = api_client
         self.timeout = timeout
-        self._access: ClusterAccess | None = None
-
-    @property
-    def access(self) -> ClusterAccess:
-        """Resolved at the first request: a KubeApi can be built before it has anything to reach."""
-        if self._access is None:
-            self._access = cluster_access(self.api_client)
-        return self._access
 
     @property
     def host(self) -> str:
-        return self.access.server
+        return str(self.api_client.configuration.host)
 
     def request(self, method: str, path: str, query: dict[str, Any] | None = None, body: Any = None,
                 content_type: str = "application/json", timeout: float | None = None,
                 stream: bool = False, accept: str = "application/json") -> Any:
-        """One request; returns the decoded JSON document (or a StreamResponse, which the caller closes, when
+        """One request; returns the decoded JSON document (or a Stream, which the caller closes, when
         stream=True). A bytes body (e.g. an EncodedObject) is sent as it is: it is JSON already. A 401 after which
         the credentials read anew differ (a rotated token) sends the request once more."""
         data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-        target = path
+        url = self.host + path
         if query:
-            target += "?" + urllib.parse.urlencode({k: _query_value(v) for k, v in query.items() if v is not None})
+            url += "?" + urllib.parse.urlencode({k: _query_value(v) for k, v in query.items() if v is not None})
         read_timeout = timeout if timeout is not None else self.timeout
-        connect_timeout = min(10.0, timeout or self.timeout)
-        transport, credentials = self.access.transport, self.access.credentials
+        limits = urllib3.Timeout(connect=min(10.0, timeout or self.timeout), read=read_timeout)
+        what = f"{method} {self.host}{path}"
+        pool, creds = bounded_pool(self.api_client), credentials_of(self.api_client)
         for attempt in (1, 2):
-            headers = {**credentials.headers(), "Accept": accept, "User-Agent": USER_AGENT}
+            common = creds.headers()
+            headers = {**common, "Accept": accept}
             if body is not None:
                 headers["Content-Type"] = content_type
             try:
-                if stream:
-                    resp: Any = transport.open_stream(method, target, headers, data, connect_timeout, read_timeout)
-                else:
-                    resp = transport.request(method, target, headers, data, connect_timeout, read_timeout)
-            except TransportError as exc:
-                raise ApiUnavailable(f"{method} {self.host}{path}: {exc}") from exc
-            if resp.status == 401 and attempt == 1 and credentials.refresh():
-                if stream:
-                    resp.close()
-                continue
+                resp = pool.request(method, url, body=data, headers=headers, preload_content=False,
+                                    timeout=limits, retries=False, redirect=False)
+            except (urllib3.exceptions.HTTPError, OSError) as exc:
+                raise ApiUnavailable(f"{what}: {_describe(exc)}") from exc
+            if resp.status == 401 and attempt == 1:
+                text = _text(resp, what)
+                if creds.renew(common):
+                    continue
+                raise ApiError(method, path, 401, text)
             break
         if stream:
             if not 200 <= resp.status < 300:
-                try:
-                    text = resp.read().decode(errors="replace")
-                except TransportError as exc:
-                    raise ApiUnavailable(f"{method} {self.host}{path}: {exc}") from exc
-                finally:
-                    resp.close()
-                raise ApiError(method, path, resp.status, text)
-            return resp
-        text = resp.body.decode(errors="replace")
+                raise ApiError(method, path, resp.status, _text(resp, what))
+            return Stream(resp, what)
+        text = _text(resp, what)
         if not 200 <= resp.status < 300:
             raise ApiError(method, path, resp.status, text)
         return json.loads(text) if text else {}
@@ -193,18 +302,47 @@ class KubeApi:
             raise ApiError("GET", "/version", 200, json.dumps({"message": f"unreadable version {doc}"})) from exc
 
 
-def iter_json_lines(resp: StreamResponse) -> Iterator[dict[str, Any]]:
-    """The JSON documents of a streamed watch response, one per line."""
-    buf = b""
-    for chunk in resp.iter_chunks():
-        if not buf and chunk.endswith(b"\n") and chunk.count(b"\n") == 1:
-            yield json.loads(chunk)          # the API server sends each watch event as one chunk
-            continue
-        buf += chunk
-        while b"\n" in buf:
-            line, buf = buf.split(b"\n", 1)
-            if line.strip():
-                yield json.loads(line)
+def iter_json_lines(resp: Stream) -> Iterator[dict[str, Any]]:
+    """The JSON documents of a streamed watch answer, one per line."""
+    for line in resp.lines():
+        if line.strip():
+            yield json.loads(line)
+
+
+def _read_bounded(resp: urllib3.BaseHTTPResponse, what: str) -> bytes:
+    """The whole body of an answer, refused (ApiUnavailable) once it is larger than MAX_BODY."""
+    length = resp.headers.get("content-length")
+    try:
+        if length is not None and length.isdigit() and int(length) > MAX_BODY:
+            resp.close()
+            raise ApiUnavailable(f"{what}: an answer of {length} bytes, larger than the limit of {MAX_BODY} bytes")
+        parts, total = [], 0
+        for chunk in resp.stream(_READ_SIZE):
+            total += len(chunk)
+            if total > MAX_BODY:
+                resp.close()
+                raise ApiUnavailable(f"{what}: an answer larger than the limit of {MAX_BODY} bytes")
+            parts.append(chunk)
+    except (urllib3.exceptions.HTTPError, OSError) as exc:
+        raise ApiUnavailable(f"{what}: {_describe(exc)}") from exc
+    return b"".join(parts)
+
+
+def _text(resp: urllib3.BaseHTTPResponse, what: str) -> str:
+    """The body of an answer as text; its connection goes back to the pool (or, when broken, is closed)."""
+    try:
+        return _read_bounded(resp, what).decode(errors="replace")
+    finally:
+        resp.release_conn()
+
+
+def _describe(exc: BaseException) -> str:
+    """urllib3's error and what caused it (urllib3 wraps the socket's or TLS's error, which names the reason)."""
+    text = f"{type(exc).__name__}: {exc}"
+    reason = getattr(exc, "reason", None)
+    if isinstance(reason, BaseException) and str(reason) not in text:
+        text += f" ({type(reason).__name__}: {reason})"
+    return text
 
 
 def _digits(text: str) -> str:

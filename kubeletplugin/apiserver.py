@@ -18,7 +18,6 @@ import structlog
 from dra.model.slices import ApiFeatures
 from kube.backoff import Backoff
 from kube.client import ApiError, ApiUnavailable
-from kube.kubeconfig import cluster_access
 
 INITIAL_DELAY_S = 0.5
 MAX_DELAY_S = 30.0
@@ -36,13 +35,6 @@ _REASONS = (
     ("connection reset", "connection reset"),
     ("remote end closed", "connection closed by the server"),
 )
-
-
-def _server_of(api_client: Any) -> str:
-    try:
-        return cluster_access(api_client).server
-    except Exception:  # noqa: BLE001 - only names the server in messages; a stand-in client has none
-        return "the API server"
 
 
 class StoppedWaiting(Exception):
@@ -85,7 +77,7 @@ def wait_for_api_features(
             return api_features(client, timeout=0)    # one attempt; the back-off is ours
 
     log = log or structlog.get_logger("kubelet-plugin")
-    host = _server_of(api_client)
+    host = str(getattr(getattr(api_client, "configuration", None), "host", "the API server"))
     backoff = backoff or Backoff(initial=INITIAL_DELAY_S, maximum=MAX_DELAY_S)
     started = time.monotonic()
     attempt, last_kind = 0, None

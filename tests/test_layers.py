@@ -38,6 +38,7 @@ def test_the_layers_hold() -> None:
     ("dra/node/cdi.py", "import dra.sim.fakenvml"),          # node actions depending on the simulation
     ("dra/node/checkpoint.py", "import kubernetes"),         # the core talking to the API server
     ("kube/client.py", "import kubeletplugin.driver"),       # the client reaching up into a process
+    ("kube/connect.py", "import http.client"),               # an HTTP/1.1 client of our own instead of urllib3
     ("kubeletplugin/plan.py", "import controller.cluster"),  # one process importing the other
     ("kubeletplugin/transport/server.py", "import kubeletplugin.driver"),  # the transport past its NodeDriver seam
     ("dra/scheduling/poolview.py", "import kube.client"),    # the scheduler replica reading the API itself

@@ -35,7 +35,7 @@ def test_the_default_namespace_is_the_contexts(tmp_path: Path, monkeypatch: pyte
 
 def test_a_named_context_is_used_or_refused(tmp_path: Path) -> None:
     config = kubeconfig(tmp_path)
-    assert api_client_from(config, "prod").host == "https://127.0.0.1:1"
+    assert api_client_from(config, "prod").configuration.host == "https://127.0.0.1:1"
     with pytest.raises(ConnectError, match="--context nosuch: no such context"):
         api_client_from(config, "nosuch")
 

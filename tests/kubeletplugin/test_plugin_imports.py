@@ -1,5 +1,7 @@
-"""The kubelet plugin reaches the API server without the `kubernetes` package (about 10 MiB of RSS) or urllib3:
-with a token or client-certificate kubeconfig and in a pod, at start and per pod (a claim read, a status apply)."""
+"""The kubelet plugin reaches the API server through urllib3 and the kubernetes package's configuration (the
+ApiClient's pool manager): with a token or client-certificate kubeconfig and in a pod (the service account's
+token and CA), at start and per pod (a claim read, a status apply); in a pod, a rotated token is used once the
+old one is refused."""
 from __future__ import annotations
 
 import json
@@ -15,7 +17,7 @@ from tlscerts import make_serving_cert
 REPO = Path(__file__).resolve().parents[2]
 
 PROBE = """
-import json, os, sys
+import json, sys
 import cli.kubeletplugin_cmd, kubeletplugin.plugin, kube.events, kube.resourceslices
 from kube.connect import api_client_from
 from kubeletplugin.claims import KubernetesClaimSource
@@ -25,26 +27,38 @@ from kubeletplugin.transport.nodedriver import ClaimRef
 api = api_client_from(sys.argv[1] or None)
 claim = KubernetesClaimSource(api).get_claim("ns", "c", "uid-1")
 KubernetesClaimStatusWriter(api, "gpu.example.com", "node-a").publish(ClaimRef("ns", "uid-1", "c"), [], 0.0)
-print(json.dumps({"claim": claim["metadata"]["name"],
-                  "loaded": sorted(m for m in sys.modules if m.split(".")[0] in ("kubernetes", "urllib3"))}))
+if len(sys.argv) > 2:                      # the service account's token rotated, the old one refused from now on
+    open(sys.argv[2], "w").write("rotated-token")
+    claim = KubernetesClaimSource(api).get_claim("ns", "c", "uid-1")
+print(json.dumps({"claim": claim["metadata"]["name"], "pools": len(api.rest_client.pool_manager.pools),
+                  "loaded": sorted({m for m in ("urllib3", "kubernetes.config", "kube.pool") if m in sys.modules})}))
 """
 
+IN_A_POD = """
+import kubernetes.config.incluster_config as incluster
+incluster.SERVICE_TOKEN_FILENAME, incluster.SERVICE_CERT_FILENAME = {token!r}, {ca!r}
+"""
 
-def answer(r: Request) -> bytes:
+THROUGH_URLLIB3 = {"claim": "c", "pools": 1, "loaded": ["kube.pool", "kubernetes.config", "urllib3"]}
+
+
+def answer(r: Request, refused: str = "") -> bytes:
+    if refused and r.headers.get("authorization") == refused:
+        return response({"kind": "Status", "reason": "Unauthorized"}, status=401)
     if r.method == "GET":
         return response({"metadata": {"name": "c", "namespace": "ns", "uid": "uid-1"}})
     return response({"metadata": {"name": "c"}})
 
 
-def probe(kubeconfig: str, env: dict[str, str] | None = None) -> dict[str, object]:
-    out = subprocess.run([sys.executable, "-c", PROBE, kubeconfig], cwd=REPO, capture_output=True, text=True,
+def probe(code: str, *args: str, env: dict[str, str] | None = None) -> dict[str, object]:
+    out = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True,
                          timeout=120, env={"PATH": "/usr/bin:/bin", **(env or {})})
     assert out.returncode == 0, out.stderr[-2000:]
     result: dict[str, object] = json.loads(out.stdout.splitlines()[-1])
     return result
 
 
-def test_no_kubernetes_package_with_a_token_or_client_certificate_kubeconfig(tmp_path: Path) -> None:
+def test_through_urllib3_with_a_token_or_client_certificate_kubeconfig(tmp_path: Path) -> None:
     serving = make_serving_cert(tmp_path / "srv", "apiserver")
     client = make_serving_cert(tmp_path / "cli", "node", ips=(), dns=(), usage="clientAuth")
     tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -60,33 +74,37 @@ def test_no_kubernetes_package_with_a_token_or_client_certificate_kubeconfig(tmp
                 "current-context": "c", "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
                 "clusters": [{"name": "k", "cluster": {"server": server.url, "certificate-authority": str(serving.ca)}}],
                 "users": [{"name": "u", "user": user}]}))
-            assert probe(str(kubeconfig)) == {"claim": "c", "loaded": []}, name
+            assert probe(PROBE, str(kubeconfig)) == THROUGH_URLLIB3, name
         patches = [r for r in server.requests if r.method == "PATCH"]
         assert len(patches) == 2 and patches[0].headers["content-type"] == "application/apply-patch+yaml"
         assert patches[0].headers["authorization"] == "Bearer t" and "authorization" not in patches[1].headers
+        assert [r.client_cert for r in patches] == ["", "node"]
+        assert {r.headers["user-agent"] for r in server.requests} == {"gpu-dra"}
+        assert {r.conn for r in server.requests if r.client_cert} == {server.connections}   # one kept-alive
     finally:
         server.stop()
 
 
-def test_no_kubernetes_package_in_a_pod(tmp_path: Path) -> None:
-    """In a pod: the service account's token and CA (read from where kube.kubeconfig looks for them)."""
+def test_through_urllib3_in_a_pod_with_a_rotated_token(tmp_path: Path) -> None:
+    """In a pod: the service account's token and CA, where the kubernetes package looks for them; the package
+    re-reads the token once a minute, the client at once when the old one is refused."""
     serving = make_serving_cert(tmp_path / "srv", "apiserver")
     tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     tls.load_cert_chain(str(serving.cert), str(serving.key))
-    server = Scripted(answer, tls=tls)
     account = tmp_path / "sa"
     account.mkdir()
     (account / "ca.crt").write_bytes(serving.ca.read_bytes())
-    (account / "token").write_text("pod-token")
-    probe_in_pod = PROBE.replace("import json, os, sys",
-                                 f"import json, os, sys, pathlib\nimport kube.kubeconfig as k\n"
-                                 f"k.SERVICE_ACCOUNT_DIR = pathlib.Path({str(account)!r})")
+    token = account / "token"
+    token.write_text("pod-token")
+    # Once the token file is rotated, the old token is refused.
+    server = Scripted(lambda r: answer(r, "Bearer pod-token" if token.read_text() != "pod-token" else ""), tls=tls)
+    in_a_pod = IN_A_POD.format(token=str(token), ca=str(account / "ca.crt")) + PROBE
     try:
-        out = subprocess.run([sys.executable, "-c", probe_in_pod, ""], cwd=REPO, capture_output=True, text=True,
-                             timeout=120, env={"PATH": "/usr/bin:/bin", "KUBERNETES_SERVICE_HOST": "127.0.0.1",
-                                               "KUBERNETES_SERVICE_PORT": str(server.port)})
-        assert out.returncode == 0, out.stderr[-2000:]
-        assert json.loads(out.stdout.splitlines()[-1]) == {"claim": "c", "loaded": []}
-        assert {r.headers["authorization"] for r in server.requests} == {"Bearer pod-token"}
+        result = probe(in_a_pod, "", str(token), env={"KUBERNETES_SERVICE_HOST": "127.0.0.1",
+                                                      "KUBERNETES_SERVICE_PORT": str(server.port)})
+        assert result == THROUGH_URLLIB3
+        assert [(r.method, r.headers["authorization"]) for r in server.requests] == [
+            ("GET", "Bearer pod-token"), ("PATCH", "Bearer pod-token"),
+            ("GET", "Bearer pod-token"), ("GET", "Bearer rotated-token")]
     finally:
         server.stop()

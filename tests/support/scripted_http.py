@@ -1,11 +1,13 @@
-"""A raw HTTP/1.1 server on 127.0.0.1 whose answers a test writes byte by byte (kube.httpclient's tests)."""
+"""A raw HTTP/1.1 server on 127.0.0.1 whose answers a test writes byte by byte, to play a broken or hostile API
+server to kube.client; and a little http proxy (CONNECT tunnels and absolute-URI requests) that records what
+it was asked."""
 from __future__ import annotations
 
 import json
 import socket
 import ssl
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,16 +19,17 @@ class Request:
     target: str
     headers: dict[str, str]
     body: bytes
+    client_cert: str = ""          # the common name of the client certificate the TLS peer presented
 
 
-Answer = Callable[[Request], "bytes | None"]
+Answer = Callable[[Request], "bytes | Iterable[bytes] | None"]
 
 
 @dataclass
 class Scripted:
     """A raw HTTP/1.1 server on 127.0.0.1: `answer` gives the bytes of each response (None: close the connection
-    without one). `close_after_answer` closes every connection after its first answer (an idle timeout that
-    fired)."""
+    without one), or pieces of it to send one after the other (a generator: sending stops when the client goes).
+    `close_after_answer` closes every connection after its first answer (an idle timeout that fired)."""
 
     answer: Answer
     tls: ssl.SSLContext | None = None
@@ -60,6 +63,8 @@ class Scripted:
                 except (ssl.SSLError, OSError) as exc:
                     self.handshake_errors.append(str(exc))
                     return
+            cert = conn.getpeercert() if isinstance(conn, ssl.SSLSocket) else None
+            common_name = next((v for rdn in (cert or {}).get("subject", ()) for k, v in rdn if k == "commonName"), "")
             rfile = conn.makefile("rb")
             while line := rfile.readline():
                 method, target, _ = line.decode().split(" ", 2)
@@ -68,12 +73,13 @@ class Scripted:
                     k, _, v = h.decode().partition(":")
                     headers[k.strip().lower()] = v.strip()
                 body = rfile.read(int(headers.get("content-length", "0")))
-                req = Request(n, method, target, headers, body)
+                req = Request(n, method, target, headers, body, str(common_name))
                 self.requests.append(req)
                 out = self.answer(req)
                 if out is None:
                     return
-                conn.sendall(out)
+                for piece in [out] if isinstance(out, bytes) else out:
+                    conn.sendall(piece)
                 if self.close_after_answer:
                     return
         except OSError:
@@ -99,3 +105,60 @@ def response(doc: Any, status: int = 200, chunks: int = 0, headers: str = "") ->
     return out + b"0\r\nX-Trailer: yes\r\n\r\n"
 
 
+@dataclass
+class Proxy:
+    """An http proxy on 127.0.0.1 in front of `port` (whatever the request names): a CONNECT gets a tunnel, any
+    other request is passed on as it came. `heads` holds each request head it got (request line, then the
+    headers with lower-case names)."""
+
+    port: int
+    heads: list[tuple[str, dict[str, str]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        head = b""
+        while not head.endswith(b"\r\n\r\n"):
+            byte = conn.recv(1)
+            if not byte:
+                conn.close()
+                return
+            head += byte
+        first, *lines = head.decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines if line)}
+        self.heads.append((first, headers))
+        upstream = socket.create_connection(("127.0.0.1", self.port))
+        if first.startswith("CONNECT "):
+            conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        else:
+            upstream.sendall(head)
+        for a, b in ((conn, upstream), (upstream, conn)):
+            threading.Thread(target=_pipe, args=(a, b), daemon=True).start()
+
+    def stop(self) -> None:
+        self.sock.close()
+
+
+def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    try:
+        while data := src.recv(65536):
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
