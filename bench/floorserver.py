@@ -7,11 +7,11 @@ imports no benchmark), so it holds what any Python plugin answering the kubelet'
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import signal
 import sys
+from concurrent import futures
 
 import grpc
 
@@ -27,22 +27,21 @@ class _Registration(reg_grpc.RegistrationServicer):
         return self._info
 
 
-async def serve(path: str) -> None:
-    """grpcio's asyncio server (the plugin's until its transport served gRPC on its own HTTP/2 code), with nothing
-    else around it: what a Python plugin on grpcio holds and spends."""
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)   # a wake-up fd: no polling
+def serve(path: str) -> None:
+    """grpcio's synchronous server with a small pool (the plugin's kind of server,
+    kubeletplugin.transport.unixserver), with nothing else around it: what a Python plugin on grpcio holds and
+    spends."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)   # left by a killed run
-    server = grpc.aio.server()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     info = reg_pb.PluginInfo(type="DRAPlugin", name="floor.bench", endpoint=path,
                              supported_versions=["v1.DRAPlugin"])
     reg_grpc.add_RegistrationServicer_to_server(_Registration(info), server)
     if server.add_insecure_port(f"unix:{path}") == 0:
         raise SystemExit(f"cannot listen on unix socket {path}")
-    await server.start()
-    await stop.wait()
-    await server.stop(None)
+    server.start()
+    signal.sigwait({signal.SIGTERM})           # blocked in every thread below: no polling, no handler
+    server.stop(None)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
 
@@ -50,4 +49,5 @@ async def serve(path: str) -> None:
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         raise SystemExit("usage: python -m bench.floorserver <socket path>")
-    asyncio.run(serve(sys.argv[1]))
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})   # before grpc starts its threads, which inherit it
+    serve(sys.argv[1])

@@ -33,7 +33,7 @@ from bench.core import Figure
 SETTLE_S = 5.0
 FLOOR_SETTLE_S = 1.0   # the bare server idles this long after answering, before its VmRSS is read
 # The plugin's heavy imports in the order the breakdown adds them ("a+b": one step).
-PLUGIN_IMPORTS = ("api.generated.dra.v1.api_pb2", "structlog", "prometheus_client", "pydantic", "api.config",
+PLUGIN_IMPORTS = ("grpc", "structlog", "prometheus_client", "pydantic", "api.config",
                   "kube.client+kube.connect+kubernetes.config", "kubeletplugin.plugin")
 # Run by a fresh interpreter: one step's imports, then its name on stdout, then wait for the parent to read VmRSS.
 _IMPORT_STEPS = """import importlib, sys
@@ -246,7 +246,7 @@ def figures(idle: Idle, rss_floor: float, imports: list[tuple[str, float]], spac
                "window counts from 0, one that exits in it loses its share. By thread name (Python's threads are "
                f"all 'python', the others gRPC C-core's), ms/s: {idle.split(lambda u: u.cpu_s * 1000, '.2f')}. "
                f"Cross-check, utime+stime in 10 ms ticks: {idle.tick_cpu_s * 1000 / idle.seconds:.2f} ms/s"),
-        Figure("plugin.idle.cpu_floor_ms_per_s", "bare gRPC server (grpc.aio + registration stubs) CPU while idle, "
+        Figure("plugin.idle.cpu_floor_ms_per_s", "bare gRPC server (grpcio sync + registration stubs) CPU while idle, "
                "same window", idle.floor_cpu_per_s * 1000, "ms/s",
                f"python -m bench.floorserver, schedstat as above, ms/s: "
                f"{idle.split(lambda u: u.cpu_s * 1000, '.2f', floor=True)}"),

@@ -6,24 +6,20 @@ nodes). ``List`` answers, per pod and container, each ResourceClaim the containe
 not in the answer. Pods and containers are named by namespace and name only (no pod UID, no container ID): a
 host process's cgroup (``dra.node.containers``) names its pod by UID, which the claims' ``status.reservedFor``
 ties to the name (``kubeletplugin.claimmetrics``).
-
-The client calls through ``call``, a unary gRPC call of the caller's (the kubelet plugin passes its transport's,
-so that its process never loads grpcio).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+
+import grpc
 
 from api.generated.podresources.v1 import api_pb2 as pb
+from api.generated.podresources.v1 import api_pb2_grpc as pb_grpc
 
 DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+MAX_MESSAGE = 16 << 20          # every pod of a node; the kubelet's own limit is the same
 TIMEOUT_S = 5.0
-LIST = f"/{pb.DESCRIPTOR.services_by_name['PodResourcesLister'].full_name}/List"
-
-# (socket path, method path, request, response message class, timeout in seconds) -> response; raises on failure.
-UnaryCall = Callable[[Path, str, Any, Any, float], Any]
 
 
 class PodResourcesError(RuntimeError):
@@ -59,18 +55,23 @@ def container_devices(response: pb.ListPodResourcesResponse, driver: str) -> lis
 
 
 class PodResourcesClient:
-    """A ``List`` call per ``list``: nothing is kept between calls, so a restarted kubelet is simply dialled again."""
+    """One channel to the socket, kept: gRPC dials the path again after the kubelet restarts."""
 
-    def __init__(self, socket_path: Path | str = DEFAULT_SOCKET, timeout: float = TIMEOUT_S, *,
-                 call: UnaryCall) -> None:
+    def __init__(self, socket_path: Path | str = DEFAULT_SOCKET, timeout: float = TIMEOUT_S) -> None:
         self.socket_path = Path(socket_path)
         self.timeout = timeout
-        self._call = call
+        self._channel = grpc.insecure_channel(f"unix://{self.socket_path}", options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE)])
+        self._stub = pb_grpc.PodResourcesListerStub(self._channel)
 
     def list(self, driver: str) -> list[ContainerDevice]:
         try:
-            response = self._call(self.socket_path, LIST, pb.ListPodResourcesRequest(),
-                                  pb.ListPodResourcesResponse, self.timeout)
-        except Exception as err:   # noqa: BLE001 - the caller's call raises its own error type
-            raise PodResourcesError(f"PodResources List on {self.socket_path} failed: {err}") from None
+            response = self._stub.List(pb.ListPodResourcesRequest(), timeout=self.timeout)
+        except grpc.RpcError as err:
+            detail = err.details() if hasattr(err, "details") else str(err)
+            raise PodResourcesError(f"PodResources List on {self.socket_path} failed: {err.code().name}: "
+                                    f"{detail}") from None
         return container_devices(response, driver)
+
+    def close(self) -> None:
+        self._channel.close()

@@ -25,9 +25,9 @@ import threading
 import time
 from typing import Any, NoReturn
 
+import grpc
 import structlog
 
-from api.generated.pluginregistration.v1 import api_pb2 as reg_pb
 from api.names import DEFAULT_DRIVER_NAME, NVIDIA_DRIVER_NAME
 from api.yamlfiles import load_yaml_file
 from dra.model.devices import Device, DeviceModel, build_devices
@@ -51,11 +51,9 @@ from kubeletplugin.driver import Driver
 from kubeletplugin.metrics import PluginMetrics
 from kubeletplugin.options import PluginOptions
 from kubeletplugin.recovery import StartupReport
-from kubeletplugin.transport.client import unary_call
 from kubeletplugin.transport.endpoints import Endpoints
 from kubeletplugin.transport.health import HealthBoard, health_from_taints
-from kubeletplugin.transport.registration import GET_INFO, RegistrationServer, supported_services
-from kubeletplugin.transport.rpc import RpcError
+from kubeletplugin.transport.registration import RegistrationServer, get_info, supported_services
 from kubeletplugin.transport.server import DRAServer
 from kubeletplugin.transport.sockets import SocketPaths, socket_paths
 
@@ -455,7 +453,7 @@ class KubeletPlugin:
         from kube.podresources import PodResourcesClient
         from kubeletplugin.claimmetrics import ClaimMetricsCollector, claim_devices
 
-        client = PodResourcesClient(o.pod_resources_socket, call=unary_call)
+        client = PodResourcesClient(o.pod_resources_socket)
         checkpoint = self.driver.checkpoint
         ClaimMetricsCollector(
             nvml=self.nvml, registry=self.metrics.registry, proc_root=o.proc_root,
@@ -513,9 +511,9 @@ class KubeletPlugin:
             return False, "the registration gRPC server is not running"
         path = self.paths.registration
         try:
-            info = unary_call(path, GET_INFO, reg_pb.InfoRequest(), reg_pb.PluginInfo, timeout=2)
-        except RpcError as err:
-            return False, f"registration socket {path} does not answer GetInfo: {err.code.name}: {err.details}"
+            info = get_info(path, timeout=2)
+        except grpc.RpcError as err:
+            return False, f"registration socket {path} does not answer GetInfo: {err.code().name}: {err.details()}"
         if info.name != self.options.driver_name:
             return False, f"registration socket {path} answers for driver {info.name!r}"
         return True, "ok"

@@ -46,6 +46,8 @@ def test_the_layers_hold() -> None:
     ("dra/model/tenancy.py", "import dra.scheduling.devicefit"),   # the driver model on an operator tool's replica
     ("ops/explain/verdict.py", "import kubernetes"),         # the pure verdict talking to the API server
     ("kube/client.py", "import ops.explain.reads"),          # the client reaching up into an operator tool
+    ("kubeletplugin/transport/unixserver.py", "import socket"),  # the transport serving sockets itself, not grpcio
+    ("kubeletplugin/transport/server.py", "import http.client"),  # ... or framing HTTP of its own
 ])
 def test_a_forbidden_import_breaks_a_contract(tmp_path: Path, module: str, forbidden: str) -> None:
     tree = _copy_tree(tmp_path)

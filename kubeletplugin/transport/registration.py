@@ -11,13 +11,13 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import grpc
+
 from api.generated.pluginregistration.v1 import api_pb2 as reg_pb
-from kubeletplugin.transport.rpc import CallContext, service_methods
+from api.generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from kubeletplugin.transport.unixserver import UnixGrpcServer
 
 PLUGIN_TYPE = "DRAPlugin"
-# The path of GetInfo, for probes of our own socket (kubeletplugin.transport.client).
-GET_INFO = f"/{reg_pb.DESCRIPTOR.services_by_name['Registration'].full_name}/GetInfo"
 
 # What the kubelet matches in PluginInfo.supported_versions: short "<proto package>.<Service>" names.
 # The DRA node service is listed newest first because 1.34+ kubelets pick the first entry they know.
@@ -64,7 +64,7 @@ class RegistrationState:
                 self._registered.clear()
 
 
-class RegistrationServicer:
+class RegistrationServicer(reg_grpc.RegistrationServicer):
     def __init__(self, driver_name: str, endpoint: Path, services: Sequence[str], state: RegistrationState,
                  on_status: Callable[[bool, str], None] | None = None, log: Any = None):
         self._info = reg_pb.PluginInfo(type=PLUGIN_TYPE, name=driver_name, endpoint=str(endpoint),
@@ -81,11 +81,11 @@ class RegistrationServicer:
             self._log_given = structlog.get_logger("registration")
         return self._log_given
 
-    def GetInfo(self, request: reg_pb.InfoRequest, context: CallContext) -> reg_pb.PluginInfo:
+    def GetInfo(self, request: reg_pb.InfoRequest, context: grpc.ServicerContext) -> reg_pb.PluginInfo:
         return self._info
 
     def NotifyRegistrationStatus(self, request: reg_pb.RegistrationStatus,
-                                 context: CallContext) -> reg_pb.RegistrationStatusResponse:
+                                 context: grpc.ServicerContext) -> reg_pb.RegistrationStatusResponse:
         self._state.record(request.plugin_registered, request.error)
         if request.plugin_registered:
             self._log.info("registered with the kubelet", endpoint=self._info.endpoint,
@@ -111,8 +111,8 @@ class RegistrationServer:
                  on_status: Callable[[bool, str], None] | None = None, log: Any = None):
         self.state = RegistrationState()
         self.servicer = RegistrationServicer(driver_name, endpoint, services, self.state, on_status, log)
-        self._server = UnixGrpcServer(socket_path, service_methods(reg_pb, "Registration", self.servicer),
-                                      max_workers=2, name="registration")
+        self._server = UnixGrpcServer(socket_path, lambda server: reg_grpc.add_RegistrationServicer_to_server(
+            self.servicer, server), max_workers=2, name="registration")
 
     @property
     def socket_path(self) -> Path:
@@ -127,3 +127,13 @@ class RegistrationServer:
 
     def stop(self, grace: float | None = 1.0) -> None:
         self._server.stop(grace)
+
+
+
+def get_info(path: Path, timeout: float) -> reg_pb.PluginInfo:
+    """Asks the registration socket at ``path`` for GetInfo as the kubelet does (the plugin's /livez probe of its
+    own socket); grpc.RpcError when there is no answer within ``timeout`` seconds. A channel per probe, so that
+    the probe dials the path itself: a socket file that is gone fails the probe, as it fails the kubelet."""
+    with grpc.insecure_channel(f"unix:{path}") as channel:
+        info: reg_pb.PluginInfo = reg_grpc.RegistrationStub(channel).GetInfo(reg_pb.InfoRequest(), timeout=timeout)
+    return info

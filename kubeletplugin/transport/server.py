@@ -2,16 +2,18 @@
 ``…v1beta1.DRAPlugin`` (one handler; the versions differ only in v1's ``Device.share_id``), plus the
 ``DRAResourceHealth`` stream in ``v1`` and ``v1alpha1``.
 
-Prepare and unprepare are plain functions, run in the server's thread pool (kubeletplugin.transport.rpc); a
-health stream is a blocking generator in a thread of its own that sleeps between changes.
+Everything runs on the server's bounded pool (kubeletplugin.transport.unixserver): prepare and unprepare as plain
+functions, a health stream as a blocking generator that sleeps between changes. Health streams are capped
+(``MAX_HEALTH_STREAMS``), so the pool always keeps workers for prepares, and a call whose client has gone is not
+handed to the driver.
 
 Per-claim failures travel in the response's ``error`` field; a gRPC error is reserved for a call that
 could not be handled at all (the kubelet then retries the whole pod).
 
 The server can listen before the driver exists (``attach`` supplies it): the plugin registers with the
 kubelet within a fraction of a second of starting, and a call that comes before the driver is ready waits for
-it (or fails its claims with an error the kubelet retries). Only the generated messages and the transport's own
-modules are imported on that path (no grpcio: kubeletplugin.transport.rpc serves gRPC).
+it (or fails its claims with an error the kubelet retries). Only grpc, the generated stubs and the transport's
+own modules are imported on that path.
 """
 from __future__ import annotations
 
@@ -21,12 +23,17 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Iterator
 
+import grpc
+
 from api.generated.dra.v1 import api_pb2 as v1_pb
+from api.generated.dra.v1 import api_pb2_grpc as v1_grpc
 from api.generated.dra.v1beta1 import api_pb2 as v1beta1_pb
+from api.generated.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
 from api.generated.dra_health.v1 import api_pb2 as health_v1_pb
+from api.generated.dra_health.v1 import api_pb2_grpc as health_v1_grpc
 from api.generated.dra_health.v1alpha1 import api_pb2 as health_v1alpha1_pb
+from api.generated.dra_health.v1alpha1 import api_pb2_grpc as health_v1alpha1_grpc
 from kubeletplugin.transport.health import MAX_MESSAGE, HealthBoard
-from kubeletplugin.transport.rpc import CallContext, Method, StatusCode, service_methods
 from kubeletplugin.transport.unixserver import UnixGrpcServer
 
 if TYPE_CHECKING:
@@ -35,6 +42,9 @@ if TYPE_CHECKING:
 # How long a call that arrives while the plugin starts waits for its driver before its claims fail (the
 # kubelet's own deadline is 45 s).
 READY_WAIT_S = 30.0
+# The kubelet holds one health stream; a few more cover a restarted kubelet whose old stream has not ended yet.
+# Each holds a pool thread for its lifetime, so the cap keeps the rest of the pool for prepares.
+MAX_HEALTH_STREAMS = 4
 
 
 def _claim_types() -> ModuleType:
@@ -81,7 +91,7 @@ class DRAService:
         ref = _claim_types().ClaimRef
         return [ref(namespace=c.namespace, uid=c.uid, name=c.name) for c in request.claims]
 
-    def _check(self, claims: list[ClaimRef], context: CallContext) -> tuple[list[ClaimRef], dict[str, str]]:
+    def _check(self, claims: list[ClaimRef], context: grpc.ServicerContext) -> tuple[list[ClaimRef], dict[str, str]]:
         """(claims to hand to the driver, errors of claims that are not). A claim without UID cannot even be
         answered (answers are keyed by UID): that fails the call. Any other bad name fails its claim only,
         before it reaches an API path or a file name."""
@@ -90,7 +100,7 @@ class DRAService:
         claim_ref_problem = _claim_types().claim_ref_problem
         for c in claims:
             if not c.uid:
-                context.abort(StatusCode.INVALID_ARGUMENT,
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"claim {c.namespace!r}/{c.name!r}: uid is required")
             problem = claim_ref_problem(c)
             if problem:
@@ -99,12 +109,14 @@ class DRAService:
                 valid.append(c)
         return valid, errors
 
-    def prepare(self, pb: ModuleType, version: str, request: Any, context: CallContext) -> Any:
+    def prepare(self, pb: ModuleType, version: str, request: Any, context: grpc.ServicerContext) -> Any:
         claims = self._claims(request)
         if self.metrics:
             self.metrics.requests.labels(method="NodePrepareResources", version=version).inc()
         valid, errors = self._check(claims, context)
         driver = self._driver() if valid else None
+        if not context.is_active():
+            return pb.NodePrepareResourcesResponse()     # the kubelet cancelled the call or went away: no work for nobody
         if valid and driver is None:
             results = {c.uid: _claim_types().PrepareResult(error="the plugin is still starting; the kubelet retries")
                        for c in valid}
@@ -132,12 +144,14 @@ class DRAService:
                     dev.share_id = d.share_id
         return response
 
-    def unprepare(self, pb: ModuleType, version: str, request: Any, context: CallContext) -> Any:
+    def unprepare(self, pb: ModuleType, version: str, request: Any, context: grpc.ServicerContext) -> Any:
         claims = self._claims(request)
         if self.metrics:
             self.metrics.requests.labels(method="NodeUnprepareResources", version=version).inc()
         valid, errors = self._check(claims, context)
         driver = self._driver() if valid else None
+        if not context.is_active():
+            return pb.NodeUnprepareResourcesResponse()     # the kubelet cancelled the call or went away: no work for nobody
         if valid and driver is None:
             results = {c.uid: _claim_types().UnprepareResult(error="the plugin is still starting; the kubelet retries")
                        for c in valid}
@@ -156,43 +170,63 @@ class DRAService:
         return response
 
 
-class DRAPluginV1:
+class DRAPluginV1(v1_grpc.DRAPluginServicer):
     def __init__(self, service: DRAService):
         self._s = service
 
     def NodePrepareResources(self, request: v1_pb.NodePrepareResourcesRequest,
-                             context: CallContext) -> Any:
+                             context: grpc.ServicerContext) -> Any:
         return self._s.prepare(v1_pb, "v1", request, context)
 
     def NodeUnprepareResources(self, request: v1_pb.NodeUnprepareResourcesRequest,
-                               context: CallContext) -> Any:
+                               context: grpc.ServicerContext) -> Any:
         return self._s.unprepare(v1_pb, "v1", request, context)
 
 
-class DRAPluginV1beta1:
+class DRAPluginV1beta1(v1beta1_grpc.DRAPluginServicer):
     def __init__(self, service: DRAService):
         self._s = service
 
     def NodePrepareResources(self, request: v1beta1_pb.NodePrepareResourcesRequest,
-                             context: CallContext) -> Any:
+                             context: grpc.ServicerContext) -> Any:
         return self._s.prepare(v1beta1_pb, "v1beta1", request, context)
 
     def NodeUnprepareResources(self, request: v1beta1_pb.NodeUnprepareResourcesRequest,
-                               context: CallContext) -> Any:
+                               context: grpc.ServicerContext) -> Any:
         return self._s.unprepare(v1beta1_pb, "v1beta1", request, context)
 
 
 _HEALTH_ENUM = {"Healthy": "HEALTHY", "Unhealthy": "UNHEALTHY", "Unknown": "UNKNOWN"}
 
 
-def _health_stream(board: HealthBoard, pb: ModuleType, context: CallContext) -> Iterator[Any]:
+class HealthStreams:
+    """The health streams served at once, at most ``MAX_HEALTH_STREAMS``; one more is answered
+    RESOURCE_EXHAUSTED."""
+
+    def __init__(self, board: HealthBoard, limit: int = MAX_HEALTH_STREAMS):
+        self.board = board
+        self._slots = threading.BoundedSemaphore(limit)
+        self._limit = limit
+
+    def serve(self, pb: ModuleType, context: grpc.ServicerContext) -> Iterator[Any]:
+        if not self._slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"already serving {self._limit} health streams; retry once one has ended")
+        try:
+            yield from _health_stream(self.board, pb, context)
+        finally:
+            self._slots.release()
+
+
+def _health_stream(board: HealthBoard, pb: ModuleType, context: grpc.ServicerContext) -> Iterator[Any]:
     stop = threading.Event()
 
-    def cancelled() -> None:              # the kubelet went away: end this watch
+    def cancelled() -> None:              # the kubelet went away (or the call ended): end this watch
         stop.set()
         board.wake()
 
-    context.add_callback(cancelled)
+    if not context.add_callback(cancelled):
+        return                            # the call is over already
     for devices in board.watch(stop):     # ends when the board closes or the call is cancelled
         msg = pb.NodeWatchResourcesResponse()
         for d in devices:
@@ -204,22 +238,22 @@ def _health_stream(board: HealthBoard, pb: ModuleType, context: CallContext) -> 
         yield msg
 
 
-class ResourceHealthV1:
-    def __init__(self, board: HealthBoard):
-        self._board = board
+class ResourceHealthV1(health_v1_grpc.DRAResourceHealthServicer):
+    def __init__(self, streams: HealthStreams):
+        self._streams = streams
 
     def NodeWatchResources(self, request: health_v1_pb.NodeWatchResourcesRequest,
-                           context: CallContext) -> Iterator[Any]:
-        return _health_stream(self._board, health_v1_pb, context)
+                           context: grpc.ServicerContext) -> Iterator[Any]:
+        return self._streams.serve(health_v1_pb, context)
 
 
-class ResourceHealthV1alpha1:
-    def __init__(self, board: HealthBoard):
-        self._board = board
+class ResourceHealthV1alpha1(health_v1alpha1_grpc.DRAResourceHealthServicer):
+    def __init__(self, streams: HealthStreams):
+        self._streams = streams
 
     def NodeWatchResources(self, request: health_v1alpha1_pb.NodeWatchResourcesRequest,
-                           context: CallContext) -> Iterator[Any]:
-        return _health_stream(self._board, health_v1alpha1_pb, context)
+                           context: grpc.ServicerContext) -> Iterator[Any]:
+        return self._streams.serve(health_v1alpha1_pb, context)
 
 
 class DRAServer:
@@ -232,16 +266,19 @@ class DRAServer:
         self.service = DRAService(driver, metrics, log)
         self.health = health
 
-        methods: dict[str, Method] = {}
-        if serve_v1:
-            methods.update(service_methods(v1_pb, "DRAPlugin", DRAPluginV1(self.service)))
-        if serve_v1beta1:
-            methods.update(service_methods(v1beta1_pb, "DRAPlugin", DRAPluginV1beta1(self.service)))
-        if health is not None:
-            methods.update(service_methods(health_v1_pb, "DRAResourceHealth", ResourceHealthV1(health)))
-            methods.update(service_methods(health_v1alpha1_pb, "DRAResourceHealth", ResourceHealthV1alpha1(health)))
-        # Prepare and unprepare calls run in the server's thread pool; each health stream in its own thread.
-        self._server = UnixGrpcServer(socket_path, methods, max_workers=max_workers, name="dra")
+        def register(server: grpc.Server) -> None:
+            if serve_v1:
+                v1_grpc.add_DRAPluginServicer_to_server(DRAPluginV1(self.service), server)
+            if serve_v1beta1:
+                v1beta1_grpc.add_DRAPluginServicer_to_server(DRAPluginV1beta1(self.service), server)
+            if health is not None:
+                streams = HealthStreams(health)
+                health_v1_grpc.add_DRAResourceHealthServicer_to_server(ResourceHealthV1(streams), server)
+                health_v1alpha1_grpc.add_DRAResourceHealthServicer_to_server(ResourceHealthV1alpha1(streams), server)
+
+        # Prepares, unprepares and health streams share the server's pool; the streams' cap leaves
+        # max_workers - MAX_HEALTH_STREAMS workers for the calls at the least.
+        self._server = UnixGrpcServer(socket_path, register, max_workers=max_workers, name="dra")
 
     def attach(self, driver: NodeDriver, metrics: RequestMetrics | None = None, log: Any = None) -> None:
         self.service.attach(driver, metrics, log)

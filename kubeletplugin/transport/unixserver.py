@@ -1,104 +1,120 @@
-"""gRPC servers bound to one unix socket each: stale socket cleared first, permissions tightened after bind,
-socket removed on stop.
+"""A grpcio server on one unix socket: stale socket cleared first, permissions tightened after bind, socket
+removed on stop, and the limits a privileged daemon sets for its peers.
 
-Blocking sockets and threads: one thread accepts, one thread per connection reads its frames
-(kubeletplugin.transport.http2), unary calls run in the server's thread pool and each server stream in a thread
-of its own (kubeletplugin.transport.rpc). Every thread sleeps in a system call until something arrives, so an
-idle plugin's servers use no CPU and wake no one; ``stop`` shuts the sockets down, which ends those calls.
+grpcio's synchronous server: its C core reads the connections (no thread per connection), calls run on a
+bounded pool. That pool's threads are all started before the socket listens, so a call never needs a new thread:
+grpcio's serving loop dies when its pool cannot start one (the process at its thread limit), and the socket would
+then queue the kubelet's calls for ever. Calls past ``max_concurrent_rpcs`` are answered RESOURCE_EXHAUSTED at once
+(the kubelet retries), so the pool's queue is bounded too.
 """
 from __future__ import annotations
 
-import socket
 import threading
 from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Callable
 
-from kubeletplugin.transport.http2 import Limits, ServerConnection
-from kubeletplugin.transport.rpc import Dispatcher, Method
+import grpc
+
 from kubeletplugin.transport.sockets import prepare_socket_path, remove_socket, restrict_socket
 
-LISTEN_BACKLOG = 16
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one server accepts from its peers. The defaults suit the kubelet: small calls, one client."""
+
+    max_message: int = 4 * MIB                # each way; grpcio's (and the kubelet's) default receive limit
+    max_concurrent_streams: int = 32          # per connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS)
+    max_metadata: int = 16 * 1024             # a call's header list
+    # A connection without calls for this long is closed (GOAWAY): idle clients cannot pile up. The kubelet's
+    # connection carries its health stream, so it is never idle; its DRA calls reconnect on their own.
+    max_connection_idle_ms: int = 5 * 60 * 1000
+    # The server pings each connection after this much silence and closes it when no answer comes within the
+    # timeout: a peer that stopped reading releases the calls it holds.
+    keepalive_time_ms: int = 60 * 1000
+    keepalive_timeout_ms: int = 20 * 1000
+    # Keepalive enforcement: a client pinging more often than this (or without calls) is sent GOAWAY after two
+    # strikes (grpcio's rule), so pings cannot keep the server busy.
+    min_client_ping_interval_ms: int = 5 * 60 * 1000
+
+    def options(self) -> list[tuple[str, Any]]:
+        # No grpc.max_connection_age_ms: it would end the kubelet's health stream on a timer.
+        return [
+            ("grpc.max_receive_message_length", self.max_message),
+            ("grpc.max_send_message_length", self.max_message),
+            ("grpc.max_concurrent_streams", self.max_concurrent_streams),
+            ("grpc.max_metadata_size", self.max_metadata),
+            ("grpc.max_connection_idle_ms", self.max_connection_idle_ms),
+            ("grpc.keepalive_time_ms", self.keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", 0),
+            ("grpc.http2.min_ping_interval_without_data_ms", self.min_client_ping_interval_ms),
+            ("grpc.http2.max_ping_strikes", 2),
+        ]
+
+
+class StartedPool(futures.ThreadPoolExecutor):
+    """A thread pool whose ``max_workers`` threads are started at once, so that a later ``submit`` never starts
+    one (and so cannot fail with "can't start new thread")."""
+
+    def __init__(self, max_workers: int, thread_name_prefix: str):
+        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
+        started = threading.Barrier(max_workers + 1)
+        for _ in range(max_workers):
+            self.submit(started.wait)       # each waits for the others: the pool starts a thread per task
+        started.wait()
+
+    @property
+    def threads(self) -> int:
+        return len(self._threads)
 
 
 class UnixGrpcServer:
-    def __init__(self, path: Path, methods: Mapping[str, Method], max_workers: int = 8, name: str = "grpc",
-                 limits: Limits = Limits()):
+    """``register(server)`` adds the services (the generated ``add_*Servicer_to_server``)."""
+
+    def __init__(self, path: Path, register: Callable[[grpc.Server], None], max_workers: int = 8,
+                 name: str = "grpc", max_concurrent_rpcs: int | None = None, limits: Limits = Limits()):
         self.path = Path(path)
-        self._methods = dict(methods)
+        self._register = register
         self._max_workers = max_workers
+        # Room for every pod of a busy node to start at once (the kubelet calls once per pod), not for floods.
+        self._max_concurrent_rpcs = max_concurrent_rpcs or 16 * max_workers
         self._name = name
         self._limits = limits
-        self._lock = threading.Lock()
-        self._listener: socket.socket | None = None
-        self._accepter: threading.Thread | None = None
-        self._pool: futures.ThreadPoolExecutor | None = None
-        self._connections: dict[ServerConnection, threading.Thread] = {}
+        self._server: grpc.Server | None = None
+        self._pool: StartedPool | None = None
 
     def start(self) -> None:
         prepare_socket_path(self.path)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        pool = StartedPool(self._max_workers, self._name)
+        server = grpc.server(pool, options=self._limits.options(), maximum_concurrent_rpcs=self._max_concurrent_rpcs)
         try:
-            listener.bind(str(self.path))
-            listener.listen(LISTEN_BACKLOG)
-        except OSError as err:
-            listener.close()
-            raise OSError(f"cannot listen on unix socket {self.path}: {err}") from err
+            self._register(server)
+            # "unix:<path>", not "unix://<path>": gRPC refuses the URI form two bytes before the AF_UNIX limit.
+            if server.add_insecure_port(f"unix:{self.path}") == 0:
+                raise OSError(f"cannot listen on unix socket {self.path}")
+            server.start()
+        except BaseException:
+            server.stop(None)
+            pool.shutdown(wait=False)
+            raise
         restrict_socket(self.path)
-        pool = futures.ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix=self._name)
-        dispatcher = Dispatcher(self._methods, pool, self._name)
-        accepter = threading.Thread(target=self._accept, args=(listener, dispatcher), name=f"{self._name}-accept",
-                                    daemon=True)
-        self._listener, self._pool, self._accepter = listener, pool, accepter
-        accepter.start()
-
-    def _accept(self, listener: socket.socket, dispatcher: Dispatcher) -> None:
-        while True:
-            try:
-                sock, _ = listener.accept()
-            except OSError:
-                return                                      # stop() shut the listener down
-            conn = ServerConnection(sock, dispatcher, self._limits)
-            thread = threading.Thread(target=self._serve, args=(conn,), name=f"{self._name}-conn", daemon=True)
-            with self._lock:
-                if self._listener is None:                  # stopping: this one came too late
-                    sock.close()
-                    return
-                self._connections[conn] = thread
-            thread.start()
-
-    def _serve(self, conn: ServerConnection) -> None:
-        try:
-            conn.serve()
-        finally:
-            with self._lock:
-                self._connections.pop(conn, None)
+        self._server, self._pool = server, pool
 
     def stop(self, grace: float | None = 1.0) -> None:
         """Stop serving and remove the socket (so the kubelet sees the plugin go away). Calls in progress get
-        up to ``grace`` seconds to finish; then every connection is closed."""
-        with self._lock:
-            listener, self._listener = self._listener, None
-            connections = dict(self._connections)
-        if listener is not None:
-            try:
-                listener.shutdown(socket.SHUT_RDWR)         # wakes accept()
-            except OSError:
-                pass
-            listener.close()
-            if self._accepter is not None:
-                self._accepter.join(timeout=5)
-        for conn in connections:
-            conn.shutdown()
-        for conn, thread in connections.items():
-            thread.join(timeout=grace or 0)
-            conn.close()
-            thread.join(timeout=5)
+        up to ``grace`` seconds to finish; then they are cancelled."""
+        server, self._server = self._server, None
         pool, self._pool = self._pool, None
+        if server is not None:
+            server.stop(grace).wait(None if grace is None else grace + 5)
         if pool is not None:
             pool.shutdown(wait=False)
         remove_socket(self.path)
 
     @property
     def running(self) -> bool:
-        return self._listener is not None
+        return self._server is not None

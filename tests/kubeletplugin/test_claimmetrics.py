@@ -22,7 +22,6 @@ from dra.node.containers import ContainerCgroup, parse_cgroup
 from kube.podresources import ContainerDevice, PodResourcesClient, PodResourcesError, container_devices
 from kubeletplugin.claimmetrics import ClaimMetricsCollector, claim_devices, joined_labels
 from kubeletplugin.claims import ClaimError
-from kubeletplugin.transport.client import unary_call
 
 DRIVER = "gpu.dra-driver.io"
 GPU = "GPU-11111111-2222-3333-4444-555555555555"
@@ -110,21 +109,22 @@ class _Lister(pb_grpc.PodResourcesListerServicer):
 
 
 def test_client_reads_the_socket_and_names_it_when_it_cannot(tmp_path: Path) -> None:
-    """Through the plugin's own unary call (what the plugin passes), against grpcio's server."""
     sock = tmp_path / "kubelet.sock"
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     pb_grpc.add_PodResourcesListerServicer_to_server(_Lister(pb.ListPodResourcesResponse(pod_resources=[
         _pod("team-a", "train", {"main": [("gpu-a", DRIVER, "gpu-0")]})])), server)
     server.add_insecure_port(f"unix://{sock}")
     server.start()
-    client = PodResourcesClient(sock, timeout=5, call=unary_call)
+    client = PodResourcesClient(sock, timeout=5)
     try:
         assert [(d.pod, d.device) for d in client.list(DRIVER)] == [("train", "gpu-0")]
     finally:
+        client.close()
         server.stop(None)
-    missing = PodResourcesClient(tmp_path / "none.sock", timeout=1, call=unary_call)
+    missing = PodResourcesClient(tmp_path / "none.sock", timeout=1)
     with pytest.raises(PodResourcesError, match=r"PodResources List on .*none\.sock failed: UNAVAILABLE"):
         missing.list(DRIVER)
+    missing.close()
 
 
 # ---- the collector ------------------------------------------------------------------------------------------

@@ -98,7 +98,7 @@ def test_a_socket_path_at_the_af_unix_limit_is_served(short_tmp):
     name = "s" * (MAX_UNIX_PATH - len(str(short_tmp)) - 1)
     path = short_tmp / name
     assert len(str(path)) == MAX_UNIX_PATH
-    server = UnixGrpcServer(path, {})
+    server = UnixGrpcServer(path, lambda _server: None)
     server.start()
     try:
         with socket.socket(socket.AF_UNIX) as client:
@@ -320,3 +320,23 @@ def test_names_from_the_kubelet_are_checked_before_use(short_tmp):
             assert all(un.claims[c.uid].error for c in bad) and driver.unprepared == []
     finally:
         server.stop()
+
+
+def test_both_sockets_are_served_by_grpcio_in_the_plugins_process(short_tmp):
+    """What the plugin's command starts first (kubeletplugin.transport.endpoints) serves through grpcio's server;
+    the kubelet's GetInfo is answered through it."""
+    probe = (
+        "import sys\n"
+        "from kubeletplugin.transport.endpoints import start_endpoints\n"
+        "from kubeletplugin.transport.registration import get_info\n"
+        f"e = start_endpoints({DRIVER!r}, {str(short_tmp / 'reg')!r}, {str(short_tmp / 'plugin')!r}, None, 10.0)\n"
+        "info = get_info(e.paths.registration, timeout=5)\n"
+        "servers = {type(s._server._server).__module__ for s in (e.dra, e.registration)}\n"
+        "e.stop()\n"
+        "print(info.name, 'grpc' in sys.modules, sorted(servers))\n")
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [DRIVER, "True", "['grpc._server']"]
