@@ -19,7 +19,7 @@ from typing import Any
 
 import urllib3
 
-from kube.pool import bounded_pool
+from kube.pool import Pool, bounded_pool
 
 RESOURCE_V1 = "/apis/resource.k8s.io/v1"
 SLICES = f"{RESOURCE_V1}/resourceslices"
@@ -194,6 +194,8 @@ class KubeApi:
     def __init__(self, api_client: Any, timeout: float = 30.0) -> None:
         self.api_client = api_client
         self.timeout = timeout
+        self._pool: Pool | None = None          # the ApiClient's, resolved at the first request
+        self._creds: Credentials | None = None
 
     @property
     def host(self) -> str:
@@ -206,21 +208,23 @@ class KubeApi:
         stream=True). A bytes body (e.g. an EncodedObject) is sent as it is: it is JSON already. A 401 after which
         the credentials read anew differ (a rotated token) sends the request once more."""
         data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-        url = self.host + path
+        target = path
         if query:
-            url += "?" + urllib.parse.urlencode({k: _query_value(v) for k, v in query.items() if v is not None})
+            target += "?" + urllib.parse.urlencode({k: _query_value(v) for k, v in query.items() if v is not None})
         read_timeout = timeout if timeout is not None else self.timeout
         limits = urllib3.Timeout(connect=min(10.0, timeout or self.timeout), read=read_timeout)
         what = f"{method} {self.host}{path}"
-        pool, creds = bounded_pool(self.api_client), credentials_of(self.api_client)
+        if self._pool is None or self._creds is None:
+            self._pool, self._creds = bounded_pool(self.api_client), credentials_of(self.api_client)
+        pool, creds = self._pool, self._creds
         for attempt in (1, 2):
             common = creds.headers()
             headers = {**common, "Accept": accept}
             if body is not None:
                 headers["Content-Type"] = content_type
             try:
-                resp = pool.request(method, url, body=data, headers=headers, preload_content=False,
-                                    timeout=limits, retries=False, redirect=False)
+                resp = pool.urlopen(method, self.host, target, body=data, headers=headers, preload_content=False,
+                                    timeout=limits, retries=False)
             except (urllib3.exceptions.HTTPError, OSError) as exc:
                 raise ApiUnavailable(f"{what}: {_describe(exc)}") from exc
             if resp.status == 401 and attempt == 1:
@@ -313,9 +317,12 @@ def _read_bounded(resp: urllib3.BaseHTTPResponse, what: str) -> bytes:
     """The whole body of an answer, refused (ApiUnavailable) once it is larger than MAX_BODY."""
     length = resp.headers.get("content-length")
     try:
-        if length is not None and length.isdigit() and int(length) > MAX_BODY:
-            resp.close()
-            raise ApiUnavailable(f"{what}: an answer of {length} bytes, larger than the limit of {MAX_BODY} bytes")
+        if length is not None and length.isdigit():
+            if int(length) > MAX_BODY:
+                resp.close()
+                raise ApiUnavailable(f"{what}: an answer of {length} bytes, larger than the limit of {MAX_BODY} bytes")
+            if "content-encoding" not in resp.headers:
+                return resp.read()       # all of it in one read: its length is known and within the bound
         parts, total = [], 0
         for chunk in resp.stream(_READ_SIZE):
             total += len(chunk)

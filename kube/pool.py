@@ -103,18 +103,37 @@ class _HTTPSPool(HTTPSConnectionPool):
     ConnectionCls = _HTTPSConnection
 
 
-_bounded: weakref.WeakSet[urllib3.PoolManager] = weakref.WeakSet()
+class Pool:
+    """The requests of one ApiClient, through its pool manager. Without a proxy, straight to the connection pool of
+    the server (the manager would parse the URL and look the pool up again on every request)."""
+
+    def __init__(self, manager: urllib3.PoolManager) -> None:
+        self.manager = manager
+        self._server: tuple[str, HTTPConnectionPool, str] | None = None    # (server URL, its pool, path prefix)
+
+    def urlopen(self, method: str, server: str, target: str, **kw: Any) -> urllib3.BaseHTTPResponse:
+        """`target`: the path and query below the `server` URL (which may end in a path prefix)."""
+        if isinstance(self.manager, urllib3.ProxyManager):
+            return self.manager.urlopen(method, server + target, redirect=False, **kw)
+        cached = self._server
+        if cached is None or cached[0] != server or cached[1].pool is None:       # pool None: closed
+            cached = self._server = (server, self.manager.connection_from_url(server),
+                                     urllib3.util.parse_url(server).path or "")
+        return cached[1].urlopen(method, cached[2] + target, assert_same_host=False, redirect=False, **kw)
+
+
+_pools: weakref.WeakKeyDictionary[urllib3.PoolManager, Pool] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
-def bounded_pool(api_client: Any) -> urllib3.PoolManager:
-    """The ApiClient's pool manager (one per ApiClient, shared by everyone using it), its connection classes
-    bounded as above from the first call on."""
+def bounded_pool(api_client: Any) -> Pool:
+    """The requests of the ApiClient's pool manager (one per ApiClient, shared by everyone using it), its
+    connection classes bounded as above from the first call on."""
     manager: urllib3.PoolManager = api_client.rest_client.pool_manager
-    if manager not in _bounded:
-        with _lock:
-            if manager not in _bounded:
-                manager.clear()          # pools made before (typed calls of the kubernetes client) go
-                manager.pool_classes_by_scheme = {"http": _HTTPPool, "https": _HTTPSPool}
-                _bounded.add(manager)
-    return manager
+    with _lock:
+        pool = _pools.get(manager)
+        if pool is None:
+            manager.clear()          # pools made before (typed calls of the kubernetes client) go
+            manager.pool_classes_by_scheme = {"http": _HTTPPool, "https": _HTTPSPool}
+            pool = _pools[manager] = Pool(manager)
+        return pool

@@ -180,7 +180,7 @@ def test_a_kubeconfig_behaves_as_with_kubectl(case: Case, bed: Bed, kubectl: str
         monkeypatch.setenv(name, value)
     error: Exception | None = None
     try:
-        answer = KubeApi(api_client_from(str(path) if path else None, context), timeout=10).get("/version")
+        answer = KubeApi(api_client_from(str(path) if path else None, context), timeout=30).get("/version")
         assert answer == VERSION
     except (ConnectError, ApiUnavailable, ApiError) as exc:
         error = exc
