@@ -179,6 +179,7 @@ def _load(load: Callable[[], None], where: str) -> None:
 def _api_client(cfg: Any, reload: Callable[[], None], where: str) -> Any:
     from kubernetes import client as kclient
 
+    cfg.keep_alive = True        # TCP keep-alive as client-go dials: a watch through a silent drop ends
     try:
         api_client = kclient.ApiClient(configuration=cfg)
     except (ImportError, ValueError) as exc:     # a socks5 proxy without PySocks, say
