@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
-from typing import Any
+from typing import Any, Callable
 
 from cel_expr_python import cel
 from cel_expr_python.ext import ext_bindings, ext_optional, ext_strings
@@ -253,6 +253,129 @@ class Selector:
         result = value.value()
         if not isinstance(result, bool):
             raise CelRuntimeError(f"the expression returned {value.type().name().lower()}, not bool")
+        return result
+
+
+# ------------------------------------------------------------------------- results shared between devices
+
+# What of the device a selector reads: ("driver",), ("allowMultipleAllocations",), ("attributes", domain, id) or
+# ("capacity", domain, id). Two devices that agree on every input of an expression get the same result from it.
+Input = tuple[str, ...]
+_ABSENT = ("<absent>",)
+_DEVICE_REF = re.compile(
+    r"device\s*\.\s*(?:(driver|allowMultipleAllocations)\b(?!\s*\()|(attributes|capacity)\s*\[\s*(?:'([^'\\]*)'"
+    r"|\"([^\"\\]*)\")\s*\]\s*\.\s*([A-Za-z_][A-Za-z0-9_]*)\b(?!\s*\())")
+_IDENT_CHAR = re.compile(r"[A-Za-z0-9_]")
+
+
+def _literal_spans(expression: str) -> list[tuple[int, int]] | None:
+    """Where the string literals are; None for a form this reader does not follow (raw, bytes or triple-quoted)."""
+    spans, i, n = [], 0, len(expression)
+    while i < n:
+        ch = expression[i]
+        if ch in "'\"":
+            if expression.startswith(ch * 3, i) or (i and expression[i - 1] in "rRbB"):
+                return None
+            j = i + 1
+            while j < n and expression[j] != ch:
+                j += 2 if expression[j] == "\\" else 1
+            if j >= n:
+                return None
+            spans.append((i, j + 1))
+            i = j + 1
+        else:
+            i += 1
+    return spans
+
+
+@lru_cache(maxsize=1024)
+def selector_inputs(expression: str) -> tuple[Input, ...] | None:
+    """The device inputs of an expression when every use of ``device`` in it is a plain read of ``driver``,
+    ``allowMultipleAllocations`` or one named attribute or capacity (``device.attributes['<domain>'].<id>``);
+    None when the expression uses ``device`` otherwise (as a whole, a domain map, an index by a variable), and
+    then its result is never shared between devices."""
+    spans = _literal_spans(expression)
+    if spans is None:
+        return None
+    inputs: list[Input] = []
+    for m in re.finditer(r"device", expression):
+        at = m.start()
+        if any(a <= at < b for a, b in spans):
+            continue
+        before = expression[at - 1] if at else " "
+        after = expression[m.end()] if m.end() < len(expression) else " "
+        if _IDENT_CHAR.match(before) or _IDENT_CHAR.match(after):
+            continue                                    # part of another name (devices, mydevice)
+        ref = _DEVICE_REF.match(expression, at)
+        if ref is None or before == ".":
+            return None
+        if ref.group(1):
+            inputs.append((ref.group(1),))
+        else:
+            inputs.append((ref.group(2), ref.group(3) if ref.group(3) is not None else ref.group(4), ref.group(5)))
+    return tuple(dict.fromkeys(inputs))
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, dict):
+        if len(value) == 1:
+            ((k, v),) = value.items()
+            return (k, tuple(v) if isinstance(v, list) else v)
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+class _Unshared(Exception):
+    """An input that cannot be read off the device without building its variable (one attribute named twice)."""
+
+
+def _input_value(driver: str, device: dict[str, Any], ref: Input) -> Any:
+    if len(ref) == 1:
+        return driver if ref[0] == "driver" else bool(device.get("allowMultipleAllocations"))
+    kind, domain, ident = ref
+    entries = device.get(kind) or {}
+    qualified = entries.get(f"{domain}/{ident}")
+    plain = entries.get(ident) if domain == driver else None
+    if qualified is not None and plain is not None:
+        raise _Unshared()                       # which one counts depends on their order: no sharing
+    value = qualified if qualified is not None else plain
+    if value is None:
+        return _ABSENT
+    return _frozen(value) if kind == "attributes" else str((value or {}).get("value", "0"))
+
+
+class SelectorResults:
+    """Selector results shared between devices that agree on the expression's inputs (selector_inputs): across
+    the nodes of a fleet most devices look alike to a class's selectors, which are then evaluated once per kind
+    of device instead of once per device. Results and runtime errors are both kept; bounded by ``limit``."""
+
+    def __init__(self, limit: int = 200_000) -> None:
+        self._results: dict[tuple[Any, ...], bool | CelRuntimeError] = {}
+        self._limit = limit
+
+    def matches(self, expression: str, driver: str, device: dict[str, Any], variable: Callable[[], Any]) -> bool:
+        """Whether the device (a ResourceSlice device of ``driver``) satisfies the expression; ``variable()``
+        gives its device variable when the result must be computed."""
+        refs = selector_inputs(expression)
+        try:
+            if refs is None:
+                raise _Unshared()
+            key = (expression, *(_input_value(driver, device, r) for r in refs))
+        except _Unshared:
+            return compile_selector(expression).matches(variable())
+        result = self._results.get(key)
+        if result is None:
+            try:
+                result = compile_selector(expression).matches(variable())
+            except CelRuntimeError as exc:
+                result = exc
+            if len(self._results) >= self._limit:
+                self._results.clear()
+            self._results[key] = result
+        if isinstance(result, CelRuntimeError):
+            raise result
         return result
 
 

@@ -1,18 +1,20 @@
-"""The devices a scheduler can allocate, as it sees them: ResourceSlices grouped into pools (highest
-generation only), and what existing claims already hold — devices, shared counters and consumed capacity.
+"""The devices a scheduler can allocate, as it sees them: a pool of ResourceSlices at its highest generation
+(``pool_of``), its devices, and who holds one (``Holder``, ``Usage``). dra.scheduling.clusterview keeps these for a
+whole cluster.
 
 Everything is plain wire-format dicts in and small records out; no API access.
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
+from functools import lru_cache
 from typing import Any
 
 from api.quantity import quantity_value
-from dra.scheduling.occupancy import consumed_counters, current_pools
+from dra.scheduling.occupancy import consumed_counters
 
 DeviceKey = tuple[str, str, str]     # (driver, pool, device)
 CounterKey = tuple[str, str, str]    # (driver, pool, counter set) -> counters by name
@@ -37,6 +39,7 @@ class PoolDevice:
     key: DeviceKey
     raw: dict[str, Any]
     taints: list[dict[str, Any]]
+    _consumes: dict[str, dict[str, Fraction]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -47,8 +50,21 @@ class PoolDevice:
         return bool(self.raw.get("allowMultipleAllocations"))
 
     def consumes(self) -> dict[str, dict[str, Fraction]]:
-        """counter set -> counter -> amount this device takes while allocated (exact, for the explainer)."""
-        return consumed_counters(self.raw, lambda v: quantity_value(str(v if v is not None else "0")))
+        """counter set -> counter -> amount this device takes while allocated (exact, for the explainer); read
+        once per device."""
+        if self._consumes is None:
+            self._consumes = consumed_counters(self.raw, _amount)
+        return self._consumes
+
+
+@lru_cache(maxsize=4096)
+def _exact(text: str) -> Fraction:
+    return quantity_value(text)
+
+
+def _amount(value: Any) -> Fraction:
+    """A counter amount as an exact number; the few distinct amounts of a fleet are parsed once."""
+    return _exact(str(value if value is not None else "0"))
 
 
 @dataclass
@@ -92,21 +108,6 @@ def allocated_node(claim: dict[str, Any]) -> str | None:
     return None
 
 
-def usage_of(claims: Sequence[dict[str, Any]], skip: Collection[str] = ()) -> Usage:
-    """Who holds which device, from the claims' status.allocation and reservedFor (claims in `skip` left out)."""
-    usage = Usage()
-    for claim in claims:
-        cid = claim_id(claim)
-        if cid in skip:
-            continue
-        ns = (claim.get("metadata") or {}).get("namespace", "")
-        pods = tuple(f"{ns}/{r.get('name')}" for r in (claim.get("status") or {}).get("reservedFor") or []
-                     if r.get("resource") == "pods")
-        for r in allocation_results(claim):
-            consumed = {n: quantity_value(str(v)) for n, v in (r.get("consumedCapacity") or {}).items()}
-            usage.holders[(r["driver"], r["pool"], r["device"])].append(
-                Holder(cid, pods, bool(r.get("adminAccess")), consumed))
-    return usage
 
 
 def _rule_matches(rule: dict[str, Any], key: DeviceKey) -> bool:
@@ -116,18 +117,11 @@ def _rule_matches(rule: dict[str, Any], key: DeviceKey) -> bool:
     return all(not sel.get(f) or sel[f] == v for f, v in zip(("driver", "pool", "device"), key))
 
 
-def build_pools(slices: Sequence[dict[str, Any]], taint_rules: Sequence[dict[str, Any]] = ()) -> list[Pool]:
-    """Pools of the slices at their highest generation, slices in name order (dra.scheduling.occupancy's rule); a pool
-    missing slices of that generation is marked incomplete (the scheduler refuses to allocate from it)."""
-    pools = []
-    for driver in sorted({(s.get("spec") or {}).get("driver", "") for s in slices}):
-        for name, current in sorted(current_pools(slices, driver).items()):
-            pools.append(_pool(driver, name, current, taint_rules))
-    return pools
 
 
-def _pool(driver: str, name: str, current: Sequence[Mapping[str, Any]],
-          taint_rules: Sequence[dict[str, Any]]) -> Pool:
+def pool_of(driver: str, name: str, current: Sequence[Mapping[str, Any]],
+            taint_rules: Sequence[dict[str, Any]]) -> Pool:
+    """One pool from its current slices (dra.scheduling.occupancy.current_pools); devices are read, not copied."""
     spec0 = current[0]["spec"]
     gen = int((spec0.get("pool") or {}).get("generation", 0))
     pool = Pool(driver, name, spec0.get("nodeName"), bool(spec0.get("allNodes")))
@@ -136,35 +130,14 @@ def _pool(driver: str, name: str, current: Sequence[Mapping[str, Any]],
         pool.incomplete = f"pool {name} is incomplete ({len(current)} of {want} slices at generation {gen})"
     for m in current:
         for cs in m["spec"].get("sharedCounters") or []:
-            pool.counters[cs["name"]] = {n: quantity_value(str(c.get("value", "0")))
-                                         for n, c in (cs.get("counters") or {}).items()}
+            pool.counters[cs["name"]] = {n: _amount(c.get("value", "0")) for n, c in (cs.get("counters") or {}).items()}
         for d in m["spec"].get("devices") or []:
             key = (driver, name, d["name"])
-            taints = list(d.get("taints") or [])
-            taints += [r["spec"]["taint"] for r in taint_rules if _rule_matches(r, key)]
-            pool.devices.append(PoolDevice(key, dict(d), taints))
+            taints = d.get("taints") or []
+            if taint_rules:
+                taints = list(taints) + [r["spec"]["taint"] for r in taint_rules if _rule_matches(r, key)]
+            pool.devices.append(PoolDevice(key, d, taints))
     return pool
 
 
-def counters_in_use(pools: list[Pool], usage: Usage) -> dict[CounterKey, dict[str, Fraction]]:
-    """Counter amounts taken by the existing exclusive allocations, per (driver, pool, counter set)."""
-    taken: dict[CounterKey, dict[str, Fraction]] = defaultdict(lambda: defaultdict(Fraction))
-    for pool in pools:
-        for dev in pool.devices:
-            if not usage.exclusive(dev.key):
-                continue
-            for cs, counters in dev.consumes().items():
-                for n, v in counters.items():
-                    taken[(pool.driver, pool.name, cs)][n] += v
-    return taken
 
-
-def counter_holders(pools: list[Pool], usage: Usage) -> dict[CounterKey, list[tuple[str, Holder]]]:
-    """(device name, holder) of every allocated device that consumes from each counter set."""
-    out: dict[CounterKey, list[tuple[str, Holder]]] = defaultdict(list)
-    for pool in pools:
-        for dev in pool.devices:
-            for h in usage.exclusive(dev.key):
-                for cs in dev.consumes():
-                    out[(pool.driver, pool.name, cs)].append((dev.name, h))
-    return out

@@ -23,9 +23,11 @@ from api.config import ConfigError, decode_opaque_config
 from api.quantity import quantity_value
 from dra.model.tenancy import tenancy_namespace, tenancy_reason
 from dra.scheduling.claimrequests import ALL, Alternative, ClaimSpec, Constraint, read_claim_spec
+from dra.scheduling.clusterview import ClusterView
 from dra.scheduling.devicecel import (
     CelRuntimeError,
     CelUnsupported,
+    SelectorResults,
     attribute_value,
     compile_selector,
     device_variable,
@@ -35,16 +37,11 @@ from dra.scheduling.devicefit import capacity_needs, format_amount, taint_text, 
 from dra.scheduling.poolview import (
     CounterKey,
     DeviceKey,
+    Holder,
     Pool,
     PoolDevice,
-    Usage,
     allocated_node,
     allocation_results,
-    build_pools,
-    claim_id,
-    counter_holders,
-    counters_in_use,
-    usage_of,
 )
 
 # Bounds on the search per node (devices tried, seconds); past them the node is reported as undecided, with
@@ -135,29 +132,22 @@ class _Candidate:
 
 
 class _Context:
-    """The cluster's state for one explanation: pools, usage, counters taken, and CEL results cached."""
+    """One explanation's reading of the cluster view: selector results and counters left, cached."""
 
-    def __init__(self, classes: dict[str, dict[str, Any]], pools: list[Pool], usage: Usage) -> None:
-        self.classes, self.pools, self.usage = classes, pools, usage
-        self.counters_taken = counters_in_use(pools, usage)
-        self.counter_holders = counter_holders(pools, usage)
-        self.capacity_taken: dict[DeviceKey, dict[str, Fraction]] = defaultdict(lambda: defaultdict(Fraction))
-        for key, holders in usage.holders.items():
-            for h in holders:
-                if not h.admin_access:
-                    for n, v in h.consumed.items():
-                        self.capacity_taken[key][n] += v
+    def __init__(self, view: ClusterView, results: SelectorResults | None = None) -> None:
+        self.view, self.classes, self.usage = view, view.classes, view.usage
+        self.results = results if results is not None else SelectorResults()
         self._vars: dict[DeviceKey, dict[str, Any]] = {}
-        self._matches: dict[tuple[str, DeviceKey], bool] = {}
+        self._free: dict[tuple[str, str, str, str], Fraction] = {}
 
     def matches(self, expression: str, dev: PoolDevice) -> bool:
-        key = (expression, dev.key)
-        if key not in self._matches:
-            var = self._vars.get(dev.key)
-            if var is None:
-                var = self._vars[dev.key] = device_variable(dev.key[0], dev.raw)
-            self._matches[key] = compile_selector(expression).matches(var)
-        return self._matches[key]
+        return self.results.matches(expression, dev.key[0], dev.raw, lambda: self._variable(dev))
+
+    def _variable(self, dev: PoolDevice) -> dict[str, Any]:
+        var = self._vars.get(dev.key)
+        if var is None:
+            var = self._vars[dev.key] = device_variable(dev.key[0], dev.raw)
+        return var
 
     def class_selectors(self, name: str) -> list[str]:
         cls = self.classes.get(name)
@@ -166,11 +156,22 @@ class _Context:
         return [str((s.get("cel") or {}).get("expression", "")) for s in (cls.get("spec") or {}).get("selectors") or []]
 
     def pools_for(self, node: str) -> list[Pool]:
-        return [p for p in self.pools if (p.node == node or p.all_nodes) and not p.incomplete]
+        return self.view.pools_for(node)
 
     def counter_free(self, pool: Pool, cs: str, counter: str) -> Fraction:
-        return pool.counters.get(cs, {}).get(counter, Fraction(0)) - \
-            self.counters_taken.get((pool.driver, pool.name, cs), {}).get(counter, Fraction(0))
+        """What the existing allocations leave of a counter (fixed for the explanation: computed once)."""
+        key = (pool.driver, pool.name, cs, counter)
+        free = self._free.get(key)
+        if free is None:
+            free = self._free[key] = pool.counters.get(cs, {}).get(counter, Fraction(0)) - \
+                self.view.counters_taken(pool).get(cs, {}).get(counter, Fraction(0))
+        return free
+
+    def counter_holders(self, pool: Pool, cs: str) -> list[tuple[str, Holder]]:
+        return self.view.counter_holders(pool).get(cs, [])
+
+    def capacity_taken(self, key: DeviceKey) -> dict[str, Fraction]:
+        return self.view.capacity_taken(key)
 
 
 # ------------------------------------------------------------------------------------ per-device states
@@ -196,7 +197,7 @@ def _classify(ctx: _Context, pool: Pool, dev: PoolDevice, alt: Alternative) -> _
     elif dev.multi:
         total = dev.raw.get("capacity") or {}
         for n, amount in needs.items():
-            left = _capacity_total(total, n) - ctx.capacity_taken.get(dev.key, {}).get(n, Fraction(0))
+            left = _capacity_total(total, n) - ctx.capacity_taken(dev.key).get(n, Fraction(0))
             if amount > left:
                 return _Candidate(dev, CAPACITY, f"short of {n}: {format_amount(left)} left, {format_amount(amount)} "
                                   f"needed (shared by {', '.join(h.describe() for h in holders)})", needs)
@@ -207,7 +208,7 @@ def _classify(ctx: _Context, pool: Pool, dev: PoolDevice, alt: Alternative) -> _
     for cs, counters in dev.consumes().items():
         for n, v in counters.items():
             if v > ctx.counter_free(pool, cs, n):
-                held = ctx.counter_holders.get((pool.driver, pool.name, cs), [])
+                held = ctx.counter_holders(pool, cs)
                 who = ", ".join(sorted({f"{d} held by {h.describe()}" for d, h in held})) or "nothing allocated"
                 return _Candidate(dev, COUNTERS, f"unavailable: counter set {cs} is used up by {who}", needs)
     return _Candidate(dev, FREE, "", needs)
@@ -215,7 +216,7 @@ def _classify(ctx: _Context, pool: Pool, dev: PoolDevice, alt: Alternative) -> _
 
 def _capacity_left(ctx: _Context, dev: PoolDevice) -> list[tuple[str, Fraction, Fraction]]:
     caps = dev.raw.get("capacity") or {}
-    taken = ctx.capacity_taken.get(dev.key, {})
+    taken = ctx.capacity_taken(dev.key)
     return [(n, _capacity_total(caps, n) - taken.get(n, Fraction(0)), _capacity_total(caps, n)) for n in caps]
 
 
@@ -438,7 +439,7 @@ class _Search:
         if not alt.admin_access:
             if dev.multi:
                 caps = dev.raw.get("capacity") or {}
-                taken = self.ctx.capacity_taken.get(dev.key, {})
+                taken = self.ctx.capacity_taken(dev.key)
                 for n, v in c.needs.items():
                     if v + self.capacity[dev.key][n] + taken.get(n, 0) > _capacity_total(caps, n):
                         return False
@@ -562,7 +563,7 @@ def _gpu_lines(ctx: _Context, node: str) -> list[str]:
             for cs in dev.consumes():
                 users[cs].append(dev)
         for cs in pool.counters:
-            held = ctx.counter_holders.get((pool.driver, pool.name, cs), [])
+            held = ctx.counter_holders(pool, cs)
             text = f"{cs}: " + (", ".join(sorted({f"{d} held by {h.describe()}" for d, h in held}))
                                 if held else "nothing allocated")
             best: tuple[Fraction, str] | None = None
@@ -665,60 +666,103 @@ def _constraint_reason(slots: list[_Slot]) -> str:
 
 def explain(targets: Sequence[Target], classes: Sequence[dict[str, Any]], slices: Sequence[dict[str, Any]],
             claims: Sequence[dict[str, Any]], taint_rules: Sequence[dict[str, Any]] = (),
-            nodes: Sequence[str] | None = None) -> Explanation:
+            nodes: Sequence[str] | None = None, results: SelectorResults | None = None) -> Explanation:
     """Explains the targets (the claims of one pod are allocated together, on one node) against the cluster
-    state: the DeviceClasses, ResourceSlices, every ResourceClaim (their allocations) and DeviceTaintRules."""
-    names = [t.name for t in targets]
-    done = [t for t in targets if allocation_results(t.claim)]
-    pending = [t for t in targets if not allocation_results(t.claim)]
-    pools = build_pools(slices, taint_rules)
-    # The pending targets are what is being placed; an allocated claim of the same pod holds its devices.
-    ctx = _Context({c["metadata"]["name"]: c for c in classes}, pools,
-                   usage_of(claims, {claim_id(t.claim) for t in pending}))
-    notes = [p.incomplete for p in pools if p.incomplete]
-    notes += [f"pool {p.name} of {p.driver} is bound to nodes by a nodeSelector: not evaluated here"
-              for p in pools if not p.node and not p.all_nodes]
-    fixed = {allocated_node(t.claim) for t in done} - {None}
-    if not pending:
-        where = "; ".join(f"{t.name} on {allocated_node(t.claim) or 'any node'}: " +
-                          ", ".join(r["device"] for r in allocation_results(t.claim)) for t in done)
-        return Explanation(ALLOCATED, f"already allocated: {where}", names, notes=notes)
-    try:
-        specs = [(t.name, read_claim_spec(t.claim.get("spec") or {})) for t in pending]
-        for _, spec in specs:
-            for req in spec.requests:
-                for alt in req.alternatives:
-                    for e in alt.selectors:
-                        compile_selector(e)
-                    if alt.device_class in ctx.classes:
-                        for e in ctx.class_selectors(alt.device_class):
+    state: the DeviceClasses, ResourceSlices, every ResourceClaim (their allocations) and DeviceTaintRules.
+    ``results``: selector results kept from earlier explanations (a long-lived caller's)."""
+    return explain_view(targets, ClusterView.of(classes, slices, claims, taint_rules, nodes), results)
+
+
+def explain_view(targets: Sequence[Target], view: ClusterView, results: SelectorResults | None = None) -> Explanation:
+    """``explain`` against a cluster view (dra.scheduling.clusterview), every node it knows."""
+    with view.reading():
+        ex = Explainer(targets, view, results)
+        if ex.early is not None:
+            return ex.early
+        return ex.finish({n: ex.node(n) for n in ex.node_names()})
+
+
+class Explainer:
+    """One explanation in steps, for callers that see the nodes one at a time (a reader of pages) or keep node
+    reports between explanations: ``early`` (a verdict that needs no node), ``node_names``, ``node`` per node
+    and ``finish``. The view is read at each step; the caller holds it still (``view.reading()``)."""
+
+    def __init__(self, targets: Sequence[Target], view: ClusterView, results: SelectorResults | None = None) -> None:
+        self.targets, self.view = list(targets), view
+        self.names = [t.name for t in targets]
+        self.ctx = _Context(view, results)
+        self.notes: list[str] = []
+        self.done = [t for t in targets if allocation_results(t.claim)]
+        self.pending = [t for t in targets if not allocation_results(t.claim)]
+        self.specs: list[tuple[str, ClaimSpec]] = []
+        self.fixed = {allocated_node(t.claim) for t in self.done} - {None}
+        self.early: Explanation | None = None
+        if not self.pending:
+            where = "; ".join(f"{t.name} on {allocated_node(t.claim) or 'any node'}: " +
+                              ", ".join(r["device"] for r in allocation_results(t.claim)) for t in self.done)
+            self.early = Explanation(ALLOCATED, f"already allocated: {where}", self.names, notes=self.pool_notes())
+            return
+        try:
+            self.specs = [(t.name, read_claim_spec(t.claim.get("spec") or {})) for t in self.pending]
+            for _, spec in self.specs:
+                for req in spec.requests:
+                    for alt in req.alternatives:
+                        for e in alt.selectors:
                             compile_selector(e)
-    except CelUnsupported as exc:
-        return Explanation(CANNOT_EVALUATE, f"cannot evaluate: {exc}", names, notes=notes)
-    node_names = sorted({p.node for p in pools if p.node})
-    if nodes is not None:
-        gone = [n for n in node_names if n not in nodes]
-        if gone:
-            notes.append(f"no Node object for {', '.join(gone)}: the scheduler cannot place pods there")
-        node_names = [n for n in node_names if n in nodes]
-        if any(p.all_nodes for p in pools):
-            node_names = sorted(nodes)
-    if len(fixed) == 1:
-        node_names = [n for n in node_names if n in fixed]
-        notes.append(f"already allocated claims of the pod tie it to node {next(iter(fixed))}")
-    reports = [_explain_node(ctx, n, specs) for n in node_names]
-    problems = [p for t in pending for p in config_problems(t.name, t.claim, _our_drivers(ctx))]
-    verdict, sentence = _verdict(reports, node_names)
-    if problems and verdict == ALLOCATABLE:
-        where = ", ".join(n for n in [r.node for r in reports if r.verdict == ALLOCATABLE][:2])
-        sentence = clip_line(f"allocatable on {where}, but the node plugin will not prepare it: {problems[0]}")
-    return Explanation(verdict, sentence, names, reports, notes, problems)
+                        if alt.device_class in self.ctx.classes:
+                            for e in self.ctx.class_selectors(alt.device_class):
+                                compile_selector(e)
+        except CelUnsupported as exc:
+            self.early = Explanation(CANNOT_EVALUATE, f"cannot evaluate: {exc}", self.names, notes=self.pool_notes())
+
+    def pool_notes(self) -> list[str]:
+        pools = self.view.pools()
+        return ([p.incomplete for p in pools if p.incomplete] +
+                [f"pool {p.name} of {p.driver} is bound to nodes by a nodeSelector: not evaluated here"
+                 for p in pools if not p.node and not p.all_nodes])
+
+    def node_names(self) -> list[str]:
+        """The nodes to evaluate: those with pools (and a Node object, when the Nodes are known), or every Node
+        when a pool serves all nodes; only the node of the pod's allocated claims when it has some."""
+        names = self.view.node_names()
+        if self.view.nodes is not None:
+            names = [n for n in names if n in self.view.nodes]
+            if self.view.has_all_node_pools():
+                names = sorted(self.view.nodes)
+        if len(self.fixed) == 1:
+            names = [n for n in names if n in self.fixed]
+        return names
+
+    def node(self, node: str) -> NodeReport:
+        return _explain_node(self.ctx, node, self.specs)
+
+    def finish(self, reports: dict[str, NodeReport], pool_notes: list[str] | None = None,
+               missing_nodes: Sequence[str] | None = None) -> Explanation:
+        """The explanation from the reports of ``node_names()`` (in their order). ``pool_notes`` and
+        ``missing_nodes`` (nodes with pools but no Node object): as a reader that dropped evaluated pools saw
+        them; from the view otherwise."""
+        notes = list(pool_notes) if pool_notes is not None else self.pool_notes()
+        if missing_nodes is None:
+            missing_nodes = [n for n in self.view.node_names()
+                             if self.view.nodes is not None and n not in self.view.nodes]
+        if missing_nodes:
+            notes.append(f"no Node object for {', '.join(missing_nodes)}: the scheduler cannot place pods there")
+        if len(self.fixed) == 1:
+            notes.append(f"already allocated claims of the pod tie it to node {next(iter(self.fixed))}")
+        names = sorted(reports)
+        ordered = [reports[n] for n in names]
+        problems = [p for t in self.pending for p in config_problems(t.name, t.claim, _our_drivers(self.ctx))]
+        verdict, sentence = _verdict(ordered, names)
+        if problems and verdict == ALLOCATABLE:
+            where = ", ".join(n for n in [r.node for r in ordered if r.verdict == ALLOCATABLE][:2])
+            sentence = clip_line(f"allocatable on {where}, but the node plugin will not prepare it: {problems[0]}")
+        return Explanation(verdict, sentence, self.names, ordered, notes + self.notes, problems)
 
 
 def _our_drivers(ctx: _Context) -> set[str]:
     """The drivers of this project among the published pools: those with this project's DeviceClasses (the class
     named after the driver and its mig. class), whose opaque configs the plugin decodes."""
-    return {p.driver for p in ctx.pools if p.driver in ctx.classes and f"mig.{p.driver}" in ctx.classes}
+    return {d for d, _ in ctx.view.pool_keys() if d in ctx.classes and f"mig.{d}" in ctx.classes}
 
 
 def config_problems(name: str, claim: dict[str, Any], drivers: set[str]) -> list[str]:
