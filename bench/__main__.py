@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sched-pods", type=int, metavar="N", help="scheduler: pods bound per shape (default 1000)")
     p.add_argument("--sched-profile", metavar="DIR",
                    help="scheduler: also write the scheduler's CPU and heap profiles and /metrics to DIR")
+    p.add_argument("--sched-shapes", metavar="A,B",
+                   help="scheduler: only these device-model shapes (comma-separated; the baseline `whole` always "
+                        "runs); the targets of the others are not judged")
     p.add_argument("--peer-bin", metavar="PATH",
                    help="run `peer`: our kubelet plugin beside the Go reference driver's (this binary, built by "
                         "hack/build-peer-driver.sh) on one real kubelet; alone unless --only names others")
@@ -108,7 +111,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"python -m bench: {exc}", file=sys.stderr)
         return 2
     params = (QUICK if args.quick else FULL).with_fleet(args.fleet).with_publish_nodes(args.publish_nodes)
-    params = params.with_scheduler(args.sched_nodes, args.sched_pods, args.sched_profile)
+    shapes = tuple(n.strip() for n in args.sched_shapes.split(",") if n.strip()) if args.sched_shapes else None
+    params = params.with_scheduler(args.sched_nodes, args.sched_pods, args.sched_profile, shapes)
+    if shapes is not None:
+        from bench.scheduler import SHAPES, select_shapes, unjudged
+        try:
+            select_shapes(SHAPES, shapes)
+        except ValueError as exc:
+            print(f"python -m bench: --sched-shapes: {exc}", file=sys.stderr)
+            return 2
+        skipped = unjudged(targets, shapes)
+        targets = {k: t for k, t in targets.items() if k not in skipped}
     params = params.with_peer_bin(args.peer_bin)
     started = time.perf_counter()
     figures, errors = run_benchmarks(names, params)

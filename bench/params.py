@@ -32,6 +32,7 @@ class Params:
     sched_pods: int = 1000          # scheduler: pods (one claim each) bound per shape
     sched_profile_dir: str | None = None   # scheduler: write the scheduler's CPU/heap profiles and metrics here
     sched_profile_s: int = 30       # scheduler: seconds of the CPU profile, from the first pod on
+    sched_shapes: tuple[str, ...] | None = None   # scheduler: only these device-model shapes (and the baseline)
     peer_bin: str | None = None     # peer: the Go reference kubelet plugin (hack/build-peer-driver.sh)
     peer_pods: int = 20             # peer: pods per driver on the real node, interleaved
     peer_b2b_rounds: int = 40       # peer: prepare+unprepare cycles per driver over the DRA socket
@@ -46,9 +47,11 @@ class Params:
         return self if nodes is None else replace(self, publish_nodes=nodes)
 
     def with_scheduler(self, nodes: int | None = None, pods: int | None = None,
-                       profile_dir: str | None = None) -> "Params":
-        """The scheduler benchmark's fleet size, pods and profile directory, where given."""
+                       profile_dir: str | None = None, shapes: tuple[str, ...] | None = None) -> "Params":
+        """The scheduler benchmark's fleet size, pods, profile directory and shapes, where given."""
         out = self
+        if shapes is not None:
+            out = replace(out, sched_shapes=shapes)
         if nodes is not None:
             out = replace(out, sched_nodes=nodes)
         if pods is not None:

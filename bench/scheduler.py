@@ -10,10 +10,17 @@ by ``CREATORS`` threads, the next batch right after), each with one claim from a
 shape's claim mix, using the chart's DeviceClasses. A watch of bound pods (``spec.nodeName`` set) gives each pod's
 create → scheduled time (client clock: from its POST being sent to the watch event arriving).
 
+A shape may instead describe another driver's device model (``Shape.peer``): ``NVIDIA`` publishes, for the same
+GPUs, what NVIDIA's DRA driver publishes with dynamic MIG (bench/nvidia.py), its slices POSTed by this benchmark
+and its pods claiming through NVIDIA's DeviceClasses.
+
 Figures per shape: pods bound per second (all pods over first POST → last bind), create → scheduled p50/p99, the
 scheduler's CPU per pod (utime + stime of kube-scheduler from /proc over the pod phase), the scheduler's and API
-server's peak RSS (VmHWM, the whole run), the publish time; and for every shape other than ``BASELINE`` its
-ratios to the baseline: bound/s, CPU per pod, publish time.
+server's peak RSS (VmHWM, the whole run), the publish time; for every shape other than ``BASELINE`` its
+ratios to the baseline: bound/s, CPU per pod, publish time; and, when ``NVIDIA`` ran, every shape of ours (but
+the baseline) as a ratio to it: bound/s, CPU per pod, scheduler RSS.
+
+``sched_shapes`` runs only the named shapes (the baseline always); targets of the others are not judged.
 
 With ``sched_profile_dir`` set, the scheduler's own profiler is read too: a CPU profile over the first
 ``sched_profile_s`` seconds of the pod phase, the heap once every pod is bound, and /metrics, written as
@@ -37,11 +44,12 @@ from typing import Any
 import yaml
 
 from api.deviceclasses import device_classes
-from bench.core import Figure
+from bench import nvidia
+from bench.core import Figure, Target
 from bench.params import Params
 from bench.publish import H100_POLICY, publish
 from cli.publish_cmd import register_missing_nodes
-from kube.client import SLICES, ApiUnavailable, KubeApi, iter_json_lines
+from kube.client import NODES, SLICES, ApiUnavailable, KubeApi, iter_json_lines
 from testbed.localcluster import LocalCluster
 
 NAME = "scheduler"
@@ -67,18 +75,30 @@ TEMPLATES: dict[str, dict[str, Any]] = {
     "mps-slot": {"devices": {"requests": [{"name": "gpu", "exactly": {
         "deviceClassName": f"slot.{DRIVER}",
         "selectors": [{"cel": {"expression": f"device.attributes['{DRIVER}'].sharing == 'mps'"}}]}}]}},
+    # The same two requests as NVIDIA's users write them: its chart's classes, its attribute domain.
+    "nvidia-gpu": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": nvidia.GPU_CLASS}}]}},
+    "nvidia-mig-1g10gb": {"devices": {"requests": [{"name": "gpu", "exactly": {
+        "deviceClassName": nvidia.MIG_CLASS,
+        "selectors": [{"cel": {"expression": f"device.attributes['{nvidia.NVIDIA_DRIVER}'].profile == '1g.10gb'"}}]}}]}},
 }
 
 
 @dataclass(frozen=True)
 class Shape:
     """A device model as the scheduler sees it: the node policy every node is published with (or a fleet generator
-    for anything a policy alone does not say) and the claims the pods make, as template name -> share."""
+    for anything a policy alone does not say) and the claims the pods make, as template name -> share.
+
+    ``peer``: another driver's device model, measured to compare ours with, not judged by targets of its own;
+    ``slices`` turns the fleet document into each node's slice specs, which the benchmark POSTs itself (instead
+    of ``gpu-dra publish``), and ``classes`` are the DeviceClasses its claims use (default: our chart's)."""
 
     policy: dict[str, Any]
     mix: dict[str, float]
     what: str
     fleet: Callable[[int], dict[str, Any]] | None = None   # nodes -> fleet document; default: fleet_doc(policy)
+    slices: Callable[[dict[str, Any]], Iterator[tuple[str, list[dict[str, Any]]]]] | None = None
+    classes: Callable[[], list[dict[str, Any]]] | None = None
+    peer: bool = False
 
     def fleet_doc(self, nodes: int) -> dict[str, Any]:
         if self.fleet is not None:
@@ -87,9 +107,10 @@ class Shape:
                            "policy": self.policy} for i in range(nodes)]}
 
 
-# The shapes measured, in the order they run; each other shape is compared with BASELINE. A new device model is
-# one entry here (and its targets in bench/targets.yaml).
+# The shapes measured, in the order they run; each other shape is compared with BASELINE, and each of ours with
+# NVIDIA. A new device model is one entry here (and its targets in bench/targets.yaml).
 BASELINE = "whole"
+NVIDIA = "nvidia-dynmig"
 SHAPES: dict[str, Shape] = {
     "whole": Shape({"default": {"wholeGpu": True}}, {"gpu": 1.0}, "whole GPUs only (8 devices per node)"),
     "rich": Shape(H100_POLICY, {"gpu": 0.4, "mig-1g10gb": 0.4, "mps-slot": 0.2},
@@ -116,6 +137,18 @@ SHAPES: dict[str, Shape] = {
                           {"gpu": 0.4, "mig-1g10gb": 0.4, "mps-slot": 0.2},
                           "as capacity, the 1g.10gb profile of a GPU as one device with capacity instances: 7 "
                           "(dynamicMig.layout: capacity; 24 devices per node)"),
+    # What NVIDIA's DRA driver offers with dynamic MIG (which it cannot combine with MPS), in our default layout:
+    # the whole GPU and every profile at every placement, 26 devices per GPU. Compared with NVIDIA below.
+    "dynmig": Shape({"default": {"mig": "dynamic"}}, {"gpu": 0.5, "mig-1g10gb": 0.5},
+                    "whole GPU + dynamic MIG, every profile at every placement (208 devices per node); "
+                    "claims 50 % whole GPU, 50 % MIG 1g.10gb"),
+    # The same GPUs as NVIDIA's driver publishes them with its DynamicMIG gate (bench/nvidia.py): 208 devices and 8
+    # counter sets per node in 9 slices; the same claims through NVIDIA's classes.
+    NVIDIA: Shape({"default": {"mig": "dynamic"}}, {"nvidia-gpu": 0.5, "nvidia-mig-1g10gb": 0.5},
+                  "NVIDIA's DRA driver with DynamicMIG: whole GPU + every MIG placement, each a partitionable device "
+                  "(208 devices per node, a counter set of 15 counters per GPU); claims as dynmig, through "
+                  "gpu.nvidia.com and mig.nvidia.com",
+                  slices=nvidia.fleet_slice_specs, classes=nvidia.device_classes, peer=True),
 }
 
 
@@ -133,6 +166,35 @@ def check_shapes(shapes: Mapping[str, Shape]) -> None:
             raise ValueError(f"shape {name}: unknown claim template(s) {unknown}; known: {sorted(TEMPLATES)}")
         if any(share <= 0 for share in shape.mix.values()) or abs(sum(shape.mix.values()) - 1.0) > 1e-9:
             raise ValueError(f"shape {name}: claim shares must be positive and sum to 1, got {shape.mix}")
+    if shapes[BASELINE].peer:
+        raise ValueError(f"the baseline {BASELINE!r} must be one of our shapes")
+
+
+def select_shapes(shapes: Mapping[str, Shape], names: Sequence[str] | None) -> dict[str, Shape]:
+    """The shapes ``names`` asks for (all without it), in table order, the baseline always among them."""
+    if names is None:
+        return dict(shapes)
+    unknown = sorted(set(names) - set(shapes))
+    if unknown:
+        raise ValueError(f"unknown scheduler shape(s) {unknown}; known: {', '.join(shapes)}")
+    return {name: shape for name, shape in shapes.items() if name == BASELINE or name in names}
+
+
+def unjudged(targets: Mapping[str, Target], names: Sequence[str] | None) -> set[str]:
+    """The keys of ``targets`` that a run of only the shapes ``names`` cannot answer: those of the shapes left
+    out, and every comparison with NVIDIA when it is left out."""
+    if names is None:
+        return set()
+    ran = set(select_shapes(SHAPES, names))
+    out = set()
+    for key in targets:
+        bench, _, rest = key.partition(".")
+        if bench != NAME:
+            continue
+        shape, _, what = rest.rpartition(".")
+        if shape in SHAPES and (shape not in ran or (what.startswith("nvidia_") and NVIDIA not in ran)):
+            out.add(key)
+    return out
 
 
 def assign_templates(mix: Mapping[str, float], pods: int) -> list[str]:
@@ -327,9 +389,9 @@ def pod_doc(name: str, template: str) -> dict[str, Any]:
                      "terminationGracePeriodSeconds": 0}}
 
 
-def set_up_api(kube: KubeApi) -> None:
-    """The chart's DeviceClasses, the namespace and the claim templates."""
-    for cls in device_classes(DRIVER):
+def set_up_api(kube: KubeApi, shape: Shape) -> None:
+    """The shape's DeviceClasses (our chart's unless it brings its own), the namespace and the claim templates."""
+    for cls in (shape.classes() if shape.classes is not None else device_classes(DRIVER)):
         kube.create("/apis/resource.k8s.io/v1/deviceclasses", cls)
     kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
     for name, spec in TEMPLATES.items():
@@ -363,6 +425,19 @@ def claims_summary(kube: KubeApi) -> tuple[int, float]:
     return len(sizes), (sum(sizes) / len(sizes) if sizes else 0.0)
 
 
+def post_slices(kube: KubeApi, shape: Shape, fleet_doc: dict[str, Any], workers: int) -> float:
+    """A peer shape's slices, built before the clock starts and then POSTed by ``workers`` threads; returns the
+    seconds the API server took to take them in (what stands for the publish time)."""
+    if shape.slices is None:
+        raise ValueError("post_slices needs a shape with a slice generator")
+    uids = {o["metadata"]["name"]: o["metadata"]["uid"] for o in kube.list_metadata(NODES)["items"]}
+    bodies = [obj for node, specs in shape.slices(fleet_doc) for obj in nvidia.slice_objects(node, specs, uids[node])]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(workers) as ex:
+        list(ex.map(lambda body: kube.create(SLICES, body), bodies))
+    return time.perf_counter() - start
+
+
 def _progress(line: str) -> None:
     print(f"  scheduler: {line}", file=sys.stderr, flush=True)
 
@@ -382,11 +457,15 @@ def run_shape(name: str, shape: Shape, nodes: int, pods: int, params: Params, wo
         sched_pid = pids["kube-scheduler"]
         api = cluster.api_client()
         kube = KubeApi(api, timeout=60)
-        set_up_api(kube)
+        set_up_api(kube, shape)
         register_missing_nodes(api, names)
-        run = publish(work, cluster.kubeconfig, fleet_path, params.publish_workers, 120.0 + 10.0 * nodes, name)
+        if shape.slices is not None:
+            publish_s = post_slices(kube, shape, fleet_doc, params.publish_workers)
+        else:
+            publish_s = publish(work, cluster.kubeconfig, fleet_path, params.publish_workers, 120.0 + 10.0 * nodes,
+                                name).seconds
         settle_s = wait_quiet(sched_pid, timeout=120.0 + nodes)
-        _progress(f"{name}: {nodes} nodes published in {run.seconds:.1f} s; scheduler quiet after {settle_s:.0f} s")
+        _progress(f"{name}: {nodes} nodes published in {publish_s:.1f} s; scheduler quiet after {settle_s:.0f} s")
 
         watch = BindWatch(kube, pods)
         profile: dict[str, bytes] = {}
@@ -424,7 +503,7 @@ def run_shape(name: str, shape: Shape, nodes: int, pods: int, params: Params, wo
             if "cpu" in profile:
                 (profile_dir / f"{stem}-cpu.pb.gz").write_bytes(profile["cpu"])
         result = ShapeRun(
-            shape=name, nodes=nodes, devices=devices, slices=slices, publish_s=run.seconds, settle_s=settle_s,
+            shape=name, nodes=nodes, devices=devices, slices=slices, publish_s=publish_s, settle_s=settle_s,
             pods=pods, span_s=span, latencies_s=latencies, sched_cpu_s=cpu1 - cpu0, sched_rss=rss["kube-scheduler"],
             apiserver_rss=rss["kube-apiserver"], etcd_rss=rss["etcd"],
             dra_plugin=metric_sums(metrics, "scheduler_plugin_execution_duration_seconds", "extension_point",
@@ -443,7 +522,7 @@ def run_shape(name: str, shape: Shape, nodes: int, pods: int, params: Params, wo
         cluster.stop()
 
 
-def shape_figures(r: ShapeRun, label: str) -> list[Figure]:
+def shape_figures(r: ShapeRun, label: str, posted: bool = False) -> list[Figure]:
     k = f"scheduler.{r.shape}"
     plugin = ", ".join(f"{ep} {s / c * 1000:.2f} ms × {c:.0f}" for ep, (s, c) in sorted(r.dra_plugin.items()) if c)
     points = ", ".join(f"{ep} {s:.1f} s" for ep, (s, c) in sorted(r.extension_points.items()) if s >= 0.05)
@@ -462,8 +541,8 @@ def shape_figures(r: ShapeRun, label: str) -> list[Figure]:
                "VmHWM over the whole run", "peak"),
         Figure(f"{k}.apiserver_rss_gib", f"{label}: API server RSS", r.apiserver_rss / GIB, "GiB",
                f"VmHWM over the whole run; etcd {r.etcd_rss / GIB:.2f} GiB", "peak"),
-        Figure(f"{k}.publish_s", f"{label}: gpu-dra publish --once", r.publish_s, "s",
-               f"{r.slices} slices; scheduler quiet {r.settle_s:.0f} s after it"),
+        Figure(f"{k}.publish_s", f"{label}: " + ("its slices POSTed" if posted else "gpu-dra publish --once"),
+               r.publish_s, "s", f"{r.slices} slices; scheduler quiet {r.settle_s:.0f} s after it"),
     ]
 
 
@@ -482,26 +561,47 @@ def ratio_figures(r: ShapeRun, base: ShapeRun, label: str) -> list[Figure]:
     ]
 
 
-def figures_of(runs: Mapping[str, ShapeRun]) -> list[Figure]:
-    """Every shape's figures, and each non-baseline shape's ratios to the baseline of the same run."""
+def nvidia_figures(r: ShapeRun, peer: ShapeRun, label: str) -> list[Figure]:
+    """One of our shapes against NVIDIA's device model in the same run: above 1 ours binds faster (bound), below
+    1 ours costs the scheduler less (CPU, RSS)."""
+    k = f"scheduler.{r.shape}"
+    vs = f"{label} / {peer.shape} ({peer.devices:,} devices)"
+    return [
+        Figure(f"{k}.nvidia_bound_ratio", f"{vs}: pods bound per second", r.bound_per_s / peer.bound_per_s, "×",
+               f"{r.bound_per_s:.1f} vs {peer.bound_per_s:.1f} pods/s"),
+        Figure(f"{k}.nvidia_cpu_ratio", f"{vs}: scheduler CPU per pod", r.cpu_ms_per_pod / peer.cpu_ms_per_pod, "×",
+               f"{r.cpu_ms_per_pod:.1f} vs {peer.cpu_ms_per_pod:.1f} ms"),
+        Figure(f"{k}.nvidia_rss_ratio", f"{vs}: scheduler RSS", r.sched_rss / peer.sched_rss, "×",
+               f"{r.sched_rss / GIB:.2f} vs {peer.sched_rss / GIB:.2f} GiB"),
+    ]
+
+
+def figures_of(runs: Mapping[str, ShapeRun], shapes: Mapping[str, Shape] = SHAPES) -> list[Figure]:
+    """Every shape's figures, each non-baseline shape's ratios to the baseline of the same run, and each of our
+    shapes but the baseline against NVIDIA's when that ran."""
     base = runs[BASELINE]
+    peer = runs.get(NVIDIA)
     out: list[Figure] = []
     for name, r in runs.items():
         label = f"{r.nodes} nodes × {GPUS_PER_NODE} H100, {name} ({r.devices:,} devices)"
-        out += shape_figures(r, label)
+        ours = not shapes[name].peer
+        out += shape_figures(r, label, posted=shapes[name].slices is not None)
         if name != BASELINE:
             out += ratio_figures(r, base, label)
+            if ours and peer is not None:
+                out += nvidia_figures(r, peer, label)
     return out
 
 
 def run(params: Params) -> list[Figure]:
     check_shapes(SHAPES)
+    shapes = select_shapes(SHAPES, params.sched_shapes)
     nodes, pods = params.sched_nodes, params.sched_pods
     if pods > nodes * GPUS_PER_NODE:
         raise ValueError(f"{pods} pods do not fit {nodes} nodes × {GPUS_PER_NODE} GPUs as whole GPUs")
     work = Path(tempfile.mkdtemp(prefix="gpu-dra-bench-sched-"))
     try:
-        runs = {name: run_shape(name, shape, nodes, pods, params, work) for name, shape in SHAPES.items()}
+        runs = {name: run_shape(name, shape, nodes, pods, params, work) for name, shape in shapes.items()}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return figures_of(runs)
