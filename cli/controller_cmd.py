@@ -33,7 +33,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from api.deviceclasses import device_classes
     from controller.cluster import ClusterController
+    from controller.clusterstate import ClusterState
     from controller.pendingclaims import PendingClaimEvents
+    from kube.client import KubeApi
     from kube.connect import ConnectError, api_client_from
     from kube.httpserver import serve_health_and_metrics
 
@@ -44,7 +46,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"gpu-dra controller: {exc}", file=sys.stderr)
         return 2
     driver = NVIDIA_DRIVER_NAME if args.compat_nvidia else args.driver_name
-    ctl = ClusterController(api, driver, classes, interval=args.interval)
+    class_names = [c["metadata"]["name"] for c in classes]
+    state = ClusterState(KubeApi(api), driver, class_names)
+    ctl = ClusterController(api, driver, classes, interval=args.interval, state=state)
     if args.pending_interval < 0:
         print("gpu-dra controller: --pending-interval must be 0 (off) or more seconds", file=sys.stderr)
         return 2
@@ -65,8 +69,8 @@ def run(args: argparse.Namespace) -> int:
     log.info("driver %s: serving /healthz and /metrics on %s:%d; %d DeviceClasses to keep", driver, host, port, len(classes))
     pending = None
     if args.pending_interval:
-        pending = PendingClaimEvents(api, driver, [c["metadata"]["name"] for c in classes],
-                                     interval=args.pending_interval)
+        pending = PendingClaimEvents(state, driver, class_names, api_client=api, interval=args.pending_interval)
+    state.start()                      # one LIST of each resource, then watches: the passes read these caches
     ctl.start()
     if pending is not None:
         pending.start()
@@ -76,5 +80,6 @@ def run(args: argparse.Namespace) -> int:
         if pending is not None:
             pending.stop()
         ctl.stop()
+        state.stop()
         server.shutdown()
     return 0

@@ -5,8 +5,11 @@ or until the garbage collector gets to them).
 The classes are fitted to the API server's version once (`api.deviceclasses.classes_for_server`): fields an
 older server drops are not sent, so that the stored classes match and are not rewritten on every pass.
 
-Each pass is a full comparison against the API server (no cache), repeated every `interval` seconds and
-retried with exponential back-off while the API server is unavailable.
+Each pass compares what is wanted with the controller's watch caches (controller.clusterstate), writes only
+what differs, and is repeated every `interval` seconds (retried with exponential back-off while writes fail). A
+slice counts as stale once its node has been missing from the Node cache at two passes in a row (a Node and its
+first slice may arrive on different watches in either order), or at once after a synchronous load, which lists
+slices before Nodes.
 """
 from __future__ import annotations
 
@@ -18,10 +21,11 @@ from collections import Counter as _Tally
 from typing import Any
 
 from api.deviceclasses import classes_for_server
+from controller.clusterstate import ClusterState
 from controller.metrics import CLUSTER_RECONCILES, DEVICECLASS_WRITES, STALE_SLICE_DELETES
 from controller.passloop import PassLoop
 from kube.backoff import Backoff
-from kube.client import DEVICE_CLASSES, NODES, SLICES, ApiError, ApiUnavailable, KubeApi
+from kube.client import DEVICE_CLASSES, SLICES, ApiError, ApiUnavailable, KubeApi
 from kube.slicecompare import prune_empty
 
 log = logging.getLogger(__name__)
@@ -35,9 +39,13 @@ class ClusterController:
     """One reconcile pass = DeviceClasses exactly as desired + no slices of the driver on vanished nodes."""
 
     def __init__(self, api_client: Any, driver_name: str, device_classes: list[dict[str, Any]],
-                 interval: float = 30.0, backoff: Backoff | None = None, server_minor: int | None = None) -> None:
-        """`server_minor`: the API server's Kubernetes minor version if known; asked on the first pass if not."""
+                 interval: float = 30.0, backoff: Backoff | None = None, server_minor: int | None = None,
+                 state: ClusterState | None = None) -> None:
+        """`server_minor`: the API server's Kubernetes minor version if known; asked on the first pass if not.
+        `state`: the caches to read (started by the caller); without one, each pass loads its own."""
         self.kube = KubeApi(api_client)
+        self.state = state or ClusterState(self.kube, driver_name, [c["metadata"]["name"] for c in device_classes])
+        self._missing: set[str] = set()     # slices whose node was missing at the last pass
         self.driver = driver_name
         self.interval = interval
         self._backoff = backoff or Backoff(initial=0.5, maximum=interval)
@@ -73,8 +81,13 @@ class ClusterController:
 
     def reconcile_once(self) -> None:
         """One pass; raises ApiUnavailable/ApiError when the API server does not cooperate."""
+        loaded = not self.state.running
+        if loaded:
+            self.state.load()
+        elif not self.state.synced:
+            raise ApiUnavailable(f"waiting for the first lists: {'; '.join(self.state.problems()) or 'in progress'}")
         self.ensure_device_classes()
-        self.remove_stale_slices()
+        self.remove_stale_slices(at_once=loaded)
 
     def start(self) -> "ClusterController":
         self._runner.start()
@@ -135,15 +148,19 @@ class ClusterController:
         return self._server_classes
 
     def ensure_device_classes(self) -> None:
-        """Creates missing classes, rewrites changed ones, deletes ones we made that are no longer wanted."""
+        """Creates missing classes, rewrites changed ones, deletes ones we made that are no longer wanted. A
+        write against a cache that is behind is refused (409) and done again at the next pass."""
         wanted = {c["metadata"]["name"]: c for c in self._classes_for_server()}
+        stored = {c["metadata"]["name"]: c for c in self.state.classes.items()}
         for name, desired in wanted.items():
-            try:
-                existing = self.kube.get(f"{DEVICE_CLASSES}/{name}")
-            except ApiError as exc:
-                if not exc.not_found:
-                    raise
-                self._count_class("create", self.kube.create(DEVICE_CLASSES, desired))
+            existing = stored.get(name)
+            if existing is None:
+                try:
+                    self._count_class("create", self.kube.create(DEVICE_CLASSES, desired))
+                except ApiError as exc:
+                    if not exc.conflict:
+                        raise
+                    continue                # made meanwhile: the cache hears of it
                 log.info("created DeviceClass %s", name)
                 continue
             labels = existing.get("metadata", {}).get("labels") or {}
@@ -157,12 +174,18 @@ class ClusterController:
                 continue
             meta = {k: v for k, v in existing["metadata"].items() if k != "managedFields"}
             meta["labels"] = {**labels, **want_labels}
-            self._count_class("update", self.kube.replace(DEVICE_CLASSES, {**desired, "metadata": meta}))
+            try:
+                self._count_class("update", self.kube.replace(DEVICE_CLASSES, {**desired, "metadata": meta}))
+            except ApiError as exc:
+                if not (exc.conflict or exc.not_found):
+                    raise
+                continue
             log.info("updated DeviceClass %s to the desired spec", name)
-        ours = self.kube.list(DEVICE_CLASSES, label_selector=f"{MANAGED_BY_LABEL}={MANAGED_BY},{DRIVER_LABEL}={self.driver}")
-        for obj in ours["items"]:
+        for obj in stored.values():
             meta = obj["metadata"]
-            if meta["name"] in wanted:
+            labels = meta.get("labels") or {}
+            if (meta["name"] in wanted or labels.get(MANAGED_BY_LABEL) != MANAGED_BY
+                    or labels.get(DRIVER_LABEL) != self.driver):
                 continue
             try:
                 self.kube.delete(DEVICE_CLASSES, meta["name"], uid=meta.get("uid"), resource_version=meta.get("resourceVersion"))
@@ -178,17 +201,19 @@ class ClusterController:
             self._writes[f"deviceclass-{operation}"] += 1
         DEVICECLASS_WRITES.labels(self.driver, operation).inc()
 
-    def remove_stale_slices(self) -> list[str]:
-        """Deletes this driver's slices whose spec.nodeName is not a Node; returns their names."""
-        # Slices first, then nodes: a Node created in between is in the node list, never missed.
-        slices = self.kube.list(SLICES, field_selector=f"spec.driver={self.driver}")["items"]
-        nodes = {n["metadata"]["name"] for n in self.kube.list(NODES)["items"]}
+    def remove_stale_slices(self, at_once: bool = False) -> list[str]:
+        """Deletes this driver's slices whose spec.nodeName is not a Node (at two passes in a row, or at once
+        after a synchronous load); returns their names."""
+        if self.state.nodes.last_error:
+            return []                       # the Node cache may be behind: no verdict on missing nodes now
+        nodes = set(self.state.nodes.items())
+        missing = {s["metadata"]["name"]: s for s in self.state.slices.items()
+                   if s.get("spec", {}).get("nodeName") and s["spec"]["nodeName"] not in nodes}
+        stale = [s for name, s in missing.items() if at_once or name in self._missing]
+        self._missing = set(missing)
         deleted = []
-        for obj in slices:
-            node = obj.get("spec", {}).get("nodeName")
-            if not node or node in nodes:
-                continue
-            meta = obj["metadata"]
+        for obj in stale:
+            meta, node = obj["metadata"], obj["spec"]["nodeName"]
             try:
                 self.kube.delete(SLICES, meta["name"], uid=meta.get("uid"), resource_version=meta.get("resourceVersion"))
             except ApiError as exc:
@@ -196,6 +221,7 @@ class ClusterController:
                     continue   # gone already, or changed: the next pass looks again
                 raise
             deleted.append(meta["name"])
+            self._missing.discard(meta["name"])
             with self._lock:
                 self._writes["slice-delete"] += 1
             STALE_SLICE_DELETES.labels(self.driver).inc()

@@ -8,50 +8,54 @@ claim of another namespace. When nothing else fits, the pod stays Pending and th
 serve, e.g. ``claim team-b/train-x7 cannot be allocated: the MPS slots and shares of 2 GPUs on node-a serve
 namespace team-a (...)``.
 
-Each pass (every ``interval`` seconds, default 5: a pending pod is a person waiting):
+Each pass (every ``interval`` seconds, default 5: a pending pod is a person waiting) reads the controller's
+watch caches (controller.clusterstate) and makes no request of its own but the Events:
 
-- one LIST of ResourceClaims, cluster-wide;
-- the unallocated ones that ask for one of this driver's DeviceClasses, grouped by the Pod that owns them (a pod's
-  claims are allocated together, so they are judged together); a group is due once its oldest claim is
+- the unallocated claims that ask for one of this driver's DeviceClasses, grouped by the Pod that owns them (a
+  pod's claims are allocated together, so they are judged together); a group is due once its oldest claim is
   ``min_age_s`` old (the scheduler has had its try) and then again every ``recheck_s``;
 - bounded work: at most ``max_per_pass`` groups are evaluated per pass (those never judged first, longest-waiting
-  first, then those judged longest ago); the rest wait for the next pass. Nothing more is read unless a group is due; then the cluster state is read once for the
-  pass (ops.explain.reads.read_cluster_state with the claims already listed) and each group is judged by
-  ``gpu-dra explain``'s model (ops.explain.verdict), which decides as kube-scheduler does;
+  first, then those judged longest ago); the rest wait for the next pass. Each group is judged by ``gpu-dra
+  explain``'s model (ops.explain.verdict), which decides as kube-scheduler does, node by node; a node's report is
+  kept for claims of the same namespace and spec until anything that node's verdict reads changes (its slices,
+  the allocations of its devices, classes, taint rules, Nodes), so pods of one template waiting together cost
+  one evaluation per node, not one each;
 - a verdict "not allocatable" with matching devices kept for another namespace's MPS daemon posts one Event per
   object; it is posted again only when its message changes. What was posted is remembered per group and
   forgotten once the group's claims are allocated or gone, so memory follows the pending claims.
 
 An Event is a courtesy: one that is refused or fails is logged and tried again at the group's next evaluation.
 
-RBAC (deploy/helm, rbac-controller.yaml): ``list`` on resourceclaims and devicetaintrules (deviceclasses,
-resourceslices and nodes are listed by the cluster controller anyway) and ``create`` on ``events`` in
-``events.k8s.io``.
+RBAC (deploy/helm, rbac-controller.yaml): ``list`` and ``watch`` on what the caches hold and ``create`` on
+``events`` in ``events.k8s.io``.
 """
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from controller.clusterstate import ClusterState, asks_for
 from controller.passloop import PassLoop
 from dra.model.tenancy import tenancy_reason
-from dra.scheduling.claimrequests import ClaimSpecError, read_claim_spec
+from dra.scheduling.devicecel import SelectorResults
 from kube.backoff import Backoff
-from kube.client import ApiError, ApiUnavailable, KubeApi
+from kube.client import ApiError, ApiUnavailable
 from kube.events import EventWriter, KubernetesEventWriter, ObjectRef, claim_ref, event_body
-from ops.explain.reads import CLAIMS, read_cluster_state
-from ops.explain.verdict import NOT_ALLOCATABLE, Explanation, Target, explain
+from ops.explain.verdict import NOT_ALLOCATABLE, Explainer, Explanation, NodeReport, Target
 
 log = logging.getLogger(__name__)
 
 MPS_TENANCY = "MPSTenancy"
 ACTION_ALLOCATE = "Allocate"
 MAX_OTHER_LINES = 3        # lines about devices that are unusable for other reasons, in one Event
+REPORTS_KEPT = 20_000      # node reports kept between passes (a few KiB each)
 
 
 @dataclass
@@ -75,16 +79,6 @@ def owning_pod(claim: dict[str, Any]) -> ObjectRef | None:
         if ref.get("controller") and ref.get("kind") == "Pod" and ref.get("apiVersion") == "v1" and ref.get("name"):
             return ObjectRef("v1", "Pod", str(meta.get("namespace", "")), str(ref["name"]), str(ref.get("uid", "")))
     return None
-
-
-def asks_for(claim: dict[str, Any], class_names: Iterable[str]) -> bool:
-    """Whether a request (or subrequest) of the claim names one of the classes."""
-    try:
-        spec = read_claim_spec(claim.get("spec") or {})
-    except ClaimSpecError:
-        return False           # the API server validated it; nothing the scheduler could allocate either
-    wanted = set(class_names)
-    return any(alt.device_class in wanted for req in spec.requests for alt in req.alternatives)
 
 
 def created_at(claim: dict[str, Any]) -> float | None:
@@ -145,14 +139,45 @@ class _Seen:
     note: str | None = None        # what was posted, None if nothing
 
 
-class PendingClaimEvents:
-    """The loop of the module docstring. ``kube`` and ``writer`` default to the API server's."""
+class NodeReports:
+    """Node reports of earlier evaluations, by (namespace, the claims' specs) and node, each valid while the
+    node's stamp (dra.scheduling.clusterview) is unchanged; the least recently used go first."""
 
-    def __init__(self, api_client: Any, driver: str, class_names: Iterable[str], *, interval: float = 5.0,
+    def __init__(self, limit: int = REPORTS_KEPT) -> None:
+        self._kept: OrderedDict[tuple[str, str], tuple[tuple[int, ...], NodeReport]] = OrderedDict()
+        self._limit = limit
+        self.hits = self.misses = 0
+
+    def get(self, key: tuple[str, str], stamp: tuple[int, ...]) -> NodeReport | None:
+        kept = self._kept.get(key)
+        if kept is None or kept[0] != stamp:
+            self.misses += 1
+            return None
+        self._kept.move_to_end(key)
+        self.hits += 1
+        return kept[1]
+
+    def put(self, key: tuple[str, str], stamp: tuple[int, ...], report: NodeReport) -> None:
+        self._kept[key] = (stamp, report)
+        self._kept.move_to_end(key)
+        while len(self._kept) > self._limit:
+            self._kept.popitem(last=False)
+
+
+def _placeholder(i: int) -> str:
+    """How the i-th claim of a group is named while it is judged: reports are shared between groups of one
+    spec, so they must not carry a group's own names (the Event's text gets them back)."""
+    return f"<claim#{i}>"
+
+
+class PendingClaimEvents:
+    """The loop of the module docstring. ``writer`` defaults to the API server's."""
+
+    def __init__(self, state: ClusterState, driver: str, class_names: Iterable[str], *, interval: float = 5.0,
                  min_age_s: float = 5.0, recheck_s: float = 30.0, max_per_pass: int = 10,
-                 kube: Any = None, writer: EventWriter | None = None, instance: str | None = None,
+                 writer: EventWriter | None = None, api_client: Any = None, instance: str | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
-        self.kube = kube if kube is not None else KubeApi(api_client)
+        self.state = state
         self.writer = writer if writer is not None else KubernetesEventWriter(api_client)
         self.driver = driver
         self.class_names = frozenset(class_names)
@@ -162,15 +187,16 @@ class PendingClaimEvents:
         self.instance = instance or socket.gethostname() or "gpu-dra-controller"
         self._clock, self._wall = clock, wall
         self._seen: dict[str, _Seen] = {}
+        self._reports = NodeReports()
+        self._results = SelectorResults()
         self._backoff = Backoff(initial=0.5, maximum=max(interval, 30.0))
         self._runner = PassLoop(f"pending-claims-{driver}", self._pass, interval, self._backoff)
         self.events_posted = 0
         self.last_error: str | None = None
 
     def pass_once(self) -> int:
-        """One pass; returns the number of groups evaluated. Raises ApiUnavailable/ApiError when the reads fail."""
-        claims = self.kube.list(CLAIMS)["items"]
-        groups = pending_groups(claims, self.class_names)
+        """One pass over the caches; returns the number of groups evaluated."""
+        groups = pending_groups(self.state.claims.items(), self.class_names)
         pending = {g.key for g in groups}
         for key in [k for k in self._seen if k not in pending]:
             del self._seen[key]
@@ -180,22 +206,43 @@ class PendingClaimEvents:
         # New claims are not starved by many long-pending ones: never judged first (sorted is stable).
         due = sorted(due, key=lambda g: self._seen[g.key].checked if g.key in self._seen else float("-inf"))
         due = due[:self.max_per_pass]
-        if not due:
-            return 0
-        state = read_cluster_state(self.kube, claims=claims)
         for group in due:
             seen = self._seen.setdefault(group.key, _Seen(now))
             seen.checked = now
             try:
-                exp = explain([Target(n, c) for n, c in zip(group.names, group.claims)], state.classes, state.slices,
-                              state.claims, state.taint_rules, state.nodes)
+                exp = self.judge(group)
             except Exception as exc:  # noqa: BLE001 - one claim the model cannot judge must not stop the others
                 log.warning("pending claims %s not evaluated: %s", ", ".join(group.names), exc)
                 continue
             note = tenancy_note(group.names, exp)
+            if note is not None:
+                for i, name in enumerate(group.names):
+                    note = note.replace(_placeholder(i), name)
             if note is not None and note != seen.note and self._post(group, note):
                 seen.note = note
         return len(due)
+
+    def judge(self, group: PendingGroup) -> Explanation:
+        """The group's verdict, node reports reused where the node has not changed since they were made."""
+        targets = [Target(_placeholder(i), c) for i, c in enumerate(group.claims)]
+        namespace = str(group.claims[0]["metadata"].get("namespace", ""))
+        spec = namespace + json.dumps([c.get("spec") or {} for c in group.claims], sort_keys=True)
+        view = self.state.view
+        with view.reading():
+            ex = Explainer(targets, view, self._results)
+            if ex.early is not None:
+                return ex.early
+            reports = {}
+            for node in ex.node_names():
+                stamp = view.node_stamp(node)
+                report = self._reports.get((spec, node), stamp)
+                if report is None:
+                    report = ex.node(node)
+                    self._reports.put((spec, node), stamp, report)
+                reports[node] = report
+            exp = ex.finish(reports)
+        exp.claims = list(group.names)
+        return exp
 
     def _post(self, group: PendingGroup, note: str) -> bool:
         at = self._wall()
@@ -226,11 +273,8 @@ class PendingClaimEvents:
         self._runner.stop(timeout)
 
     def _pass(self) -> bool:
-        try:
-            self.pass_once()
-        except (ApiUnavailable, ApiError) as exc:
-            self.last_error = str(exc)
-            log.warning("pending claims pass failed: %s", exc)
-            return False
+        if not self.state.synced:
+            return False                  # the caches' first LISTs are still to come (or retrying)
+        self.pass_once()
         self.last_error = None
         return True

@@ -96,6 +96,20 @@ class ClusterView:
             if new != self.nodes:
                 self.nodes, self._shared_stamp = new, self._tick()
 
+    def add_node(self, name: str) -> None:
+        with self.lock:
+            if self.nodes is None:
+                self.nodes = set()
+            if name not in self.nodes:
+                self.nodes.add(name)
+                self._shared_stamp = self._tick()
+
+    def remove_node(self, name: str) -> None:
+        with self.lock:
+            if self.nodes is not None and name in self.nodes:
+                self.nodes.discard(name)
+                self._shared_stamp = self._tick()
+
     def put_slice(self, obj: dict[str, Any], folded: bool = False) -> None:
         """Adds or replaces a slice (by name); ``folded``: it already is (dra.scheduling.compact)."""
         with self.lock:

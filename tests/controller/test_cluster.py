@@ -11,6 +11,7 @@ from typing import Any
 
 from api.deviceclasses import device_classes
 from controller.cluster import ClusterController
+from controller.clusterstate import ClusterState
 from kube.client import DEVICE_CLASSES, ApiError, ApiUnavailable
 from kube.httpserver import serve_health_and_metrics
 
@@ -40,11 +41,11 @@ class ScriptedApi:
             return self.classes[name]
         raise ApiError("GET", path, 404, '{"reason": "NotFound", "message": "not found"}')
 
-    def list(self, collection: str, field_selector: str | None = None,
-             label_selector: str | None = None) -> dict[str, Any]:
-        self._check(collection)
-        items = list(self.classes.values()) if collection == DEVICE_CLASSES else []
-        return {"items": items, "resourceVersion": "1"}
+    def request(self, method: str, path: str, **_: Any) -> dict[str, Any]:
+        """The LISTs the controller's caches load at each pass (controller.clusterstate)."""
+        self._check(path)
+        items = list(self.classes.values()) if path == DEVICE_CLASSES else []
+        return {"items": items, "metadata": {"resourceVersion": "1"}}
 
     def create(self, collection: str, obj: dict[str, Any]) -> dict[str, Any]:
         raise AssertionError(f"unexpected create in {collection}")
@@ -81,6 +82,7 @@ def controller(api: ScriptedApi, interval: float) -> ClusterController:
     ctl = ClusterController(object(), DRIVER, device_classes(DRIVER), interval=interval, server_minor=37)
     api.classes = {c["metadata"]["name"]: c for c in ctl._classes_for_server()}   # the cluster is in line
     ctl.kube = api  # type: ignore[assignment]
+    ctl.state = ClusterState(api, DRIVER, [c["metadata"]["name"] for c in device_classes(DRIVER)])  # type: ignore[arg-type]
     return ctl
 
 

@@ -1,7 +1,8 @@
 """Pending claims that MPS tenancy keeps off the devices (controller.pendingclaims, ops.explain.verdict): explain
 names the namespace a tenancy-tainted device's daemon serves; the controller's pass posts one Warning Event on
 the claim and its pod with the same words, once per message, for due claims only and a bounded number per pass.
-Everything is plain dicts: the API server is a scripted list of objects, the Event writer records."""
+Everything is plain dicts: the API server is a scripted list of objects that the controller's caches load
+(controller.clusterstate), the Event writer records; a pass itself reads nothing from the API server."""
 from __future__ import annotations
 
 import copy
@@ -10,10 +11,10 @@ from typing import Any
 from claims import request, resource_claim
 
 from api.deviceclasses import device_classes
+from controller.clusterstate import CLAIMS, TAINT_RULES, ClusterState
 from controller.pendingclaims import MPS_TENANCY, PendingClaimEvents, pending_groups, tenancy_note
 from dra.model.tenancy import tenancy_taint, tenancy_toleration
 from kube.client import DEVICE_CLASSES, NODES, SLICES
-from ops.explain.reads import CLAIMS, TAINT_RULES
 from ops.explain.verdict import ALLOCATABLE, NOT_ALLOCATABLE, Target, explain, format_text
 
 D = "gpu.example.com"
@@ -134,22 +135,19 @@ def test_pending_claims_of_this_driver_are_grouped_by_their_pod_oldest_first() -
 # ---------------------------------------------------------------------------------------------- the pass
 
 class ScriptedApi:
-    """The LISTs a pass makes, over objects the test sets; counts them."""
+    """The LISTs the controller's caches make, over objects the test sets; counts them."""
 
     def __init__(self, slices: list[dict[str, Any]], claims: list[dict[str, Any]]) -> None:
         self.slices, self.claims = slices, claims
         self.lists: list[str] = []
 
-    def list(self, collection: str, field_selector: str | None = None,
-             label_selector: str | None = None) -> dict[str, Any]:
-        self.lists.append(collection)
-        items = {DEVICE_CLASSES: CLASSES, SLICES: self.slices, CLAIMS: self.claims, TAINT_RULES: []}[collection]
-        return {"items": copy.deepcopy(items), "resourceVersion": "1"}
-
-    def list_metadata(self, collection: str, **_: Any) -> dict[str, Any]:
-        assert collection == NODES
-        self.lists.append(collection)
-        return {"items": [{"metadata": {"name": n}} for n in ("node-a", "node-b")]}
+    def request(self, method: str, path: str, query: dict[str, Any] | None = None, **_: Any) -> dict[str, Any]:
+        assert method == "GET" and not (query or {}).get("watch")
+        self.lists.append(path)
+        if path == NODES:
+            return {"items": [{"metadata": {"name": n}} for n in ("node-a", "node-b")], "metadata": {}}
+        items = {DEVICE_CLASSES: CLASSES, SLICES: self.slices, CLAIMS: self.claims, TAINT_RULES: []}[path]
+        return {"items": copy.deepcopy(items), "metadata": {"resourceVersion": "1"}}
 
 
 class RecordingWriter:
@@ -178,21 +176,35 @@ CREATED = "2026-01-01T00:00:00Z"
 T0 = 1767225600.0          # CREATED as a Unix time
 
 
-def events_pass(api: ScriptedApi, **kw: Any) -> tuple[PendingClaimEvents, RecordingWriter, Clock]:
+class Pass:
+    """A pass after the caches loaded what the scripted API server holds now (a watch would have brought it)."""
+
+    def __init__(self, api: ScriptedApi, loop: PendingClaimEvents) -> None:
+        self.api, self.loop = api, loop
+
+    def __call__(self) -> int:
+        self.loop.state.load()
+        before = len(self.api.lists)
+        evaluated = self.loop.pass_once()
+        assert len(self.api.lists) == before, "a pass read the API server"
+        return evaluated
+
+
+def events_pass(api: ScriptedApi, **kw: Any) -> tuple[PendingClaimEvents, RecordingWriter, Clock, Pass]:
     writer, clock = RecordingWriter(), Clock(T0 + 1)
-    loop = PendingClaimEvents(None, D, CLASS_NAMES, kube=api, writer=writer, instance="ctl-0", clock=clock,
+    state = ClusterState(api, D, CLASS_NAMES)   # type: ignore[arg-type]
+    loop = PendingClaimEvents(state, D, CLASS_NAMES, writer=writer, instance="ctl-0", clock=clock,
                               wall=clock, min_age_s=5, recheck_s=30, **kw)
-    return loop, writer, clock
+    return loop, writer, clock, Pass(api, loop)
 
 
 def test_a_pass_posts_one_event_on_the_claim_and_its_pod_and_again_only_when_the_message_changes() -> None:
     api = ScriptedApi(slot_slices(tenants={0: "team-a", 1: "team-a"}), [slot_claim("x", pod="p", created=CREATED)])
-    loop, writer, clock = events_pass(api)
+    loop, writer, clock, run = events_pass(api)
 
-    assert loop.pass_once() == 0 and not writer.created            # one second old: the scheduler's turn
-    assert api.lists == [CLAIMS]                                    # and nothing else read
+    assert run() == 0 and not writer.created            # one second old: the scheduler's turn
     clock.now = T0 + 6
-    assert loop.pass_once() == 1
+    assert run() == 1
     note = ("claim team-b/x cannot be allocated: the MPS slots and shares of 2 GPUs on node-a serve namespace team-a "
             "(an MPS daemon serves one namespace; node policy mps.shareAcrossNamespaces)")
     assert [(e["regarding"]["kind"], e["regarding"]["name"], e["regarding"]["uid"], e["type"], e["reason"], e["note"])
@@ -203,41 +215,40 @@ def test_a_pass_posts_one_event_on_the_claim_and_its_pod_and_again_only_when_the
     assert writer.created[0]["reportingInstance"] == "ctl-0"
 
     clock.now += 5
-    assert loop.pass_once() == 0                                    # not due again before recheck_s
+    assert run() == 0                                    # not due again before recheck_s
     clock.now += 30
-    assert loop.pass_once() == 1 and len(writer.created) == 2       # due, same message: nothing posted
+    assert run() == 1 and len(writer.created) == 2       # due, same message: nothing posted
     api.slices = slot_slices(gpus=3, tenants={0: "team-a", 1: "team-a", 2: "team-c"})
     clock.now += 30
-    assert loop.pass_once() == 1 and len(writer.created) == 4
+    assert run() == 1 and len(writer.created) == 4
     assert "2 GPUs on node-a serve namespace team-a, 1 GPU on node-a serve namespace team-c" in writer.created[-1]["note"]
 
     # Allocated after all (the tenant left): forgotten, so its memory follows the pending claims.
     api.claims = [allocated(slot_claim("x", pod="p", created=CREATED), "node-a", "gpu-0-slot-0")]
     clock.now += 30
-    assert loop.pass_once() == 0 and not loop._seen
+    assert run() == 0 and not loop._seen
 
 
 def test_a_pass_evaluates_at_most_max_per_pass_groups_longest_waiting_first() -> None:
     claims = [slot_claim(f"c{i}", pod=f"p{i}", created=f"2026-01-01T00:00:0{i}Z") for i in range(3)]
     api = ScriptedApi(slot_slices(tenants={0: "team-a", 1: "team-a"}), claims)
-    loop, writer, clock = events_pass(api, max_per_pass=2)
+    loop, writer, clock, run = events_pass(api, max_per_pass=2)
     clock.now = T0 + 60
-    assert loop.pass_once() == 2
+    assert run() == 2
     assert [e["regarding"]["name"] for e in writer.created if e["regarding"]["kind"] == "Pod"] == ["p0", "p1"]
-    assert api.lists.count(SLICES) == 1                             # the cluster state is read once per pass
-    assert loop.pass_once() == 1                                    # the third one's turn
+    assert run() == 1                                    # the third one's turn
     assert [e["regarding"]["name"] for e in writer.created if e["regarding"]["kind"] == "Pod"][-1] == "p2"
     # All three are due again, and a new claim: it is not starved by them, it goes first.
     api.claims.append(slot_claim("c3", pod="p3", created="2026-01-01T00:00:50Z"))
     clock.now += 30
     seen = {k: v.checked for k, v in loop._seen.items()}
-    assert loop.pass_once() == 2
+    assert run() == 2
     assert loop._seen["uid-pod-p3"].checked == clock.now and loop._seen["uid-pod-p0"].checked == clock.now
     assert loop._seen["uid-pod-p1"].checked == seen["uid-pod-p1"]
 
 
 def test_an_allocatable_claim_gets_no_event() -> None:
     api = ScriptedApi(slot_slices(tenants={0: "team-a"}), [slot_claim("x", pod="p", created=CREATED)])
-    loop, writer, clock = events_pass(api)
+    loop, writer, clock, run = events_pass(api)
     clock.now = T0 + 60
-    assert loop.pass_once() == 1 and not writer.created
+    assert run() == 1 and not writer.created
