@@ -16,6 +16,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from controller.metrics import WATCH_LISTS
 from dra.scheduling.claimrequests import ClaimSpecError, read_claim_spec
 from dra.scheduling.clusterview import ClusterView
 from dra.scheduling.compact import fold_claim, fold_slice
@@ -70,6 +71,7 @@ class ClusterState:
 
     def start(self) -> "ClusterState":
         for cache in self._caches:
+            cache.on_list = lambda c: WATCH_LISTS.labels(c.name).inc()
             cache.start()
         self.running = True
         return self

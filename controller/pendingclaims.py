@@ -42,6 +42,7 @@ from datetime import datetime
 from typing import Any
 
 from controller.clusterstate import ClusterState, asks_for
+from controller.metrics import PENDING_PASSES
 from controller.passloop import PassLoop
 from dra.model.tenancy import tenancy_reason
 from dra.scheduling.devicecel import SelectorResults
@@ -274,7 +275,9 @@ class PendingClaimEvents:
 
     def _pass(self) -> bool:
         if not self.state.synced:
+            PENDING_PASSES.labels(self.driver, "waiting").inc()
             return False                  # the caches' first LISTs are still to come (or retrying)
         self.pass_once()
+        PENDING_PASSES.labels(self.driver, "ok").inc()
         self.last_error = None
         return True

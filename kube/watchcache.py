@@ -60,6 +60,7 @@ class WatchCache(Generic[T]):
         self.lists = 0                      # LISTs made (the first and every relist)
         self.watches = 0
         self.last_error: str | None = None
+        self.on_list: Callable[["WatchCache[T]"], None] | None = None    # hears of each LIST (metrics)
         self._stop = threading.Event()
         self._stream: Stream | None = None
         self._thread: threading.Thread | None = None
@@ -122,6 +123,8 @@ class WatchCache(Generic[T]):
         cont: str | None = None
         version = ""
         self.lists += 1
+        if self.on_list is not None:
+            self.on_list(self)
         try:
             while True:
                 page = self.kube.request("GET", self.path, accept=METADATA_LIST if self.metadata_only else

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 BIN_ENV = "GPU_DRA_K8S_BIN"
 CACHE_ENV = "GPU_DRA_CACHE"
+AUDITED_USER = "gpu-dra-audited"
 COMPONENTS = ("etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager", "kubectl")
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 _BUILD_SCRIPT = _REPO_ROOT / "hack" / "build-control-plane.sh"
@@ -217,6 +218,9 @@ class LocalCluster:
         self.startup_timeout = startup_timeout
         self.workdir: Path | None = None
         self.token = secrets.token_hex(16)
+        # A second cluster admin whose every request the API server's audit log records (audited_requests): what
+        # a process run with audited_kubeconfig asks of the API server, counted on the server's side.
+        self.audited_token = secrets.token_hex(16)
         self.ports: dict[str, int] = {}
         self.times = StartupTimes()
         self._components: dict[str, _Component] = {}
@@ -323,6 +327,25 @@ class LocalCluster:
 
         return kconfig.new_client_from_config(config_file=str(self.kubeconfig))
 
+    @property
+    def audited_kubeconfig(self) -> Path:
+        """A kubeconfig of the audited admin (see audited_requests), written on first use."""
+        path = self._dir / "audited.kubeconfig"
+        if not path.exists():
+            cfg = yaml.safe_load(self.kubeconfig.read_text())
+            cfg["users"] = [{"name": "admin", "user": {"token": self.audited_token}}]
+            path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+            path.chmod(0o600)
+        return path
+
+    def audited_requests(self) -> list[dict[str, Any]]:
+        """The audit events of the audited admin's requests so far: verb (get, list, watch, create, ...),
+        requestURI, userAgent, responseStatus, ..., in the order they were answered."""
+        log = self._dir / "logs" / "audit.log"
+        if not log.exists():
+            return []
+        return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+
     def kubectl(self, *args: str, check: bool = True, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         """Runs kubectl from the same bin dir against this cluster."""
         cmd = [str(self.bin_dir / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args]
@@ -421,7 +444,12 @@ class LocalCluster:
         key, pub = d / "sa.key", d / "sa.pub"
         _run_checked(["openssl", "genrsa", "-out", str(key), "2048"], "generate service-account key")
         _run_checked(["openssl", "rsa", "-in", str(key), "-pubout", "-out", str(pub)], "derive service-account public key")
-        (d / "tokens.csv").write_text(f'{self.token},admin,admin-uid,"system:masters"\n')
+        (d / "tokens.csv").write_text(f'{self.token},admin,admin-uid,"system:masters"\n'
+                                      f'{self.audited_token},{AUDITED_USER},audited-uid,"system:masters"\n')
+        # Metadata of the audited user's requests once answered (a watch: once it ended); nothing of anyone else's.
+        (d / "audit-policy.yaml").write_text(yaml.safe_dump({
+            "apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived", "ResponseStarted"],
+            "rules": [{"level": "Metadata", "users": [AUDITED_USER]}, {"level": "None"}]}))
         if self.node_authorization:
             # The CA that signs kubelet client certificates (node_kubeconfig).
             ca_crt, ca_key = self._client_ca
@@ -501,6 +529,8 @@ class LocalCluster:
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={d / 'sa.pub'}", f"--service-account-signing-key-file={d / 'sa.key'}",
             f"--token-auth-file={d / 'tokens.csv'}", *self._apiserver_access_flags(),
+            f"--audit-policy-file={d / 'audit-policy.yaml'}", f"--audit-log-path={d / 'logs' / 'audit.log'}",
+            "--audit-log-format=json", "--audit-log-mode=blocking",
             "--allow-privileged=true",
             # The 'kubernetes' Service endpoints would be 127.0.0.1, which Endpoints validation rejects.
             "--endpoint-reconciler-type=none",

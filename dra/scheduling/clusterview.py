@@ -232,6 +232,19 @@ class ClusterView:
         """The nodes that have a node-local pool."""
         return sorted(self._node_pools)
 
+    def pool_keys_of_node(self, node: str) -> list[PoolKey]:
+        """The node's own pools (not those for all nodes)."""
+        return sorted(self._node_pools.get(node, ()))
+
+    def pools_of_node(self, node: str) -> list[Pool]:
+        return [self.pool(k) for k in self.pool_keys_of_node(node)]
+
+    def drop_pool(self, key: PoolKey) -> None:
+        """Removes every slice of a pool (a reader that is done with it)."""
+        with self.lock:
+            for name in sorted(self._pool_slices.get(key, ())):
+                self.remove_slice(name)
+
     def has_all_node_pools(self) -> bool:
         return bool(self._all_nodes)
 

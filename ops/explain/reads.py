@@ -3,33 +3,38 @@ ResourceSlices, ResourceClaims, DeviceTaintRules, Nodes) and the claims to expla
 ResourceClaimTemplate (the claim it would generate) or a pod (its claims, templates' claims through
 status.resourceClaimStatuses, and the claim for its extended resources: the one the scheduler made, named in
 status.extendedResourceClaimStatus, else the one it would make from the DeviceClasses' extendedResourceName).
-Everything stays a wire-format dict."""
+Everything stays a wire-format dict.
+
+The cluster is read page by page, each page folded into a ClusterView (dra.scheduling.clusterview) before the next
+is read, so that a 1000-node cluster is never held as a whole: the allocated claims (one LIST), then the slices of
+the drivers the claims' classes select (a ``spec.driver`` field selector per driver, and ``spec.nodeName`` when the
+pod's other claims tie it to one node), each node explained as soon as its pools are complete and then dropped.
+Only a pool for all nodes makes the reader keep every slice until the end."""
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from api.k8snames import is_dns_label, is_dns_subdomain
 from api.quantity import quantity_value
+from dra.scheduling.claimrequests import ClaimSpecError, read_claim_spec
+from dra.scheduling.clusterview import ClusterView
+from dra.scheduling.poolview import allocation_results
 from kube.client import DEVICE_CLASSES, NODES, RESOURCE_V1, SLICES, ApiError, KubeApi
-from ops.explain.verdict import Explanation, Target, explain
+from ops.explain.verdict import Explainer, Explanation, NodeReport, Target
 
 CLAIMS = f"{RESOURCE_V1}/resourceclaims"
 TAINT_RULES = f"{RESOURCE_V1}/devicetaintrules"
 KINDS = ("claim", "template", "pod")
+PAGE_SIZE = 100            # slices per page: a few MiB of JSON at most
+# A class selector that pins the driver: "device.driver == '<name>'" alone or as the first of an && chain.
+_PINNED_DRIVER = re.compile(r"""^\s*device\.driver\s*==\s*(?:'([^'\\]+)'|"([^"\\]+)")\s*(?:&&|$)""")
 
 
 class ExplainTargetError(LookupError):
     """The object to explain does not exist or cannot be used; the message names it."""
-
-
-@dataclass
-class ClusterState:
-    classes: list[dict[str, Any]]
-    slices: list[dict[str, Any]]
-    claims: list[dict[str, Any]]
-    taint_rules: list[dict[str, Any]]
-    nodes: list[str]
 
 
 @dataclass
@@ -40,17 +45,140 @@ class ExplainTargets:
     notes: list[str] = field(default_factory=list)
 
 
-def read_cluster_state(kube: KubeApi, claims: list[dict[str, Any]] | None = None) -> ClusterState:
-    """`claims`: every ResourceClaim as the caller listed it just before; listed here if None."""
+def _pages(kube: KubeApi, path: str, field_selector: str | None = None,
+           limit: int = PAGE_SIZE) -> Iterator[list[dict[str, Any]]]:
+    cont: str | None = None
+    while True:
+        page = kube.get(path, fieldSelector=field_selector, limit=limit, **({"continue": cont} if cont else {}))
+        yield page.get("items") or []
+        cont = (page.get("metadata") or {}).get("continue")
+        if not cont:
+            return
+
+
+def read_view(kube: KubeApi) -> ClusterView:
+    """The view without slices: DeviceClasses, DeviceTaintRules (where served), Node names and the claims that hold
+    devices (the others take nothing from anyone)."""
+    view = ClusterView()
+    view.set_classes(item for page in _pages(kube, DEVICE_CLASSES, limit=500) for item in page)
     try:
-        rules = kube.list(TAINT_RULES)["items"]
+        view.set_taint_rules(item for page in _pages(kube, TAINT_RULES, limit=500) for item in page)
     except ApiError as exc:
         if exc.status not in (404, 403):
             raise
-        rules = []          # servers before 1.37 have no v1 DeviceTaintRule
-    return ClusterState(kube.list(DEVICE_CLASSES)["items"], kube.list(SLICES)["items"],
-                        kube.list(CLAIMS)["items"] if claims is None else claims, rules,
-                        [n["metadata"]["name"] for n in kube.list_metadata(NODES)["items"]])
+    view.set_nodes(n["metadata"]["name"] for n in kube.list_metadata(NODES)["items"])
+    for page in _pages(kube, CLAIMS, limit=500):
+        for claim in page:
+            if allocation_results(claim):
+                view.put_claim(claim)
+    return view
+
+
+def class_drivers(view: ClusterView, targets: Sequence[Target]) -> list[str] | None:
+    """The drivers whose devices the targets' requests can get, when every requested class pins one with its
+    first selector; None when one does not (then every slice is read)."""
+    drivers = set()
+    for t in targets:
+        try:
+            spec = read_claim_spec(t.claim.get("spec") or {})
+        except ClaimSpecError:
+            return None
+        for req in spec.requests:
+            for alt in req.alternatives:
+                cls = view.classes.get(alt.device_class)
+                selectors = ((cls or {}).get("spec") or {}).get("selectors") or []
+                m = _PINNED_DRIVER.match(str((selectors[0].get("cel") or {}).get("expression", ""))) if selectors else None
+                if m is None:
+                    if cls is None:
+                        continue        # no such class: no device matches it anyway
+                    return None
+                drivers.add(m.group(1) or m.group(2))
+    return sorted(drivers)
+
+
+def explain_live(kube: KubeApi, targets: Sequence[Target], page_size: int = PAGE_SIZE) -> Explanation:
+    """Explains the targets against the live cluster, reading slices page by page (see the module docstring)."""
+    view = read_view(kube)
+    ex = Explainer(targets, view)
+    if ex.early is not None:
+        return ex.early             # allocated already, or a selector this evaluator cannot read: no slice needed
+    drivers = class_drivers(view, targets)
+    node = next(iter(ex.fixed)) if len(ex.fixed) == 1 else None
+    selectors: list[str | None] = [None] if drivers is None else [f"spec.driver={d}" for d in drivers]
+    if node is not None:
+        selectors = [",".join(filter(None, [s, f"spec.nodeName={node}"])) for s in selectors]
+    reader = _NodeByNode(ex, view)
+    for selector in selectors:
+        for page in _pages(kube, SLICES, selector, page_size):
+            reader.add(page)
+    return reader.finish()
+
+
+class _NodeByNode:
+    """Slices in, node reports out: a node is explained once each of its pools has all its slices, then its
+    slices leave the view (a later slice of a newer generation brings the node back). A pool for all nodes
+    (rare) keeps every slice until the end, where everything left is explained."""
+
+    def __init__(self, ex: Explainer, view: ClusterView) -> None:
+        self.ex, self.view = ex, view
+        self.reports: dict[str, NodeReport] = {}
+        self.pool_notes: dict[tuple[str, str], tuple[int, str]] = {}   # of pools already dropped: (kind, text)
+        self.missing: set[str] = set()
+        self.hold = False
+
+    def add(self, page: list[dict[str, Any]]) -> None:
+        touched = set()
+        for obj in page:
+            spec = obj.get("spec") or {}
+            # Read as listed: no folding, the slice leaves the view with its node.
+            self.view.put_slice({"metadata": {"name": (obj.get("metadata") or {}).get("name", "")}, "spec": spec},
+                                folded=True)
+            if spec.get("allNodes"):
+                self.hold = True
+            if spec.get("nodeName"):
+                touched.add(str(spec["nodeName"]))
+        if not self.hold:
+            for node in sorted(touched):
+                if all(not p.incomplete for p in self.view.pools_of_node(node)):
+                    self._explain(node)
+
+    def _explain(self, node: str) -> None:
+        keys = self.view.pool_keys_of_node(node)
+        if self.view.nodes is not None and node not in self.view.nodes:
+            self.missing.add(node)
+        elif not self.ex.fixed or node in self.ex.fixed:
+            self.reports[node] = self.ex.node(node)
+        for key in keys:
+            pool = self.view.pool(key)
+            note = _pool_note(pool)
+            if note is not None:
+                self.pool_notes[key] = note
+            else:
+                self.pool_notes.pop(key, None)
+            self.view.drop_pool(key)
+
+    def finish(self) -> Explanation:
+        if self.hold:
+            for name in self.ex.node_names():
+                self.reports[name] = self.ex.node(name)
+        else:
+            for node in self.view.node_names():
+                self._explain(node)
+        notes = {**self.pool_notes,
+                 **{(p.driver, p.name): n for p in self.view.pools() if (n := _pool_note(p)) is not None}}
+        missing = self.missing | {n for n in self.view.node_names()
+                                  if self.view.nodes is not None and n not in self.view.nodes}
+        # As the verdict orders them: incomplete pools first, then those bound by a nodeSelector.
+        ordered = [text for _, _, text in sorted((kind, key, text) for key, (kind, text) in notes.items())]
+        return self.ex.finish(self.reports, ordered, sorted(missing))
+
+
+def _pool_note(pool: Any) -> tuple[int, str] | None:
+    if pool.incomplete:
+        return 0, str(pool.incomplete)
+    if not pool.node and not pool.all_nodes:
+        return 1, f"pool {pool.name} of {pool.driver} is bound to nodes by a nodeSelector: not evaluated here"
+    return None
 
 
 def _claims_path(ns: str) -> str:
@@ -213,8 +341,6 @@ def _extended_resource_claim(kube: KubeApi, pod: dict[str, Any], namespace: str,
 def explain_target(kube: KubeApi, target: str, namespace: str) -> Explanation:
     """`gpu-dra explain` as a function: finds the claims of `target` and explains them against the live state."""
     found = find_targets(kube, target, namespace)
-    state = read_cluster_state(kube)
-    result = explain([Target(n, c) for n, c in found.claims], state.classes, state.slices, state.claims,
-                     state.taint_rules, state.nodes)
+    result = explain_live(kube, [Target(n, c) for n, c in found.claims])
     result.notes = found.notes + result.notes
     return result

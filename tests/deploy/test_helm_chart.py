@@ -176,8 +176,9 @@ def test_rbac_binds_each_role_to_its_service_account(default: list[dict[str, Any
     assert [(r["resources"], r["verbs"]) for r in by_name] == [(["deviceclasses"], ["get", "update"])]
     assert by_name[0]["resourceNames"] == [c["metadata"]["name"] for c in device_classes(DEFAULT_DRIVER_NAME)]
     assert {(tuple(r["resources"]), tuple(r["verbs"])) for r in controller_role["rules"] if not r.get("resourceNames")} == {
-        (("deviceclasses",), ("create", "list", "delete")), (("resourceslices",), ("list", "delete")),
-        (("nodes",), ("list",)), (("resourceclaims", "devicetaintrules"), ("list",)), (("events",), ("create",))}
+        (("deviceclasses",), ("create", "list", "watch", "delete")), (("resourceslices",), ("list", "watch", "delete")),
+        (("nodes",), ("list", "watch")), (("resourceclaims", "devicetaintrules"), ("list", "watch")),
+        (("events",), ("create",))}
     compat = {o["metadata"]["name"]: o for o in render("--set", "compatNvidia=true") if o["kind"] == "ClusterRole"}
     [compat_names] = [r["resourceNames"] for r in compat["gpu-dra-gpu-dra-driver-controller"]["rules"]
                       if r.get("resourceNames")]

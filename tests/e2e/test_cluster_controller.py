@@ -17,6 +17,7 @@ from standin.workloads import wait_until
 
 from api.deviceclasses import device_classes
 from controller.cluster import DRIVER_LABEL, ClusterController
+from controller.clusterstate import ClusterState
 from dra.model.policy import parse_node_policy
 from dra.model.slices import desired_pool_slices
 from kube.client import DEVICE_CLASSES, SLICES, ApiError, KubeApi
@@ -107,14 +108,23 @@ def test_slices_of_vanished_nodes_are_removed(api_client: Any, cluster: Any, dri
                          "spec": {"driver": other_driver, "nodeName": f"{prefix}-ghost-node",
                                   "pool": {"name": "p", "generation": 1, "resourceSliceCount": 1}}})
 
+    # One pass on a synchronous load (slices listed before Nodes): the ghost's slice goes at once.
     ctl = ClusterController(api_client, driver_name, [])
-    assert ctl.remove_stale_slices() == [f"{prefix}-ghost"]
+    ctl.state.load()
+    assert ctl.remove_stale_slices(at_once=True) == [f"{prefix}-ghost"]
     assert {s["spec"]["nodeName"] for s in slices_of(api_client, driver_name)} == {kept, vanishing}
 
-    cluster.delete_node(vanishing)
-    wait_until(lambda: ctl.remove_stale_slices() is not None and
-               {s["spec"]["nodeName"] for s in slices_of(api_client, driver_name)} == {kept}, 15,
-               "the vanished node's slices to be gone")
+    # Watching: a node that goes is missed at one pass and its slices deleted at the next.
+    watching = ClusterController(api_client, driver_name, [], state=ClusterState(kube, driver_name, []).start())
+    try:
+        assert watching.state.wait_synced(30)
+        assert watching.remove_stale_slices() == []
+        cluster.delete_node(vanishing)
+        wait_until(lambda: watching.remove_stale_slices() is not None and
+                   {s["spec"]["nodeName"] for s in slices_of(api_client, driver_name)} == {kept}, 15,
+                   "the vanished node's slices to be gone")
+    finally:
+        watching.state.stop()
     assert len(slices_of(api_client, other_driver)) == 1
     kube.delete(SLICES, f"{prefix}-other-driver")
 

@@ -20,6 +20,7 @@ import pytest
 
 from api.deviceclasses import device_classes
 from controller.cluster import DRIVER_LABEL, MANAGED_BY, MANAGED_BY_LABEL, ClusterController
+from controller.clusterstate import ClusterState
 from controller.pendingclaims import PendingClaimEvents
 from kube.client import DEVICE_CLASSES, NODES, RESOURCE_V1, SLICES, ApiError, KubeApi
 from kube.events import KubernetesEventWriter, ObjectRef, claim_ref, event_body, micro_time
@@ -341,11 +342,17 @@ def test_the_plugins_and_the_controllers_own_calls_pass_with_the_chart_rbac_alon
     message = refused(lambda: r.controller.delete(DEVICE_CLASSES, f"probe.{driver}"), by_policy=r.classes_policy).message
     assert f"may only delete DeviceClasses it made for that driver, not DeviceClass probe.{driver}" in message
 
-    # Its pass over pending claims: the claims listed, the cluster state read to judge a waiting one (the
-    # DeviceTaintRules, on servers that have them), and a Warning Event on a claim and its pod.
+    # Its pass over pending claims: the caches (the claims, and the DeviceTaintRules on servers that have them,
+    # besides the classes, slices and nodes) listed and watched, a waiting claim judged, and a Warning Event on a
+    # claim and its pod.
     waiting = r.claim(r.ns_b, "waiting")
-    pending = PendingClaimEvents(r.controller_client, driver, wanted, min_age_s=0)
-    assert pending.pass_once() == 1
+    state = ClusterState(KubeApi(r.controller_client), driver, wanted).start()
+    try:
+        assert state.wait_synced(60) and not state.problems(), state.problems()
+        pending = PendingClaimEvents(state, driver, wanted, api_client=r.controller_client, min_age_s=0)
+        assert pending.pass_once() == 1
+    finally:
+        state.stop()
     if minor(r.kube) >= 37:
         r.controller.list(f"{RESOURCE_V1}/devicetaintrules")
     pod = ObjectRef("v1", "Pod", r.ns_b, "waiting-pod", "0f8a7c6e-1111-4222-8333-444455556666")
