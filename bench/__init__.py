@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, str] = {
     "publish": "bench.publish",
     "status": "bench.status",
     "scheduler": "bench.scheduler",
+    "controlloops": "bench.controlloops",
     "tenancy": "bench.tenancy",
 }
 # Benchmarks that run a real node (root, the node binaries): their smoke test is an end-to-end test.

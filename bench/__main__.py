@@ -35,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="also write the figures and verdicts to FILE as JSON")
     p.add_argument("--publish-nodes", type=int, metavar="N",
                    help="publish: nodes of the fleet published on the API server (default 100; 1000 takes ~15 min)")
+    p.add_argument("--loops-nodes", type=int, metavar="N",
+                   help="controlloops: nodes × the demo's node-a (default 200; 1000 for the large row)")
     p.add_argument("--sched-nodes", type=int, metavar="N",
                    help="scheduler: nodes × 8 H100 per device-model shape (default 200; 1000 for the large row)")
     p.add_argument("--sched-pods", type=int, metavar="N", help="scheduler: pods bound per shape (default 1000)")
@@ -110,7 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TargetsError as exc:
         print(f"python -m bench: {exc}", file=sys.stderr)
         return 2
-    params = (QUICK if args.quick else FULL).with_fleet(args.fleet).with_publish_nodes(args.publish_nodes)
+    params = (QUICK if args.quick else FULL).with_fleet(args.fleet).with_publish_nodes(args.publish_nodes) \
+        .with_loops_nodes(args.loops_nodes)
     shapes = tuple(n.strip() for n in args.sched_shapes.split(",") if n.strip()) if args.sched_shapes else None
     params = params.with_scheduler(args.sched_nodes, args.sched_pods, args.sched_profile, shapes)
     if shapes is not None:

@@ -33,6 +33,9 @@ class Params:
     sched_profile_dir: str | None = None   # scheduler: write the scheduler's CPU/heap profiles and metrics here
     sched_profile_s: int = 30       # scheduler: seconds of the CPU profile, from the first pod on
     sched_shapes: tuple[str, ...] | None = None   # scheduler: only these device-model shapes (and the baseline)
+    loops_nodes: int = 200          # controlloops: nodes × the demo's node-a published (1000 for the large row)
+    loops_window_s: float = 60.0    # controlloops: each window of one new pending pod a second
+    loops_pending: int = 100        # controlloops: pods pending throughout
     peer_bin: str | None = None     # peer: the Go reference kubelet plugin (hack/build-peer-driver.sh)
     peer_pods: int = 20             # peer: pods per driver on the real node, interleaved
     peer_b2b_rounds: int = 40       # peer: prepare+unprepare cycles per driver over the DRA socket
@@ -42,6 +45,9 @@ class Params:
 
     def with_peer_bin(self, path: str | None) -> "Params":
         return replace(self, peer_bin=path)
+
+    def with_loops_nodes(self, nodes: int | None) -> "Params":
+        return self if nodes is None else replace(self, loops_nodes=nodes)
 
     def with_publish_nodes(self, nodes: int | None) -> "Params":
         return self if nodes is None else replace(self, publish_nodes=nodes)
@@ -69,9 +75,10 @@ QUICK = Params(repeats=5, fleet_nodes=100, fleet_repeats=2, fleet_memory_nodes=1
                nvml_latency_s=0.010, reconcile_nodes=100, reconcile_rounds=1, api_rounds=20, api_startups=2,
                idle_s=10.0, spaced_rounds=5, spaced_gap_s=1.0,
                publish_nodes=40, status_nodes=200, sched_nodes=50, sched_pods=300, peer_pods=8,
-               peer_b2b_rounds=20)
+               peer_b2b_rounds=20, loops_nodes=50, loops_window_s=20.0, loops_pending=40)
 TINY = Params(repeats=1, fleet_nodes=3, fleet_repeats=1, fleet_memory_nodes=None,
               mig_cycles=4, mig_batches=1, claim_repeats=1, parallel_claims=8, parallel_rounds=1,
               nvml_latency_s=0.001, reconcile_nodes=3, reconcile_rounds=1, api_rounds=3, api_parallel=4,
               api_startups=1, idle_s=0.5, spaced_rounds=2, spaced_gap_s=0.05, publish_nodes=3, publish_workers=2,
-              status_nodes=10, sched_nodes=3, sched_pods=12, sched_profile_s=2, peer_pods=2, peer_b2b_rounds=3)
+              status_nodes=10, sched_nodes=3, sched_pods=12, sched_profile_s=2, peer_pods=2, peer_b2b_rounds=3,
+              loops_nodes=3, loops_window_s=3.0, loops_pending=4)

@@ -433,6 +433,8 @@ def figures(ours: Side, peer: Side) -> list[Figure]:
                       "ms/s)", d.difference, "ms/s",
                       f"mean over {d.samples} paired slices of the idle window, 95 % CI [{d.low:.2f}, {d.high:.2f}] "
                       "ms/s; schedstat of every thread", stat="mean"))
+    out.append(Figure(f"{NAME}.idle.cpu_ms_per_s", f"our plugin's CPU while idle (peer {peer.idle_rate * 1000:.2f} ms/s)",
+                      ours.idle_rate * 1000, "ms/s", "schedstat of every thread over the idle window", stat="mean"))
     out.append(Figure(f"{NAME}.idle.rss_mib", f"our resident memory, idle (peer {peer.idle_rss:.1f} MiB)",
                       ours.idle_rss, "MiB", "VmRSS after the idle window", stat="peak"))
     ratio("b2b.prepare.p50_ratio", "back to back over the DRA socket: prepare p50", ours.b2b_prepare,

@@ -101,6 +101,8 @@ class WatchCache(Generic[T]):
                 log.info("%s: watch from version %s is too old; listing again", self.name, self.resource_version)
                 self.resource_version = ""
             except (ApiError, ApiUnavailable) as exc:
+                if self._stop.is_set():
+                    return                  # stop() ended the watch
                 if isinstance(exc, ApiError) and exc.status == 410:
                     self.resource_version = ""
                     continue
@@ -149,6 +151,7 @@ class WatchCache(Generic[T]):
         with self.lock:
             old, self.store = self.store, fresh
             self.resource_version = version
+        self.last_error = None
         self.synced.set()
         if self.on_change is not None:
             for key in old.keys() | fresh.keys():
@@ -169,6 +172,7 @@ class WatchCache(Generic[T]):
                                        "allowWatchBookmarks": "true", "timeoutSeconds": timeout,
                                        "fieldSelector": self.field_selector, "labelSelector": self.label_selector})
         self._stream = stream
+        self.last_error = None              # watching again
         try:
             if self._stop.is_set():
                 return

@@ -24,6 +24,7 @@ serves the scheduler's /metrics and /debug/pprof to the admin token (`scheduler_
 """
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -204,11 +205,15 @@ class LocalCluster:
     def __init__(self, bin_dir: Path | str | None = None, workdir: Path | str | None = None,
                  keep_workdir: bool = False, startup_timeout: float = 90.0, *, service_accounts: bool = False,
                  node_authorization: bool = False, endpoint_routing: bool = False, client_qps: float | None = None,
-                 client_burst: int | None = None, debug_access: bool = False) -> None:
+                 client_burst: int | None = None, debug_access: bool = False,
+                 uncached: tuple[str, ...] = ()) -> None:
+        """``uncached``: resources ("<resource>.<group>") the API server serves from etcd, not its watch cache, so
+        that a watch from a compacted resourceVersion gets 410 Gone at once (compact_etcd)."""
         if (client_qps is not None and client_qps <= 0) or (client_burst is not None and client_burst < 1):
             raise ClusterError(f"client limits must be positive: client_qps={client_qps}, client_burst={client_burst}")
         self.client_qps, self.client_burst = client_qps, client_burst
         self.debug_access = debug_access
+        self.uncached = uncached
         self._bin_dir = Path(bin_dir) if bin_dir else None
         self.service_accounts = service_accounts
         self.node_authorization = node_authorization
@@ -345,6 +350,22 @@ class LocalCluster:
         if not log.exists():
             return []
         return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+
+    def compact_etcd(self) -> int:
+        """Compacts etcd's history up to its current revision (etcd's JSON gateway), as the API server does every
+        few minutes: a watch from an older resourceVersion is then answered 410 Gone. Returns the revision."""
+        base = f"http://127.0.0.1:{self.ports['etcd-client']}/v3/kv"
+
+        def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
+            req = urllib.request.Request(f"{base}/{path}", data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                answer: dict[str, Any] = json.loads(resp.read())
+            return answer
+
+        revision = int(post("range", {"key": base64.b64encode(b"/").decode()})["header"]["revision"])
+        post("compaction", {"revision": revision, "physical": True})
+        return revision
 
     def kubectl(self, *args: str, check: bool = True, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         """Runs kubectl from the same bin dir against this cluster."""
@@ -531,6 +552,7 @@ class LocalCluster:
             f"--token-auth-file={d / 'tokens.csv'}", *self._apiserver_access_flags(),
             f"--audit-policy-file={d / 'audit-policy.yaml'}", f"--audit-log-path={d / 'logs' / 'audit.log'}",
             "--audit-log-format=json", "--audit-log-mode=blocking",
+            *([f"--watch-cache-sizes={','.join(f'{r}#0' for r in self.uncached)}"] if self.uncached else []),
             "--allow-privileged=true",
             # The 'kubernetes' Service endpoints would be 127.0.0.1, which Endpoints validation rejects.
             "--endpoint-reconciler-type=none",

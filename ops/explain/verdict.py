@@ -760,9 +760,9 @@ class Explainer:
 
 
 def _our_drivers(ctx: _Context) -> set[str]:
-    """The drivers of this project among the published pools: those with this project's DeviceClasses (the class
-    named after the driver and its mig. class), whose opaque configs the plugin decodes."""
-    return {d for d, _ in ctx.view.pool_keys() if d in ctx.classes and f"mig.{d}" in ctx.classes}
+    """The drivers of this project: those with this project's DeviceClasses (the class named after the driver and
+    its mig. class), whose opaque configs the plugin decodes."""
+    return {name for name in ctx.classes if f"mig.{name}" in ctx.classes}
 
 
 def config_problems(name: str, claim: dict[str, Any], drivers: set[str]) -> list[str]:
