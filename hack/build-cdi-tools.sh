@@ -45,10 +45,10 @@ build_hook() {
   local mod=github.com/NVIDIA/nvidia-container-toolkit start=$SECONDS
   mkdir -p "$HOOK_DIR"
   rm -rf "$HOOK_DIR/bin.tmp"; mkdir -p "$HOOK_DIR/bin.tmp"
-  log "building nvidia-cdi-hook $NVIDIA_CTK_VERSION from $mod (a few minutes the first time)"
+  log "building nvidia-cdi-hook $NVIDIA_CTK_VERSION from $mod (a few minutes the first time; output: $BUILD_LOG)"
   # Static (cgo for go-nvml, glibc linked in; pure-Go DNS and user lookups): runc runs the hook from the host's
   # file system, so it must not depend on the host's libc version. The version shows in `--version`.
-  (cd "$HOOK_DIR" && GOBIN="$HOOK_DIR/bin.tmp" go install -trimpath -tags netgo,osusergo \
+  (cd "$HOOK_DIR" && GOBIN="$HOOK_DIR/bin.tmp" quiet go install -trimpath -tags netgo,osusergo \
       -ldflags "-s -w -linkmode external -extldflags -static -X $mod/internal/info.version=${NVIDIA_CTK_VERSION#v}" \
       "$mod/cmd/nvidia-cdi-hook@$NVIDIA_CTK_VERSION") \
     || die "go install of $mod/cmd/nvidia-cdi-hook@$NVIDIA_CTK_VERSION failed (is the Go module proxy reachable? GOPROXY=$(go env GOPROXY))"
@@ -80,8 +80,8 @@ build_validate() {
   need_go cdi-validate
   local start=$SECONDS
   mkdir -p "$VALIDATE_DIR/bin"
-  log "building cdi-validate from $VALIDATE_SRC"
-  (cd "$VALIDATE_SRC" && CGO_ENABLED=0 go build -trimpath -o "$VALIDATE_DIR/bin/cdi-validate.tmp" .) \
+  log "building cdi-validate from $VALIDATE_SRC (output: $BUILD_LOG)"
+  (cd "$VALIDATE_SRC" && CGO_ENABLED=0 quiet go build -trimpath -o "$VALIDATE_DIR/bin/cdi-validate.tmp" .) \
     || die "go build of $VALIDATE_SRC failed (is the Go module proxy reachable? GOPROXY=$(go env GOPROXY))"
   mv "$VALIDATE_DIR/bin/cdi-validate.tmp" "$VALIDATE_BIN"
   echo "$VALIDATE_KEY" > "$VALIDATE_DIR/.complete"

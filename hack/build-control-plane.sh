@@ -83,14 +83,14 @@ import (
 )
 GO
     log "go mod tidy (downloads ~1 GB of modules on a cold cache)"
-    go mod tidy >/dev/null || die "go mod tidy failed for k8s.io/kubernetes@$K8S_VERSION"
+    quiet go mod tidy || die "go mod tidy failed for k8s.io/kubernetes@$K8S_VERSION"
   fi
   local ld="-s -w -X k8s.io/component-base/version.gitVersion=$K8S_VERSION -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean -X k8s.io/client-go/pkg/version.gitVersion=$K8S_VERSION -X k8s.io/component-base/version.buildDate=1970-01-01T00:00:00Z"
   for c in "${COMPONENTS[@]}"; do
     if [ -x "$BIN/$c" ]; then log "$c already built"; continue; fi
-    log "building $c $K8S_VERSION"
+    log "building $c $K8S_VERSION (output: $BUILD_LOG)"
     local start=$SECONDS
-    go build -trimpath -ldflags "$ld" -o "$BIN/$c.tmp" "k8s.io/kubernetes/cmd/$c" || die "go build of $c failed"
+    quiet go build -trimpath -ldflags "$ld" -o "$BIN/$c.tmp" "k8s.io/kubernetes/cmd/$c" || die "go build of $c failed"
     mv "$BIN/$c.tmp" "$BIN/$c"
     log "built $c in $((SECONDS-start))s"
   done
@@ -111,11 +111,11 @@ import _ "go.etcd.io/etcd/server/v3"
 GO
     go mod edit -require="go.etcd.io/etcd/server/v3@$ETCD_VERSION"
     log "resolving etcd $ETCD_VERSION"
-    go mod tidy >/dev/null || die "cannot resolve go.etcd.io/etcd/server/v3@$ETCD_VERSION from the module proxy"
+    quiet go mod tidy || die "cannot resolve go.etcd.io/etcd/server/v3@$ETCD_VERSION from the module proxy"
   fi
-  log "building etcd $ETCD_VERSION"
+  log "building etcd $ETCD_VERSION (output: $BUILD_LOG)"
   local start=$SECONDS
-  go build -trimpath -ldflags "-s -w" -o "$BIN/etcd.tmp" go.etcd.io/etcd/server/v3 || die "go build of etcd failed"
+  quiet go build -trimpath -ldflags "-s -w" -o "$BIN/etcd.tmp" go.etcd.io/etcd/server/v3 || die "go build of etcd failed"
   mv "$BIN/etcd.tmp" "$BIN/etcd"
   log "built etcd in $((SECONDS-start))s"
 }

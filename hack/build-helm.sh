@@ -34,10 +34,10 @@ log "downloading helm.sh/helm/v4@$HELM_VERSION from the Go module proxy"
 err=$(go mod download "helm.sh/helm/v4@$HELM_VERSION" 2>&1) \
   || die "cannot download helm.sh/helm/v4@$HELM_VERSION: ${err##*$'\n'} (is the Go module proxy reachable? GOPROXY=$(go env GOPROXY))"
 start=$SECONDS
-log "building helm $HELM_VERSION"
+log "building helm $HELM_VERSION (output: $BUILD_LOG)"
 # The same ldflags as Helm's Makefile, so `helm version` reports the release; no cgo, like the release binaries.
 pkg=helm.sh/helm/v4/internal/version
-GOBIN="$OUT/bin.tmp" CGO_ENABLED=0 go install -trimpath \
+GOBIN="$OUT/bin.tmp" CGO_ENABLED=0 quiet go install -trimpath \
   -ldflags "-s -w -X $pkg.version=$HELM_VERSION -X $pkg.gitTreeState=clean" \
   "helm.sh/helm/v4/cmd/helm@$HELM_VERSION" || die "go install of helm $HELM_VERSION failed"
 "$OUT/bin.tmp/helm" version --short >/dev/null 2>&1 || die "the helm built does not run ($OUT/bin.tmp/helm version)"

@@ -40,10 +40,10 @@ dir=$(go mod download -json "$mod@$KUEUE_VERSION" 2>&1 | sed -n 's/^[[:space:]]*
 [ -n "$dir" ] && [ -d "$dir/config/components/crd/bases" ] \
   || die "cannot download $mod@$KUEUE_VERSION (is the Go module proxy reachable? GOPROXY=$(go env GOPROXY))"
 start=$SECONDS
-log "building kueue $KUEUE_VERSION"
+log "building kueue $KUEUE_VERSION (output: $BUILD_LOG)"
 # The version ldflags of Kueue's Makefile, so the manager logs its release; no cgo.
 vpkg=$mod/pkg/version
-GOBIN="$OUT/bin.tmp" CGO_ENABLED=0 go install -trimpath \
+GOBIN="$OUT/bin.tmp" CGO_ENABLED=0 quiet go install -trimpath \
   -ldflags "-s -w -X $vpkg.GitVersion=$KUEUE_VERSION" \
   "$mod/cmd/kueue@$KUEUE_VERSION" || die "go install of kueue $KUEUE_VERSION failed"
 "$OUT/bin.tmp/kueue" --help >/dev/null 2>&1 || die "the kueue built does not run ($OUT/bin.tmp/kueue --help)"

@@ -125,12 +125,12 @@ build_kubelet() {
   printf '//go:build tools\n\npackage tools\n\nimport _ "k8s.io/kubernetes/cmd/kubelet"\n' > "$mod/tools.go"
   cd "$mod"
   log "go mod tidy for the kubelet"
-  GOFLAGS="-mod=mod -buildvcs=false" go mod tidy >/dev/null \
+  GOFLAGS="-mod=mod -buildvcs=false" quiet go mod tidy \
     || die "go mod tidy failed for the kubelet of k8s.io/kubernetes@$K8S_VERSION (is the Go module proxy reachable? GOPROXY=$(go env GOPROXY))"
   local minor; minor=$(echo "$K8S_VERSION" | cut -d. -f2)
   local ld="-s -w -X k8s.io/component-base/version.gitVersion=$K8S_VERSION -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean -X k8s.io/client-go/pkg/version.gitVersion=$K8S_VERSION -X k8s.io/component-base/version.buildDate=1970-01-01T00:00:00Z"
-  log "building kubelet $K8S_VERSION"
-  CGO_ENABLED=0 GOFLAGS="-mod=mod -buildvcs=false" go build -trimpath -ldflags "$ld" -o "$K8S_DIR/bin/kubelet.tmp" k8s.io/kubernetes/cmd/kubelet \
+  log "building kubelet $K8S_VERSION (output: $BUILD_LOG)"
+  CGO_ENABLED=0 GOFLAGS="-mod=mod -buildvcs=false" quiet go build -trimpath -ldflags "$ld" -o "$K8S_DIR/bin/kubelet.tmp" k8s.io/kubernetes/cmd/kubelet \
     || die "go build of the kubelet failed"
   mv "$K8S_DIR/bin/kubelet.tmp" "$K8S_DIR/bin/kubelet"
 }
@@ -140,12 +140,12 @@ build_containerd() {
   for b in containerd ctr containerd-shim-runc-v2; do [ -x "$CTRD_DIR/bin/$b" ] || ok=0; done
   [ "$ok" = 1 ] && { log "containerd $CONTAINERD_VERSION already built"; return 10; }
   mkdir -p "$CTRD_DIR/bin.tmp"; cd "$CTRD_DIR"
-  log "building containerd, ctr and containerd-shim-runc-v2 $CONTAINERD_VERSION"
+  log "building containerd, ctr and containerd-shim-runc-v2 $CONTAINERD_VERSION (output: $BUILD_LOG)"
   go mod download "github.com/containerd/containerd/v2@$CONTAINERD_VERSION" >/dev/null 2>&1 \
     || die "cannot download github.com/containerd/containerd/v2@$CONTAINERD_VERSION: is the Go module proxy reachable? (GOPROXY=$(go env GOPROXY))"
   local pkg=github.com/containerd/containerd/v2
   # Graph drivers needing C libraries (btrfs, devicemapper, zfs) are left out: overlayfs and native suffice.
-  GOBIN="$CTRD_DIR/bin.tmp" CGO_ENABLED=0 go install -trimpath -tags "no_btrfs no_devmapper no_zfs" \
+  GOBIN="$CTRD_DIR/bin.tmp" CGO_ENABLED=0 quiet go install -trimpath -tags "no_btrfs no_devmapper no_zfs" \
     -ldflags "-s -w -X $pkg/version.Version=$CONTAINERD_VERSION" \
     "$pkg/cmd/containerd@$CONTAINERD_VERSION" "$pkg/cmd/ctr@$CONTAINERD_VERSION" \
     "$pkg/cmd/containerd-shim-runc-v2@$CONTAINERD_VERSION" || die "go install of containerd $CONTAINERD_VERSION failed"
@@ -184,10 +184,10 @@ build_runc() {
   mkdir -p "$RUNC_DIR/bin.tmp"; cd "$RUNC_DIR"
   go mod download "github.com/opencontainers/runc@$RUNC_VERSION" >/dev/null 2>&1 \
     || die "cannot download github.com/opencontainers/runc@$RUNC_VERSION: is the Go module proxy reachable? (GOPROXY=$(go env GOPROXY))"
-  log "building runc $RUNC_VERSION with seccomp"
+  log "building runc $RUNC_VERSION with seccomp (output: $BUILD_LOG)"
   # containerd gives every sandbox the runtime/default seccomp profile: a runc without seccomp starts no pod.
   # Linked statically (netgo, osusergo: no glibc NSS at run time), like runc's own release binaries.
-  GOBIN="$RUNC_DIR/bin.tmp" CGO_ENABLED=1 go install -trimpath -tags "seccomp netgo osusergo urfave_cli_no_docs" \
+  GOBIN="$RUNC_DIR/bin.tmp" CGO_ENABLED=1 quiet go install -trimpath -tags "seccomp netgo osusergo urfave_cli_no_docs" \
     -ldflags "-s -w -X main.version=${RUNC_VERSION#v} -extldflags -static" \
     "github.com/opencontainers/runc@$RUNC_VERSION" || die "go install of runc $RUNC_VERSION failed (cgo with libseccomp)"
   "$RUNC_DIR/bin.tmp/runc" --version | grep -q 'seccomp' || die "the runc built has no seccomp support"
@@ -203,7 +203,7 @@ build_images() {
   mkdir -p "$IMG_DIR"
   # pause: one static binary of our own.
   mkdir -p "$work/pause"
-  gcc -static -Os -s -Wall -o "$work/pause/pause" "$HACK/pause.c" \
+  quiet gcc -static -Os -s -Wall -o "$work/pause/pause" "$HACK/pause.c" \
     || die "gcc -static failed for hack/pause.c: is the static C library installed? (Debian: libc6-dev)"
   python3 "$HACK/build-oci-image.py" --rootfs "$work/pause" --name "$PAUSE_IMAGE" \
     --out "$IMG_DIR/pause.oci.tar" --entrypoint /pause >/dev/null

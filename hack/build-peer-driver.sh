@@ -46,9 +46,9 @@ command -v go >/dev/null 2>&1 || die "Go is not installed (need Go >= 1.26 on PA
 export GOMAXPROCS="${GOMAXPROCS:-$(nproc)}"
 export GOFLAGS="-buildvcs=false"
 start=$SECONDS
-log "building cmd/dra-example-kubeletplugin at $COMMIT"
+log "building cmd/dra-example-kubeletplugin at $COMMIT (output: $BUILD_LOG)"
 mkdir -p "$OUT/bin.tmp"
-(cd "$SRC" && CGO_ENABLED=0 go build -trimpath -o "$OUT/bin.tmp/dra-example-kubeletplugin" ./cmd/dra-example-kubeletplugin) \
+(cd "$SRC" && CGO_ENABLED=0 quiet go build -trimpath -o "$OUT/bin.tmp/dra-example-kubeletplugin" ./cmd/dra-example-kubeletplugin) \
   || die "go build of cmd/dra-example-kubeletplugin failed (is the Go module proxy reachable? GOPROXY=$(go env GOPROXY))"
 "$OUT/bin.tmp/dra-example-kubeletplugin" --help >/dev/null 2>&1 || die "the binary built does not run ($OUT/bin.tmp)"
 rm -rf "$OUT/bin"; mv "$OUT/bin.tmp" "$OUT/bin"

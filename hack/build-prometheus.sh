@@ -41,13 +41,13 @@ log "downloading $mod@$MODULE_VERSION (Prometheus $PROMETHEUS_VERSION) from the 
 err=$(go mod download "$mod@$MODULE_VERSION" 2>&1) \
   || die "cannot download $mod@$MODULE_VERSION: ${err##*$'\n'} (is the Go module proxy reachable? GOPROXY=$(go env GOPROXY))"
 start=$SECONDS
-log "building prometheus and promtool $PROMETHEUS_VERSION"
+log "building prometheus and promtool $PROMETHEUS_VERSION (output: $BUILD_LOG)"
 # Tags: without builtinassets the web UI is not embedded (the tests use the HTTP API only; the UI answers that
 # its assets are missing). remove_all_sd drops every cloud service discovery and enable_kubernetes_sd keeps the
 # one a cluster uses (docs/operations.md's scrape config), which cuts the cold build by about half.
 # The version ldflags of Prometheus' .promu.yml, so `prometheus --version` reports the release; no cgo.
 vpkg=github.com/prometheus/common/version
-GOBIN="$OUT/bin.tmp" CGO_ENABLED=0 go install -trimpath -tags "remove_all_sd,enable_kubernetes_sd" \
+GOBIN="$OUT/bin.tmp" CGO_ENABLED=0 quiet go install -trimpath -tags "remove_all_sd,enable_kubernetes_sd" \
   -ldflags "-s -w -X $vpkg.Version=${PROMETHEUS_VERSION#v} -X $vpkg.Branch=HEAD -X $vpkg.BuildUser=gpu-dra" \
   "$mod/cmd/prometheus@$MODULE_VERSION" "$mod/cmd/promtool@$MODULE_VERSION" \
   || die "go install of prometheus/promtool $PROMETHEUS_VERSION ($mod@$MODULE_VERSION) failed"
