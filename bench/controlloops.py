@@ -215,7 +215,7 @@ def run(params: Params) -> list[Figure]:
         span = time.monotonic() - t0
         ctl_cpu = (cpu_seconds(controller.pid) - ticks0) / span
         ctl_bytes = (read_bytes(controller.pid) - bytes0) / span
-        api_cpu = (cpu_seconds(apiserver) - cpu0) / span - base_cpu
+        api_cpu = max(0.0, (cpu_seconds(apiserver) - cpu0) / span - base_cpu)   # below the noise: none
         ctl_rss = rss_mib(controller.pid)
         lists_after = audited_lists(cluster)
         lists = sum((lists_after - lists_before).values())
