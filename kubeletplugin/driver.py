@@ -30,6 +30,7 @@ Test hook: ``GPU_DRA_FAULT=crash-after:<step>`` in the environment makes the pro
 (PrepareStarted written, nothing done), ``mig-created`` (a dynamic MIG device exists that the checkpoint does
 not know yet), ``timeslice-applied`` (a GPU's time-slice interval was changed; only the write-ahead record knows
 it), ``mps-use-recorded`` (the claim's use of an MPS daemon is recorded, no daemon yet),
+``mps-record-temp-written`` (the daemon's record is in its temporary file, not yet renamed into place),
 ``mps-compute-mode-set`` (the GPU is in EXCLUSIVE_PROCESS for a daemon not yet started; only the daemon's record
 on disk knows it), ``mps-started`` (an MPS daemon runs), ``cdi-written`` (the CDI spec exists, the claim is not yet
 PrepareCompleted). An unknown value stops the driver from starting. Never set it outside tests.
@@ -72,8 +73,8 @@ from kubeletplugin.recovery import StartupReport, recover_at_start
 from kubeletplugin.transport.nodedriver import ClaimRef, PreparedDevice, PrepareResult, UnprepareResult
 
 FAULT_ENV = "GPU_DRA_FAULT"
-CRASH_STEPS = ("checkpoint-started", "mig-created", "timeslice-applied", "mps-use-recorded", "mps-compute-mode-set",
-               "mps-started", "cdi-written")
+CRASH_STEPS = ("checkpoint-started", "mig-created", "timeslice-applied", "mps-use-recorded", "mps-record-temp-written",
+               "mps-compute-mode-set", "mps-started", "cdi-written")
 
 
 def crash_step_from_env() -> str | None:
@@ -204,17 +205,21 @@ class Driver:
         self.checkpoint.close()      # the journal folded into the snapshot: a clean stop leaves one file
 
     # ----- gRPC entry points ---------------------------------------------------------------------------------
-    def prepare(self, claims: list[ClaimRef]) -> dict[str, PrepareResult]:
-        return self._call(claims, self._prepare_timed, PrepareResult)
+    def prepare(self, claims: list[ClaimRef], arrived: float | None = None) -> dict[str, PrepareResult]:
+        return self._call(claims, self._prepare_timed, PrepareResult, arrived)
 
-    def unprepare(self, claims: list[ClaimRef]) -> dict[str, UnprepareResult]:
-        return self._call(claims, self._unprepare_timed, UnprepareResult)
+    def unprepare(self, claims: list[ClaimRef], arrived: float | None = None) -> dict[str, UnprepareResult]:
+        return self._call(claims, self._unprepare_timed, UnprepareResult, arrived)
 
-    def _call(self, claims: list[ClaimRef], work: Callable[[ClaimRef], Any], result: Callable[..., Any]) -> dict[str, Any]:
-        """One kubelet call: its claims side by side. A claim not started within ``call_budget_s`` is not
-        started at all and answered with an error the kubelet retries, so that a call of any size is answered
-        before the kubelet's 45 s deadline (an answer that comes too late is lost, and its work with it)."""
-        deadline = time.monotonic() + self.call_budget_s
+    def _call(self, claims: list[ClaimRef], work: Callable[[ClaimRef], Any], result: Callable[..., Any],
+              arrived: float | None) -> dict[str, Any]:
+        """One kubelet call: its claims side by side. A claim not started within ``call_budget_s`` of the call's
+        arrival (``arrived``, monotonic; None: now) is not started at all and answered with an error the kubelet
+        retries, so that a call of any size is answered before the kubelet's 45 s deadline (an answer that comes
+        too late is lost, and its work with it). The budget counts from the arrival: the time the call took to
+        reach this point (decoding it, waiting for the driver or for the other plugin process of a rolling
+        update) is gone from the kubelet's deadline too."""
+        deadline = (time.monotonic() if arrived is None else arrived) + self.call_budget_s
 
         def bounded(ref: ClaimRef) -> Any:
             if time.monotonic() > deadline:

@@ -1,12 +1,14 @@
 """Bringing the node in line with the checkpoint at start-up, and rebuilding prepared claims from their CDI specs
 when the checkpoint was lost.
 
-At start (``recover_at_start``): claims of an earlier boot are forgotten (their CDI specs deleted); an exclusive
-device that two records hold (a damaged or edited checkpoint) goes to the claim the API server allocates it to,
-or to neither (``resolve_double_bookings``); completed claims are adopted (their time-slice settings, MPS daemons
-and MIG devices registered again, before any rollback releases a GPU setting they share); half-done prepares are
-rolled back; MIG devices and CDI specs nobody owns are removed — unless state was lost, in which case nothing is
-destroyed and claims are adopted from their CDI specs instead.
+At start (``recover_at_start``): temporary files of writes a crash cut short are deleted in every state
+directory (checkpoint, CDI specs, MPS daemon records); claims of an earlier boot are forgotten (their CDI specs
+deleted); an exclusive device that two records hold (a damaged or edited checkpoint) goes to the claim the API
+server allocates it to, or to neither (``resolve_double_bookings``); completed claims are adopted (their
+time-slice settings, MPS daemons and MIG devices registered again, before any rollback releases a GPU setting
+they share); half-done prepares, and records that lost every device to another claim, are rolled back; MIG
+devices and CDI specs nobody owns are removed — unless state was lost, in which case nothing is destroyed and
+claims are adopted from their CDI specs instead.
 
 Rebuilding from CDI specs (``recover_claims``) — for when the checkpoint was moved aside as unreadable:
 
@@ -58,6 +60,7 @@ class StartupReport:
     mps_adopted: int
     adopted_from_cdi: tuple[str, ...] = ()   # claims rebuilt from their CDI specs (the checkpoint was lost)
     conservative: bool = False            # state was lost: nothing was destroyed or deleted at this start
+    temp_files_removed: tuple[str, ...] = ()  # temporary files of writes a crash cut short
 
 
 def recover_at_start(*, checkpoint: CheckpointStore, cdi: CdiSpecWriter, actions: ClaimActions,
@@ -65,7 +68,11 @@ def recover_at_start(*, checkpoint: CheckpointStore, cdi: CdiSpecWriter, actions
                      pool_name: str, log: Any, claims: ClaimSource, driver_name: str) -> StartupReport:
     """Load the checkpoint and bring the node in line with it (module docstring)."""
     loaded = checkpoint.load()
-    resolve_double_bookings(checkpoint, claims, driver_name, log)
+    temp_removed = [str(p) for p in (*loaded.temp_files_removed, *cdi.remove_leftover_temp_files(),
+                                     *actions.mps.remove_leftover_temp_files())]
+    if temp_removed:
+        log.warning("removed temporary files of writes a crash cut short", files=temp_removed)
+    emptied = resolve_double_bookings(checkpoint, claims, driver_name, log)
     for record in loaded.dropped_claims:
         # State from before a reboot: the hardware state is gone; the CDI file may remain on a
         # persistent spec directory.
@@ -81,7 +88,7 @@ def recover_at_start(*, checkpoint: CheckpointStore, cdi: CdiSpecWriter, actions
             actions.adopt(record)
     rolled_back, failed = [], []
     for uid, record in sorted(checkpoint.claims().items()):
-        if record.completed:
+        if record.completed and uid not in emptied:
             continue
         try:
             rollback(record)
@@ -100,7 +107,6 @@ def recover_at_start(*, checkpoint: CheckpointStore, cdi: CdiSpecWriter, actions
             if uid not in prepared:
                 cdi.delete_claim_spec(uid)
                 cdi_removed.append(uid)
-    cdi.remove_leftover_temp_files()
     in_use = actions.mps_devices_in_use()
     if not loaded.state_lost:
         _stop_unused_mps_daemons(actions, in_use, log)
@@ -110,7 +116,8 @@ def recover_at_start(*, checkpoint: CheckpointStore, cdi: CdiSpecWriter, actions
     adopted = len(in_use)
     report = StartupReport(loaded, tuple(rolled_back), tuple(failed),
                            tuple(f"{d.parent_uuid}/gi{d.gi_id}/ci{d.ci_id}" for d in destroyed),
-                           tuple(cdi_removed), adopted, tuple(adopted_from_cdi), loaded.state_lost)
+                           tuple(cdi_removed), adopted, tuple(adopted_from_cdi), loaded.state_lost,
+                           tuple(temp_removed))
     log.info("driver state recovered", prepared_claims=len(prepared), rolled_back=list(rolled_back),
              rollback_failed=list(failed), mig_destroyed=list(report.mig_destroyed),
              cdi_removed=cdi_removed, mps_daemons=adopted,
@@ -119,18 +126,27 @@ def recover_at_start(*, checkpoint: CheckpointStore, cdi: CdiSpecWriter, actions
     return report
 
 
-def resolve_double_bookings(checkpoint: CheckpointStore, claims: ClaimSource, driver_name: str, log: Any) -> None:
+def resolve_double_bookings(checkpoint: CheckpointStore, claims: ClaimSource, driver_name: str,
+                            log: Any) -> set[str]:
     """Each exclusive device that more than one record holds goes to the one claim the API server allocates it to
     on this node; the other records lose their booking of it. When the API server allocates it to none of them,
     to several, or cannot be asked, both bookings stand, so the device stays out of use, and the prepare of
-    either claim fails naming the conflict (``CheckpointStore.conflict_of``). One log line per conflict."""
+    either claim fails naming the conflict (``CheckpointStore.conflict_of``). One log line per conflict. Returns
+    the claims whose records hold no device any more: nothing the kubelet asked for is prepared for them, so the
+    caller rolls them back (what else they recorded is undone, and they are forgotten)."""
+    emptied: set[str] = set()
     for conflict in checkpoint.conflicts():
         allocated, unknown = _allocated_to(conflict, checkpoint, claims, driver_name)
         if len(allocated) == 1 and not unknown:
             checkpoint.resolve(conflict, allocated[0])
+            losers = [uid for uid in conflict.claims if uid != allocated[0]]
+            gone = [uid for uid in losers if (r := checkpoint.get(uid)) is not None and not r.devices]
+            emptied.update(gone)
             log.error(printable(f"checkpoint: {conflict.describe()}; the API server allocates it to claim "
                                 f"{allocated[0]} only, which keeps it: the other record(s) no longer list the device "
-                                "or a MIG device made for it, so unpreparing those claims leaves them alone"),
+                                "or a MIG device made for it, so unpreparing those claims leaves them alone"
+                                + (f"; record(s) left with no device are rolled back now: {', '.join(gone)}"
+                                   if gone else "")),
                       device=conflict.device, claims=list(conflict.claims), keeper=allocated[0])
             continue
         if unknown:
@@ -143,6 +159,7 @@ def resolve_double_bookings(checkpoint: CheckpointStore, claims: ClaimSource, dr
                             "of use and the prepare of either claim fails naming this conflict until the next start "
                             "resolves it or one of them is unprepared"),
                   device=conflict.device, claims=list(conflict.claims))
+    return emptied
 
 
 def _allocated_to(conflict: BookingConflict, checkpoint: CheckpointStore, claims: ClaimSource,

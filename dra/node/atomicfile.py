@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 # Temporary files start with a dot and end in ".tmp": CDI loaders only read *.json / *.yaml, and
@@ -23,8 +24,10 @@ def temp_prefix(target: Path) -> str:
     return f".{target.name}."
 
 
-def write_atomic(path: Path | str, data: bytes, mode: int = 0o644, durable: bool = True) -> None:
-    """Replace ``path`` with ``data`` so that readers see either the old or the new content, never a mix."""
+def write_atomic(path: Path | str, data: bytes, mode: int = 0o644, durable: bool = True,
+                 before_replace: Callable[[], None] | None = None) -> None:
+    """Replace ``path`` with ``data`` so that readers see either the old or the new content, never a mix.
+    ``before_replace`` runs between the temporary file's write and its rename (a crash hook for tests)."""
     target = Path(path)
     directory = target.parent
     directory.mkdir(parents=True, exist_ok=True)
@@ -38,6 +41,8 @@ def write_atomic(path: Path | str, data: bytes, mode: int = 0o644, durable: bool
             os.fchmod(handle.fileno(), mode)   # the file just written, not whatever the name now points to
             if durable:
                 os.fsync(handle.fileno())
+        if before_replace is not None:
+            before_replace()
         os.replace(tmp_name, target)
     except BaseException:
         try:
@@ -76,12 +81,30 @@ def remove_file(path: Path | str, durable: bool = True) -> bool:
     return True
 
 
-def leftover_temp_files(directory: Path | str) -> list[Path]:
-    """Temporary files a crashed ``write_atomic`` left behind in ``directory``."""
+def leftover_temp_files(directory: Path | str, targets: Iterable[str] | None = None) -> list[Path]:
+    """Temporary files a crashed ``write_atomic`` left behind in ``directory``: of any file, or of the files
+    named ``targets`` only (where others write their own files in the same directory)."""
     base = Path(directory)
     if not base.is_dir():
         return []
-    return sorted(p for p in base.iterdir() if p.name.startswith(".") and p.name.endswith(TEMP_SUFFIX))
+    prefixes = tuple(f".{t}." for t in targets) if targets is not None else (".",)
+    return sorted(p for p in base.iterdir() if p.name.startswith(prefixes) and p.name.endswith(TEMP_SUFFIX))
+
+
+def remove_leftover_temp_files(directory: Path | str, targets: Iterable[str] | None = None,
+                               older_than_s: float = 0.0) -> list[Path]:
+    """Delete what ``leftover_temp_files`` finds (those modified at least ``older_than_s`` ago: where another
+    process may be writing the same files right now); returns the files removed."""
+    removed = []
+    for path in leftover_temp_files(directory, targets):
+        try:
+            if older_than_s and time.time() - path.lstat().st_mtime < older_than_s:
+                continue
+        except FileNotFoundError:
+            continue
+        if remove_file(path, durable=False):
+            removed.append(path)
+    return removed
 
 
 def set_aside(path: Path | str, now: float | None = None) -> Path:

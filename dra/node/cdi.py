@@ -39,7 +39,7 @@ from typing import Any, Literal, Sequence
 
 import yaml
 
-from dra.node.atomicfile import leftover_temp_files, remove_file, write_atomic
+from dra.node.atomicfile import remove_file, remove_leftover_temp_files, write_atomic
 from dra.node.driverroot import DeviceNodeInfo, DriverFiles, DriverRoot
 
 log = logging.getLogger(__name__)
@@ -522,11 +522,7 @@ class CdiSpecWriter:
 
     def remove_leftover_temp_files(self) -> list[Path]:
         """Delete temporary files a crash during a write left behind (they never shadow real specs)."""
-        removed = []
-        for path in leftover_temp_files(self.spec_dir):
-            if remove_file(path):
-                removed.append(path)
-        return removed
+        return remove_leftover_temp_files(self.spec_dir)
 
 
 def load_spec(path: Path | str) -> dict[str, Any]:

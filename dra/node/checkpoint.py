@@ -61,7 +61,7 @@ import secrets
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal, TypeVar
 
@@ -69,7 +69,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
 from api.config.errors import printable
-from dra.node.atomicfile import TEMP_SUFFIX, fsync_dir, set_aside, temp_prefix
+from dra.node.atomicfile import TEMP_SUFFIX, fsync_dir, remove_leftover_temp_files, set_aside, temp_prefix
 from dra.node.bootid import DEFAULT_BOOT_ID_PATH, read_boot_id
 from dra.node.safefiles import UnsafeFile, check_owned_dir, open_regular, read_regular_file, write_regular_file
 
@@ -213,6 +213,7 @@ class LoadResult:
     corrupt: bool = False                           # the file could not be read at all (moved aside if possible)
     damage: str = ""                                # what was wrong with the journal ("" when nothing was)
     conflicts: tuple[BookingConflict, ...] = ()     # exclusive devices more than one record holds
+    temp_files_removed: tuple[Path, ...] = ()       # of snapshot or journal writes a crash cut short
 
     @property
     def state_lost(self) -> bool:
@@ -320,6 +321,11 @@ class CheckpointStore:
                 result, records = self._read_all(dir_fd)
             finally:
                 os.close(dir_fd)
+            # Never read, only in the way. None is being written: this store's writes wait for its lock, a rolling
+            # update's other plugin writes under the call lock a load runs under (a fold at its close does not, and
+            # one cut short is what a crash leaves).
+            removed = remove_leftover_temp_files(self.path.parent, targets=(self.path.name, self.journal_path.name))
+            result = replace(result, temp_files_removed=tuple(removed))
             self._claims = {} if result.dropped_claims else records
             self._conflicts = result.conflicts
             self._loaded = True

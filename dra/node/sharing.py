@@ -43,7 +43,7 @@ from typing import Any, Callable, Mapping, Sequence
 from api.config.errors import printable
 from dra.model.policy import MpsNodePolicy
 from dra.node import tmpfs
-from dra.node.atomicfile import remove_file, write_atomic
+from dra.node.atomicfile import remove_file, remove_leftover_temp_files, write_atomic
 from dra.node.checkpoint import TimeSliceUndo
 from dra.node.processidentity import ProcessIdentity
 from dra.node.safefiles import read_regular_file
@@ -290,7 +290,7 @@ class MpsDaemons:
             self._stop_unidentified(paths)     # raises before anything is changed
             try:
                 # Written before the GPU or any process changes: a crash after this line is found and undone.
-                self._prepare_start(record)
+                self._prepare_start(record, step)
                 if record.compute_mode_set:
                     self.control.set_compute_mode(gpu, "EXCLUSIVE_PROCESS")
                     step("mps-compute-mode-set")
@@ -304,12 +304,13 @@ class MpsDaemons:
             log.info("started MPS daemon for %s (pid %d)", device, record.daemon.pid)
             return paths
 
-    def _prepare_start(self, record: MpsDaemonRecord) -> None:
+    def _prepare_start(self, record: MpsDaemonRecord, step: Callable[[str], None] = lambda _: None) -> None:
         """The daemon's record on disk (before anything changes) and its directories, fresh."""
         paths = self.paths(record.device)
         self.root.mkdir(mode=0o711, parents=True, exist_ok=True)
         paths.base.mkdir(mode=0o711, exist_ok=True)
-        write_atomic(paths.record, record.to_json(), mode=0o600)
+        write_atomic(paths.record, record.to_json(), mode=0o600,
+                     before_replace=lambda: step("mps-record-temp-written"))
         self._fresh_directories(paths)
 
     def _launch(self, record: MpsDaemonRecord) -> MpsDaemonRecord:
@@ -401,11 +402,20 @@ class MpsDaemons:
                 except SharingError as err:
                     log.error("stopping the MPS daemon in %s failed: %s", entry, err)
                     continue
-                self._remove_directories(paths)
-                log.warning("removed MPS daemon directory %s: its record %s and no claim uses it (a daemon there was "
-                            "stopped through its control socket); the compute mode of its GPU is left as it is",
-                            entry, problem or "is not its own")
-                removed.append(entry.name)
+                if self._remove_directories(paths):
+                    log.warning("removed MPS daemon directory %s: its record %s and no claim uses it (a daemon there "
+                                "was stopped through its control socket); the compute mode of its GPU is left as it "
+                                "is", entry, problem or "is not its own")
+                    removed.append(entry.name)
+        return removed
+
+    def remove_leftover_temp_files(self) -> list[Path]:
+        """Temporary files of daemon records that a crash left unrenamed, in every daemon directory: deleted, so
+        that they neither keep a directory from being removed nor pile up. Returns them."""
+        removed: list[Path] = []
+        with self._lock:
+            for entry in self._dirs():
+                removed += remove_leftover_temp_files(entry, targets=(MpsPaths(entry).record.name,))
         return removed
 
     def _teardown(self, record: MpsDaemonRecord, strict: bool) -> None:
@@ -427,9 +437,10 @@ class MpsDaemons:
         self._remove_directories(paths)
 
     @staticmethod
-    def _remove_directories(paths: MpsPaths) -> None:
-        # rmtree never follows a symlink planted in pipe/ or shm/; the record goes last, so an interrupted
-        # teardown is found again.
+    def _remove_directories(paths: MpsPaths) -> bool:
+        """Remove the daemon's directory; False (and one error line naming what stays) when it cannot be."""
+        # rmtree never follows a symlink planted in pipe/ or shm/; the record goes last (after the temporary
+        # files of a record write a crash cut short), so an interrupted teardown is found again.
         if tmpfs.is_mountpoint(paths.shm_dir):
             try:
                 tmpfs.unmount(paths.shm_dir)
@@ -437,11 +448,21 @@ class MpsDaemons:
                 log.error("%s", err)
         for directory in (paths.pipe_dir, paths.shm_dir, paths.log_dir):
             shutil.rmtree(directory, ignore_errors=True)
+        remove_leftover_temp_files(paths.base, targets=(paths.record.name,))
         remove_file(paths.record)
         try:
             paths.base.rmdir()
-        except OSError:
+        except FileNotFoundError:
             pass
+        except OSError as err:
+            try:
+                left = ", ".join(sorted(printable(e.name) for e in paths.base.iterdir())) or "nothing"
+            except OSError:
+                left = "unknown"
+            log.error("MPS daemon directory %s stays: %s (left in it: %s)", paths.base,
+                      err.strerror or err, left)
+            return False
+        return True
 
 
 RECORD_MISSING = "is missing"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from dra.node.atomicfile import set_aside
+from dra.node.atomicfile import remove_leftover_temp_files, set_aside
 from dra.node.bootid import read_boot_id
 from dra.node.safefiles import UnsafeFile, read_regular_file, write_regular_file
 
@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 DEFAULT_FILE_NAME = "device-taints.json"
 MAX_FILE_BYTES = 16 << 20        # two taints per device of a few hundred bytes each: far below this
+# The other plugin process of a rolling update saves taints whenever its GPUs' health changes, outside any lock
+# shared with this one: a temporary file younger than this may be its write in progress.
+TEMP_FILE_AGE_S = 60.0
 
 
 @dataclass(frozen=True, order=True)
@@ -48,6 +51,10 @@ class TaintStore:
         self.boot_id = read_boot_id(boot_id_path) if boot_id_path is not None else ""
 
     def load(self) -> list[SavedTaint]:
+        removed = remove_leftover_temp_files(self.path.parent, targets=(self.path.name,), older_than_s=TEMP_FILE_AGE_S)
+        if removed:
+            log.warning("removed temporary file(s) of device taint writes a crash cut short: %s",
+                        ", ".join(str(p) for p in removed))
         try:
             raw = read_regular_file(self.path, MAX_FILE_BYTES)
         except FileNotFoundError:

@@ -75,12 +75,14 @@ class UnprepareResult:
 
 class NodeDriver(Protocol):
     """What the DRA service needs from the driver: the claims of one call prepared or unprepared, answered
-    per claim UID."""
+    per claim UID. ``arrived``: when the call reached the plugin (``time.monotonic()``; None: now). The kubelet's
+    deadline runs from there, so the driver's time budget for the call does too, however long the call took
+    to reach it."""
 
-    def prepare(self, claims: list[ClaimRef]) -> dict[str, PrepareResult]:
+    def prepare(self, claims: list[ClaimRef], arrived: float | None = None) -> dict[str, PrepareResult]:
         ...
 
-    def unprepare(self, claims: list[ClaimRef]) -> dict[str, UnprepareResult]:
+    def unprepare(self, claims: list[ClaimRef], arrived: float | None = None) -> dict[str, UnprepareResult]:
         ...
 
 

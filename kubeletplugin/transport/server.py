@@ -8,7 +8,8 @@ functions, a health stream as a blocking generator that sleeps between changes. 
 handed to the driver.
 
 Per-claim failures travel in the response's ``error`` field; a gRPC error is reserved for a call that
-could not be handled at all (the kubelet then retries the whole pod).
+could not be handled at all (the kubelet then retries the whole pod). The time a call arrived goes to the
+driver with its claims: the driver's budget for the call counts from then, not from when the claims reach it.
 
 The server can listen before the driver exists (``attach`` supplies it): the plugin registers with the
 kubelet within a fraction of a second of starting, and a call that comes before the driver is ready waits for
@@ -96,6 +97,7 @@ class DRAService:
         answered (answers are keyed by UID): that fails the call. Any other bad name fails its claim only,
         before it reaches an API path or a file name."""
         valid: list[ClaimRef] = []
+        seen: set[str] = set()           # a call may hold thousands of claims: no scan of ``valid`` per claim
         errors: dict[str, str] = {}
         claim_ref_problem = _claim_types().claim_ref_problem
         for c in claims:
@@ -105,11 +107,13 @@ class DRAService:
             problem = claim_ref_problem(c)
             if problem:
                 errors[c.uid] = problem
-            elif c.uid not in errors and all(v.uid != c.uid for v in valid):
+            elif c.uid not in errors and c.uid not in seen:
+                seen.add(c.uid)
                 valid.append(c)
         return valid, errors
 
     def prepare(self, pb: ModuleType, version: str, request: Any, context: grpc.ServicerContext) -> Any:
+        arrived = time.monotonic()
         claims = self._claims(request)
         if self.metrics:
             self.metrics.requests.labels(method="NodePrepareResources", version=version).inc()
@@ -121,7 +125,7 @@ class DRAService:
             results = {c.uid: _claim_types().PrepareResult(error="the plugin is still starting; the kubelet retries")
                        for c in valid}
         else:
-            results = driver.prepare(valid) if driver is not None else {}
+            results = driver.prepare(valid, arrived=arrived) if driver is not None else {}
         response = pb.NodePrepareResourcesResponse()
         with_share_id = version == "v1"
         for claim in claims:
@@ -145,6 +149,7 @@ class DRAService:
         return response
 
     def unprepare(self, pb: ModuleType, version: str, request: Any, context: grpc.ServicerContext) -> Any:
+        arrived = time.monotonic()
         claims = self._claims(request)
         if self.metrics:
             self.metrics.requests.labels(method="NodeUnprepareResources", version=version).inc()
@@ -156,7 +161,7 @@ class DRAService:
             results = {c.uid: _claim_types().UnprepareResult(error="the plugin is still starting; the kubelet retries")
                        for c in valid}
         else:
-            results = driver.unprepare(valid) if driver is not None else {}
+            results = driver.unprepare(valid, arrived=arrived) if driver is not None else {}
         response = pb.NodeUnprepareResourcesResponse()
         for claim in claims:
             result = results.get(claim.uid)

@@ -11,13 +11,14 @@ capacity``, Kubernetes 1.36+), which costs the scheduler far less than one devic
 A ``device-filter`` (one PCI id or a list, as in the GPU operator's default config) limits an entry to those GPU
 models: ids the catalog knows become node policy rules by model, each unknown id is one report line and the
 rest of the entry is kept. Whether an entry can be made on a GPU (the profile exists there, counts and
-placements fit its slices) is checked from the catalog's geometry: per model for the models a filter names
-here, per node (GFD's product label) in ``nodegroups``.
+placements fit its slices) is checked from the catalog's geometry: here, per model for the models a filter
+names, and for an entry without a filter against every MIG-capable model of the catalog (an entry no GPU can
+hold is refused, whether or not a Node uses its config); per node (GFD's product label) in ``nodegroups``.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pynvml
@@ -100,6 +101,27 @@ def check(entry: MigEntry, model: GpuModel) -> str | None:
     if _placements(profiles, model.mig_memory_slices) is None:
         return f"{' + '.join(entry.instances)}: no placement of these partitions fits on {model.name}"
     return None
+
+
+def no_gpu_holds(entry: MigEntry) -> str | None:
+    """Why no MIG-capable GPU of the catalog can hold ``entry`` (an entry without a device-filter may be used
+    on any of them), or None when one can. Only the models that have every profile it names are judged on
+    counts and slices: the others' lack of a profile says nothing about the entry's layout."""
+    names = list(dict.fromkeys(entry.instances))
+    models = [m for m in CATALOG.values() if m.mig_capable]
+    candidates = [m for m in models if all(any(p.name == n for p in m.mig_profiles) for n in names)]
+    if not candidates:
+        unknown = [n for n in names if not any(p.name == n for m in models for p in m.mig_profiles)]
+        if unknown:
+            return f"no GPU of the catalog has MIG profile {', '.join(unknown)}"
+        return f"no GPU of the catalog has all of the MIG profiles {', '.join(names)}"
+    reasons = []
+    for model in candidates:
+        why = check(entry, model)
+        if why is None:
+            return None
+        reasons.append(why)
+    return "; ".join(reasons)
 
 
 def _placements(profiles: list[MigProfile], slices: int) -> list[int] | None:
@@ -195,10 +217,17 @@ def _entry(source: str, path: str, raw: Any, f: Findings) -> MigEntry | None:
     if "mig-devices" in raw and not raw["mig-devices"]:
         f.converted(source, f"{path}.mig-devices", "no partitions")
     entry = MigEntry(devices, tuple(models), filtered, enabled, tuple(instances), problem)
-    for mod in models if not problem else []:   # the filter's models are known now; others: per node
+    if problem:
+        return entry
+    for mod in models:   # the filter's models are known now; nodes of other models are checked per node
         why = check(entry, CATALOG[mod])
         if why:
             f.refused(source, path, f"not possible on {mod}: {why}; nodes with this GPU are refused")
+    why = no_gpu_holds(entry) if enabled and not filtered else None
+    if why:
+        why = f"no GPU of the catalog can hold it: {why}"
+        f.refused(source, path, f"{why}; nodes of the catalog's GPUs with this config are refused")
+        return replace(entry, problem=why)
     return entry
 
 

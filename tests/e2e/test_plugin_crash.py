@@ -4,6 +4,7 @@ retry succeeds and unprepare leaves nothing behind. The simulated GPUs live in t
 so what the dead process created on them is still there, as on hardware."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -102,6 +103,34 @@ def test_crash_at_other_steps_recovers(kube, namespace, make_node, setup, exampl
     node.restart_plugin()
     assert node.checkpoint_claims() == {} and node.mig_devices() == [] and node.cdi_spec_files() == []
     prepare_again_and_clean_up(kube, node, namespace, pod, claim)
+
+
+def test_a_crash_before_a_daemon_records_rename_leaves_no_file_or_directory_behind(kube, namespace, make_node):
+    """SIGKILL after an MPS daemon record's temporary file is written and before it is renamed: the next start
+    deletes that file (one line names it) and with it the daemon's directory goes; no line says a directory was
+    removed that is still there, at that start or a later one."""
+    node = make_node(*MPS_SLOTS)
+    pod, = run_example(kube, node, namespace, "mps-slot")
+    record = crash_during_prepare(node, pod, "mps-record-temp-written")
+    assert record["undo"]["mpsDevices"]
+    [temp] = (node.dirs.state / "mps").glob("*/.daemon.json.*.tmp")
+    daemon_dir = temp.parent
+    assert not (daemon_dir / "daemon.json").exists()
+
+    logs = []
+    for _ in range(2):                              # the start after the crash, and a later one
+        node.restart_plugin()
+        assert not daemon_dir.exists(), sorted(p.name for p in daemon_dir.iterdir())
+        assert node.checkpoint_claims() == {}
+        logs.append(node.plugin.log_path.read_text())
+        for line in logs[-1].splitlines():
+            if "removed MPS daemon directory" in line:
+                assert not Path(line.split("removed MPS daemon directory ")[1].split(":")[0]).exists(), line
+    [removed] = [line for line in logs[0].splitlines() if "removed temporary files of writes a crash cut short" in line]
+    assert str(temp) in removed
+    assert str(temp) not in logs[1]                 # nothing was left for the later start
+
+    prepare_again_and_clean_up(kube, node, namespace, pod, "slot")
 
 
 def test_corrupt_checkpoint_is_moved_aside_with_one_log_line(make_node):

@@ -44,3 +44,59 @@ def test_claims_past_the_call_budget_fail_cleanly_and_the_retry_prepares_them(tm
     retry = node.driver.prepare([r for r in refs if r.uid in late])
     assert [r.error for r in retry.values() if r.error] == []
     assert len(node.driver.checkpoint.claims()) == len(refs)
+
+
+def test_the_budget_counts_from_the_calls_arrival_on_the_grpc_path(tmp_path) -> None:
+    """10,000 claims in one NodePrepareResources, through the plugin's gRPC server, reach the driver 1.5 s after
+    they arrived (here: the driver is attached late, as when the call comes while the plugin starts; on a loaded
+    node decoding and checking them took that long). No claim starts later than the budget after the call's
+    arrival; the others are answered with an error naming them that the kubelet retries."""
+    import shutil
+    import tempfile
+    import threading
+    from pathlib import Path
+
+    import grpc
+
+    from api.generated.dra.v1 import api_pb2 as pb
+    from api.generated.dra.v1 import api_pb2_grpc as rpc
+    from kubeletplugin.transport.server import DRAServer
+
+    node = Node(tmp_path, SHARES)
+    node.driver.call_budget_s = 3.0
+    refs = _share_claims(node, 10_000)
+    starts: list[float] = []
+    prepare = node.driver._prepare_timed
+
+    def timed(ref):
+        starts.append(time.monotonic())
+        return prepare(ref)
+
+    node.driver._prepare_timed = timed
+    short = Path(tempfile.mkdtemp(prefix="kp-", dir="/tmp"))   # unix socket paths are short
+    server = DRAServer(short / "dra.sock", None)
+    server.start()
+    try:
+        with grpc.insecure_channel(f"unix:{short / 'dra.sock'}") as channel:
+            call = rpc.DRAPluginStub(channel).NodePrepareResources
+            request = pb.NodePrepareResourcesRequest(claims=[pb.Claim(namespace=r.namespace, uid=r.uid, name=r.name)
+                                                             for r in refs])
+            sent = time.monotonic()
+            future = call.future(request, timeout=45)          # the kubelet's deadline
+            threading.Timer(1.5, server.attach, args=(node.driver,)).start()
+            response = future.result()
+            answered = time.monotonic() - sent
+    finally:
+        server.stop(0)
+        shutil.rmtree(short, ignore_errors=True)
+    errors = {uid: c.error for uid, c in response.claims.items() if c.error}
+    assert starts and errors and len(response.claims) == len(refs)
+    late = max(starts) - sent
+    print(f"\n10,000 claims: {len(starts)} started, the last {late:.2f} s after the call was sent; answered after "
+          f"{answered:.1f} s")
+    assert late < node.driver.call_budget_s + 0.5, late
+    by_uid = {r.uid: r for r in refs}
+    for uid, error in errors.items():
+        assert error.startswith(f"claim {by_uid[uid].describe()}: not started") and "the kubelet retries it" in error
+    assert len(starts) + len(errors) == len(refs)
+    node.driver.close()

@@ -53,7 +53,7 @@ class RecordingDriver:
         self.prepared: list[list[ClaimRef]] = []
         self.unprepared: list[list[ClaimRef]] = []
 
-    def prepare(self, claims):
+    def prepare(self, claims, arrived=None):
         self.prepared.append(list(claims))
         out = {}
         for c in claims:
@@ -65,7 +65,7 @@ class RecordingDriver:
                     cdi_device_ids=(f"k8s.{DRIVER}/claim={c.uid}-gpu-0-shared",), share_id="share-1"),))
         return out
 
-    def unprepare(self, claims):
+    def unprepare(self, claims, arrived=None):
         self.unprepared.append(list(claims))
         return {c.uid: UnprepareResult(error="busy" if c.name == "bad" else "") for c in claims}
 

@@ -43,14 +43,14 @@ class CountingDriver:
         self.prepares = 0
         self._lock = threading.Lock()
 
-    def prepare(self, claims: list[ClaimRef]) -> dict[str, PrepareResult]:
+    def prepare(self, claims: list[ClaimRef], arrived: float | None = None) -> dict[str, PrepareResult]:
         with self._lock:
             self.prepares += 1
         time.sleep(self.work_s)
         return {c.uid: PrepareResult(devices=(PreparedDevice(("gpu",), "node-a", "gpu-0", ("k8s.x/claim=y",)),))
                 for c in claims}
 
-    def unprepare(self, claims: list[ClaimRef]) -> dict[str, UnprepareResult]:
+    def unprepare(self, claims: list[ClaimRef], arrived: float | None = None) -> dict[str, UnprepareResult]:
         return {c.uid: UnprepareResult() for c in claims}
 
 
@@ -221,7 +221,7 @@ from kubeletplugin.transport.nodedriver import PreparedDevice, PrepareResult
 from kubeletplugin.transport.server import DRAServer
 
 class Driver:
-    def prepare(self, claims):
+    def prepare(self, claims, arrived=None):
         return {c.uid: PrepareResult(devices=(PreparedDevice(("gpu",), "node-a", "gpu-0", ("k8s.x/claim=y",)),))
                 for c in claims}
 

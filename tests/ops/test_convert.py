@@ -18,7 +18,7 @@ from dra.node.inventory import discover_once
 from dra.scheduling.devicecel import compile_selector, device_variable
 from dra.sim.fleet import nvml_for_node, parse_fleet
 from ops.convert import gfdselectors as gfd
-from ops.convert.conversion import Options, convert, output_files
+from ops.convert.conversion import EXIT_REFUSED, Options, convert, output_files
 from ops.convert.deviceplugin import ConvertError
 from testbed.helmchart import render
 
@@ -278,6 +278,32 @@ def test_unknown_device_filter_and_profiles_of_another_model_are_reported() -> N
                                                                   "catalog: the entry is left out")
     # A100-80GB has no 1g.5gb
     assert "not possible on A100-80GB" in status(res, "mig-configs.x[1]")[1]
+
+
+@pytest.mark.parametrize("devices, reason", [
+    ({"1g.10gb": 8}, "8 x 1g.10gb: at most 7 on H100-80GB"),
+    ({"1g.7gb": 2}, "no GPU of the catalog has MIG profile 1g.7gb"),
+    ({"4g.40gb": 1, "3g.40gb": 1, "1g.10gb": 1}, "needs 8 compute slices; H100-80GB has 7"),
+], ids=["more-1g-than-any-gpu", "profile-of-no-gpu", "over-7-compute-slices"])
+def test_an_entry_no_gpu_can_hold_is_refused_without_nodes(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                           devices: dict[str, int], reason: str) -> None:
+    """No Node is given and the entry has no device-filter: it is checked against every MIG GPU of the catalog,
+    and refused with the reason (exit status 4); its MIG state says no node can take it. An entry one GPU model
+    can hold (1g.5gb only on A100-40GB) is not refused."""
+    def convert_file(devs: dict[str, int], out: Path) -> int:
+        path = tmp_path / "mig.yaml"
+        path.write_text(yaml.safe_dump({"version": "v1", "mig-configs": {"cfg": [
+            {"devices": "all", "mig-enabled": True, "mig-devices": devs}]}}))
+        return main(["convert", "-f", str(path), "--output-dir", str(out)])
+
+    assert convert_file(devices, tmp_path / "out") == EXIT_REFUSED
+    report = (tmp_path / "out" / "report.txt").read_text()
+    [line] = [x for x in report.splitlines() if x.startswith("not-convertible")]
+    assert "mig-configs.cfg[0]: no GPU of the catalog can hold it: " in line and reason in line, line
+    state = yaml.safe_load((tmp_path / "out" / "mig-cfg.yaml").read_text())
+    assert state["gpus"][0]["problem"].endswith("no node can take this entry")
+    assert convert_file({"1g.5gb": 7}, tmp_path / "ok") == 0
+    capsys.readouterr()
 
 
 def test_mig_single_strategy_gpu_means_the_groups_profile() -> None:

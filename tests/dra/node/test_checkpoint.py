@@ -408,3 +408,21 @@ def test_refresh_reads_what_another_process_wrote(tmp_path, boot_file):
     two.put(full_record("from-two"))
     assert one.refresh() is True and set(one.claims()) == {"from-two"}
     assert one.refresh() is False
+
+
+def test_temporary_files_of_its_own_writes_are_deleted_at_load_and_no_others(tmp_path, boot_file):
+    """A crash between a snapshot's (or a journal's) write and its rename leaves a temporary file; the next load
+    deletes it and says which. Temporary files of other files in the directory (the simulated GPUs' state,
+    written by another process) are not the checkpoint's to delete."""
+    store = store_at(tmp_path, boot_file)
+    store.load()
+    store.put(full_record("a"))
+    state = store.path.parent
+    ours = [state / ".checkpoint.json.k2j4h1.tmp", state / ".checkpoint.json.journal.x9a8b7.tmp"]
+    other = state / ".simulated-gpus.json.q1w2e3.tmp"
+    for path in (*ours, other):
+        path.write_text("half")
+    reread = store_at(tmp_path, boot_file)
+    assert sorted(reread.load().temp_files_removed) == sorted(ours)
+    assert not any(p.exists() for p in ours) and other.exists()
+    assert set(reread.claims()) == {"a"}

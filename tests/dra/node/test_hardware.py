@@ -3,6 +3,7 @@ time-slice bookkeeping and the MPS supervisor."""
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import re
 import signal
@@ -342,6 +343,26 @@ def test_a_daemon_survives_a_new_plugin_process_and_is_found_on_disk(tmp_path, n
     assert list(after.records()) == [H100_B] and after.running(H100_B)
     after.release(H100_B)
     assert tools.compute_mode(H100_B) == "DEFAULT"
+
+
+def test_a_daemon_directory_is_logged_as_removed_only_when_it_is_gone(tmp_path, nvml, caplog):
+    """A record's temporary file that a crash left is removed with the directory; a file of anyone else keeps the
+    directory, and the line then says it stays and what is in it, never that it was removed."""
+    tools = SimulatedSharingControl(nvml=nvml)
+    mps = MpsDaemons(tools, tmp_path)
+    crashed, planted = mps.paths(H100), mps.paths(H100_B)
+    for paths in (crashed, planted):
+        paths.base.mkdir(parents=True)
+        (paths.base / ".daemon.json.x7y8z9.tmp").write_text("{")      # a record write cut short
+    (planted.base / "notes.txt").write_text("not ours")
+    with caplog.at_level(logging.WARNING):
+        assert mps.remove_unknown({}) == [crashed.base.name]
+    assert not crashed.base.exists() and sorted(p.name for p in planted.base.iterdir()) == ["notes.txt"]
+    assert f"removed MPS daemon directory {crashed.base}" in caplog.text
+    assert f"removed MPS daemon directory {planted.base}" not in caplog.text
+    assert f"MPS daemon directory {planted.base} stays" in caplog.text and "(left in it: notes.txt)" in caplog.text
+    (planted.base / ".daemon.json.a1b2c3.tmp").write_text("{")
+    assert mps.remove_leftover_temp_files() == [planted.base / ".daemon.json.a1b2c3.tmp"]
 
 
 def test_device_names_cannot_leave_the_mps_directory(tmp_path, nvml):

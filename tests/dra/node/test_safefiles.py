@@ -408,7 +408,8 @@ def conflict_lines(logs: list[dict]) -> list[dict]:
 
 def test_a_planted_booking_never_wins_over_the_claim_the_api_server_allocates(tmp_path):
     """A phantom record written after the real one books its device: the API server allocates the device to the
-    real claim only, so the real claim keeps it and the phantom's booking is dropped, in one log line."""
+    real claim only, so the real claim keeps it and the phantom's booking is dropped, in one log line; the
+    phantom, left with no device, is rolled back at that start, so the real claim's unprepare leaves nothing."""
     from structlog.testing import capture_logs
 
     node = Node(tmp_path, {"default": {"wholeGpu": True}})
@@ -423,8 +424,11 @@ def test_a_planted_booking_never_wins_over_the_claim_the_api_server_allocates(tm
     [line] = conflict_lines(logs)
     assert line["log_level"] == "error" and real.uid in line["event"] and phantom_uid in line["event"]
     assert f"the API server allocates it to claim {real.uid} only, which keeps it" in line["event"], line
+    assert set(driver.checkpoint.claims()) == {real.uid} and phantom_uid in node.startup.rolled_back
+    assert f"record(s) left with no device are rolled back now: {phantom_uid}" in line["event"], line
     assert ok(driver, real).devices == before                  # the real claim's answer is unchanged
     assert driver.unprepare([real])[real.uid].error == ""
+    assert driver.checkpoint.claims() == {} and node.metrics.prepared_claims._value.get() == 0
     nxt = node.add_claim("next", [{"request": "gpu", "device": "gpu-0"}])
     ok(driver, nxt)                                            # the phantom holds nothing
 

@@ -132,3 +132,18 @@ def test_a_reboot_resets_the_gpus_and_drops_their_taints(tmp_path, wall, caplog)
     assert Process(path, wall, quiet=None, boot_id=boot).wire("gpu-1") == []
     [line] = [r.getMessage() for r in caplog.records if "rebooted" in r.getMessage()]
     assert "boot ID boot-1, now boot-2" in line and "dropping 2 taint(s)" in line    # gpu-1 and its slot
+
+
+def test_old_temporary_files_of_taint_writes_are_deleted_at_load_and_recent_ones_kept(tmp_path):
+    """A crash between a write and its rename leaves a temporary file; the next load deletes it. One written in
+    the last minute may be the rolling update's other plugin process saving its taints right now: kept."""
+    import os
+    import time
+
+    path = tmp_path / "device-taints.json"
+    old, recent = tmp_path / ".device-taints.json.a1b2c3.tmp", tmp_path / ".device-taints.json.d4e5f6.tmp"
+    for leftover in (old, recent):
+        leftover.write_text("{")
+    os.utime(old, (time.time() - 120, time.time() - 120))
+    assert TaintStore(path).load() == []
+    assert not old.exists() and recent.exists()
