@@ -38,7 +38,7 @@ from dra.node.checkpoint import CheckpointStore, CheckpointTooNew, CheckpointUnu
 from dra.node.driverroot import DriverRoot, DriverRootError, check_real_node
 from dra.node.health import HealthDevice, HealthMonitor, TaintMap
 from dra.node.inventory import discover
-from dra.node.nodeobjects import NodeObjects, NodePaths, NodeSetupError
+from dra.node.nodeobjects import GPU_NODES_ONLY, NodeObjects, NodePaths, NodeSetupError
 from dra.node.processidentity import ProcessIdentity
 from dra.node.sharing import MpsDaemons, TimeSlicing
 from dra.node.sharingtools import MpsDaemonSpec, SharingControl, SharingError
@@ -233,8 +233,7 @@ class KubeletPlugin:
                 raise
             raise PluginConfigError(
                 f"--driver-root {self.options.driver_root}: no usable NVIDIA driver: NVML does not load or "
-                f"initialise ({err}); run the plugin on GPU nodes only (the chart's kubeletPlugin.affinity) or "
-                "point --driver-root at the driver's files") from None
+                f"initialise ({err}); {GPU_NODES_ONLY} or point --driver-root at the driver's files") from None
         if objects.simulated:
             state_file = self.options.simulated_state_file
             log.info("simulated GPUs", state_file=str(state_file) if state_file else None, restored=nvml.restored)
@@ -432,12 +431,11 @@ class KubeletPlugin:
         else:
             self.dra_server = DRAServer(self.paths.dra, self.driver, health=self.health_board, metrics=self.metrics,
                                         log=structlog.get_logger("dra-service"))
-            self.dra_server.start()
             self.registration = RegistrationServer(
                 o.driver_name, self.paths.registration, self.paths.dra, supported_services(),
                 on_status=self._on_registration_status,
-                log=structlog.get_logger("registration"))
-            self.registration.start()
+                log=structlog.get_logger("registration"), server=self.dra_server.server)
+            self.dra_server.start()             # both sockets: the DRA socket first
         self._set_phase(None)
         log.info("kubelet plugin serving", registration_socket=str(self.paths.registration),
                  dra_socket=str(self.paths.dra), driver=o.driver_name, pool=self.pool)

@@ -32,16 +32,12 @@ class Endpoints:
 def start_endpoints(driver_name: str, registry_dir: str | os.PathLike[str], plugin_dir: str | os.PathLike[str],
                     pod_uid: str | None, health_interval: float) -> Endpoints:
     """Listen on the DRA socket, then on the registration socket (the kubelet dials the DRA endpoint as soon as
-    it registers the plugin). The sockets are named as ``socket_paths`` says; ``health_interval`` is the health
-    stream's re-send period."""
+    it registers the plugin), both from one grpcio server. The sockets are named as ``socket_paths`` says;
+    ``health_interval`` is the health stream's re-send period."""
     paths = socket_paths(driver_name, registry_dir, plugin_dir, pod_uid)
     health = HealthBoard(resend_interval=health_interval)
     dra = DRAServer(paths.dra, None, health=health)
+    registration = RegistrationServer(driver_name, paths.registration, paths.dra, supported_services(),
+                                      server=dra.server)
     dra.start()
-    registration = RegistrationServer(driver_name, paths.registration, paths.dra, supported_services())
-    try:
-        registration.start()
-    except BaseException:
-        dra.stop()
-        raise
     return Endpoints(paths, health, dra, registration)

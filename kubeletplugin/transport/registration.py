@@ -105,29 +105,46 @@ class RegistrationServicer(reg_grpc.RegistrationServicer):
 class RegistrationServer:
     """Serves the registration service on ``<registry dir>/<driver>-reg.sock`` (see kubeletplugin.transport.sockets).
 
-    Start it only after the DRA socket listens: the kubelet dials the endpoint as soon as it registers."""
+    Start it only after the DRA socket listens: the kubelet dials the endpoint as soon as it registers. With
+    ``server`` (the DRA server's), the socket is one more of that server: it listens when that server starts, in
+    the order the sockets were added, and ``stop`` removes only this socket."""
 
     def __init__(self, driver_name: str, socket_path: Path, endpoint: Path, services: Sequence[str],
-                 on_status: Callable[[bool, str], None] | None = None, log: Any = None):
+                 on_status: Callable[[bool, str], None] | None = None, log: Any = None,
+                 server: UnixGrpcServer | None = None):
         self.state = RegistrationState()
         self.servicer = RegistrationServicer(driver_name, endpoint, services, self.state, on_status, log)
-        self._server = UnixGrpcServer(socket_path, lambda server: reg_grpc.add_RegistrationServicer_to_server(
-            self.servicer, server), max_workers=2, name="registration")
+        self.path = Path(socket_path)
+
+        def register(grpc_server: grpc.Server) -> None:
+            reg_grpc.add_RegistrationServicer_to_server(self.servicer, grpc_server)
+
+        self._shared = server is not None
+        if server is None:
+            self._server = UnixGrpcServer(self.path, register, max_workers=2, name="registration")
+        else:
+            self._server = server
+            server.add(self.path, register)
 
     @property
     def socket_path(self) -> Path:
-        return self._server.path
+        return self.path
 
     @property
     def running(self) -> bool:
-        return self._server.running
+        return self._server.serves(self.path)
 
     def start(self) -> None:
-        self._server.start()
+        if not self._shared:
+            self._server.start()
+        elif not self._server.running:
+            raise RuntimeError(f"registration socket {self.path} is served by a server that has not started")
 
     def stop(self, grace: float | None = 1.0) -> None:
-        self._server.stop(grace)
-
+        if self._shared:
+            self._server.close_socket(self.path)
+        else:
+            self._server.stop(grace)
 
 
 def get_info(path: Path, timeout: float) -> reg_pb.PluginInfo:

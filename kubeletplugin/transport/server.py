@@ -282,8 +282,9 @@ class DRAServer:
                 health_v1alpha1_grpc.add_DRAResourceHealthServicer_to_server(ResourceHealthV1alpha1(streams), server)
 
         # Prepares, unprepares and health streams share the server's pool; the streams' cap leaves
-        # max_workers - MAX_HEALTH_STREAMS workers for the calls at the least.
-        self._server = UnixGrpcServer(socket_path, register, max_workers=max_workers, name="dra")
+        # max_workers - MAX_HEALTH_STREAMS workers for the calls at the least. The registration socket may join
+        # this server (RegistrationServer's ``server``).
+        self.server = self._server = UnixGrpcServer(socket_path, register, max_workers=max_workers, name="dra")
 
     def attach(self, driver: NodeDriver, metrics: RequestMetrics | None = None, log: Any = None) -> None:
         self.service.attach(driver, metrics, log)

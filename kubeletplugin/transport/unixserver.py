@@ -73,12 +73,17 @@ class StartedPool(futures.ThreadPoolExecutor):
 
 
 class UnixGrpcServer:
-    """``register(server)`` adds the services (the generated ``add_*Servicer_to_server``)."""
+    """One grpcio server on one or more unix sockets (``add`` each before ``start``; ``register(server)`` adds
+    the services, with the generated ``add_*Servicer_to_server``). The plugin serves both of its sockets from one
+    server: each server's serving thread wakes five times a second, so two would double what an idle plugin
+    costs."""
 
-    def __init__(self, path: Path, register: Callable[[grpc.Server], None], max_workers: int = 8,
-                 name: str = "grpc", max_concurrent_rpcs: int | None = None, limits: Limits = Limits()):
-        self.path = Path(path)
-        self._register = register
+    def __init__(self, path: Path | None = None, register: Callable[[grpc.Server], None] | None = None,
+                 max_workers: int = 8, name: str = "grpc", max_concurrent_rpcs: int | None = None,
+                 limits: Limits = Limits()):
+        self._sockets: list[Path] = []
+        self._registers: list[Callable[[grpc.Server], None]] = []
+        self._closed: set[Path] = set()
         self._max_workers = max_workers
         # Room for every pod of a busy node to start at once (the kubelet calls once per pod), not for floods.
         self._max_concurrent_rpcs = max_concurrent_rpcs or 16 * max_workers
@@ -86,26 +91,56 @@ class UnixGrpcServer:
         self._limits = limits
         self._server: grpc.Server | None = None
         self._pool: StartedPool | None = None
+        if path is not None:
+            self.add(path, register or (lambda _server: None))
+
+    def add(self, path: Path, register: Callable[[grpc.Server], None]) -> None:
+        """One more socket, and the services to serve (on every socket of this server)."""
+        if self._server is not None:
+            raise RuntimeError(f"{self._name}: sockets are added before the server starts")
+        self._sockets.append(Path(path))
+        self._registers.append(register)
+
+    @property
+    def path(self) -> Path:
+        return self._sockets[0]
 
     def start(self) -> None:
-        prepare_socket_path(self.path)
+        """Listens on every socket, in the order they were added."""
+        for path in self._sockets:
+            prepare_socket_path(path)
         pool = StartedPool(self._max_workers, self._name)
         server = grpc.server(pool, options=self._limits.options(), maximum_concurrent_rpcs=self._max_concurrent_rpcs)
         try:
-            self._register(server)
-            # "unix:<path>", not "unix://<path>": gRPC refuses the URI form two bytes before the AF_UNIX limit.
-            if server.add_insecure_port(f"unix:{self.path}") == 0:
-                raise OSError(f"cannot listen on unix socket {self.path}")
+            for register in self._registers:
+                register(server)
+            for path in self._sockets:
+                # "unix:<path>", not "unix://<path>": gRPC refuses the URI form two bytes before the AF_UNIX limit.
+                if server.add_insecure_port(f"unix:{path}") == 0:
+                    raise OSError(f"cannot listen on unix socket {path}")
             server.start()
         except BaseException:
             server.stop(None)
             pool.shutdown(wait=False)
+            for path in self._sockets:
+                remove_socket(path)
             raise
-        restrict_socket(self.path)
+        for path in self._sockets:
+            restrict_socket(path)
         self._server, self._pool = server, pool
+        self._closed.clear()
+
+    def close_socket(self, path: Path) -> None:
+        """Removes one socket while the others are served: the kubelet sees it go (its registry watch), and no
+        one can dial it again."""
+        self._closed.add(Path(path))
+        remove_socket(Path(path))
+
+    def serves(self, path: Path) -> bool:
+        return self._server is not None and Path(path) in self._sockets and Path(path) not in self._closed
 
     def stop(self, grace: float | None = 1.0) -> None:
-        """Stop serving and remove the socket (so the kubelet sees the plugin go away). Calls in progress get
+        """Stop serving and remove the sockets (so the kubelet sees the plugin go away). Calls in progress get
         up to ``grace`` seconds to finish; then they are cancelled."""
         server, self._server = self._server, None
         pool, self._pool = self._pool, None
@@ -113,7 +148,8 @@ class UnixGrpcServer:
             server.stop(grace).wait(None if grace is None else grace + 5)
         if pool is not None:
             pool.shutdown(wait=False)
-        remove_socket(self.path)
+        for path in self._sockets:
+            remove_socket(path)
 
     @property
     def running(self) -> bool:

@@ -323,8 +323,9 @@ def test_names_from_the_kubelet_are_checked_before_use(short_tmp):
 
 
 def test_both_sockets_are_served_by_grpcio_in_the_plugins_process(short_tmp):
-    """What the plugin's command starts first (kubeletplugin.transport.endpoints) serves through grpcio's server;
-    the kubelet's GetInfo is answered through it."""
+    """What the plugin's command starts first (kubeletplugin.transport.endpoints) serves through grpcio's server,
+    one for both sockets (one serving thread waking an idle plugin, not two); the kubelet's GetInfo is answered
+    through it."""
     probe = (
         "import sys\n"
         "from kubeletplugin.transport.endpoints import start_endpoints\n"
@@ -332,7 +333,11 @@ def test_both_sockets_are_served_by_grpcio_in_the_plugins_process(short_tmp):
         f"e = start_endpoints({DRIVER!r}, {str(short_tmp / 'reg')!r}, {str(short_tmp / 'plugin')!r}, None, 10.0)\n"
         "info = get_info(e.paths.registration, timeout=5)\n"
         "servers = {type(s._server._server).__module__ for s in (e.dra, e.registration)}\n"
+        "assert e.dra.server is e.registration._server\n"
+        "e.registration.stop()\n"
+        "assert not e.paths.registration.exists() and e.paths.dra.exists() and not e.registration.running\n"
         "e.stop()\n"
+        "assert not e.paths.dra.exists()\n"
         "print(info.name, 'grpc' in sys.modules, sorted(servers))\n")
     import subprocess
     import sys
