@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from cli.kubeflags import add_connection_arguments, dump, namespace_of
 
 PROG = "gpu-dra explain"
+# In --help (cli.main), with the statuses of cluster failures (cli.failures). A pre-flight script gates on these:
+# a claim that cannot run is never 0.
+EXIT_STATUS = {0: "allocatable (or allocated), and the node plugin will prepare it",
+               1: "cannot run: not allocatable, or the node plugin will not prepare its config",
+               2: "bad arguments, or no such claim, template or pod",
+               3: "cannot evaluate (a CEL function outside Kubernetes' own)"}
+USES_CLUSTER = True
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,21 +27,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from cli.failures import EXIT_USAGE, report
     from dra.scheduling.claimrequests import ClaimSpecError
     from kube.client import ApiError, ApiUnavailable, KubeApi
     from kube.connect import ConnectError, api_client_from
     from ops.explain.reads import ExplainTargetError, explain_target
-    from ops.explain.verdict import CANNOT_EVALUATE, format_text
+    from ops.explain.verdict import format_text
 
+    api = None
     try:
         namespace = namespace_of(args)
-        result = explain_target(KubeApi(api_client_from(args.kubeconfig, args.context)), args.target, namespace)
+        api = api_client_from(args.kubeconfig, args.context)
+        result = explain_target(KubeApi(api), args.target, namespace)
     except (ConnectError, ExplainTargetError, ClaimSpecError, ApiError, ApiUnavailable) as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
+        return report(PROG, exc, api, default=EXIT_USAGE)
     if args.output in ("json", "yaml"):
         sys.stdout.write(dump(result.to_dict(), args.output))
     else:
         sys.stdout.write(format_text(result))
-    # 0: allocatable or allocated, 1: not allocatable, 3: cannot be decided here.
+    return exit_status(result)
+
+
+def exit_status(result: Any) -> int:
+    """EXIT_STATUS of an explanation (ops.explain.verdict.Explanation)."""
+    from ops.explain.verdict import CANNOT_EVALUATE
+
+    if result.config_problems:      # the scheduler would place it; the plugin then refuses to prepare it
+        return 1
     return 0 if result.allocatable else 3 if result.verdict == CANNOT_EVALUATE else 1

@@ -18,6 +18,11 @@ from cli.options import add_log_level
 if TYPE_CHECKING:                       # loaded when the plugin starts, not when the parsers are built
     from kubeletplugin.options import PluginOptions
 
+PROG = "gpu-dra kubelet-plugin"
+# In --help (cli.main), with the statuses of cluster failures (cli.failures).
+EXIT_STATUS = {0: "stopped (SIGTERM)", 2: "a flag, the node policy or the node's driver cannot be used"}
+USES_CLUSTER = True
+
 # flag -> (environment variable, default, help)
 _STRING_FLAGS: dict[str, tuple[str, str | None, str]] = {
     "--node-name": ("NODE_NAME", None, "this node's name: the pool name and the slices' nodeName (required)"),
@@ -152,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"gpu-dra kubelet-plugin: {exc}", file=sys.stderr)
         return 2
 
+    from cli.failures import report
     from kube.connect import ConnectError
     from kubeletplugin.logs import configure_logging
     from kubeletplugin.plugin import KubeletPlugin, PluginConfigError
@@ -161,7 +167,6 @@ def run(args: argparse.Namespace) -> int:
         plugin = KubeletPlugin(options, endpoints=endpoints)
         return plugin.run()          # stops the sockets too, also after a failed start
     except (PluginConfigError, SocketPathError, ConnectError, ValueError) as exc:
-        print(f"gpu-dra kubelet-plugin: {exc}", file=sys.stderr)
-        return 2
+        return report(PROG, exc)
     finally:
         endpoints.stop()             # idempotent: gone already after a normal stop

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from typing import Any
 
@@ -76,6 +77,28 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's default in its help line, before its "[env NAME]": `--help` is where a flag's default is
+    looked up (on a node the docs are not at hand). A help text that already names its default stays as written."""
+
+    _ENV = re.compile(r" \[env \w+\]$")
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if not action.option_strings or "default" in text or default is None or default is False \
+                or default == argparse.SUPPRESS:
+            return text
+        if isinstance(default, float) and default.is_integer():
+            default = int(default)
+        shown = f"default {default if default != '' else 'empty'}".replace("%", "%%")   # help is %-formatted
+        env = self._ENV.search(text)
+        head, tail = (text[:env.start()], text[env.start():]) if env else (text, "")
+        # "(0: off)" becomes "(0: off; default 5)"; other texts get "(default 5)".
+        head = f"{head[:-1]}; {shown})" if head.endswith(")") else f"{head} ({shown})"
+        return head + tail
+
+
 def _example(name: str, prog: str) -> str:
     """The sub-command's example as ``prog`` runs it (``kubectl gpu status …`` under the kubectl plugin)."""
     return f"example:\n  {prog}{EXAMPLES[name].removeprefix('gpu-dra')}"
@@ -85,7 +108,21 @@ def _epilog(name: str, module: object | None, prog: str) -> str:
     import textwrap
 
     note = getattr(module, "HELP_NOTE", "")
-    return (textwrap.fill(note, 100) + "\n\n" if note else "") + _example(name, prog)
+    return (textwrap.fill(note, 100) + "\n\n" if note else "") + _exit_status(module) + _example(name, prog)
+
+
+def _exit_status(module: object | None) -> str:
+    """The command's EXIT_STATUS and, for one that talks to the cluster, the status of each kind of cluster failure
+    (the same in every command)."""
+    from cli.failures import CLUSTER_EXIT_STATUS, EXIT_USAGE
+
+    own: dict[int, str] = dict(getattr(module, "EXIT_STATUS", {}))
+    if not own:
+        return ""
+    own.setdefault(EXIT_USAGE, "bad arguments or input")
+    if getattr(module, "USES_CLUSTER", False):
+        own.update(CLUSTER_EXIT_STATUS)
+    return "exit status:\n" + "".join(f"  {code}  {text}\n" for code, text in sorted(own.items())) + "\n"
 
 
 def build_parser(only: str | None = None, prog: str = "gpu-dra") -> argparse.ArgumentParser:
@@ -94,13 +131,13 @@ def build_parser(only: str | None = None, prog: str = "gpu-dra") -> argparse.Arg
     the help and usage lines give the command (``kubectl gpu`` for the kubectl plugin)."""
     parser = argparse.ArgumentParser(prog=prog, description="Kubernetes DRA driver for NVIDIA GPUs",
                                      epilog="example:\n  gpu-dra status\n  gpu-dra explain claim/my-claim -n team-a",
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=_HelpFormatter)
     parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, epilog=_example(name, prog),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+                           formatter_class=_HelpFormatter)
         p.set_defaults(_module=module_name)
         if only is not None and name != only:
             continue

@@ -39,6 +39,10 @@ PUBLISHER_LABEL = ("gpu.dra-driver.io/published-by", "gpu-dra-publish")
 HELP_NOTE = ("It changes only the ResourceSlices it created (label gpu.dra-driver.io/published-by=gpu-dra-publish): "
              "slices of nodes that leave the fleet are deleted; pools that node plugins publish are never touched, "
              "and a fleet node whose pool a plugin publishes is refused. Try --dry-run first.")
+# In --help (cli.main), with the statuses of cluster failures (cli.failures).
+EXIT_STATUS = {0: "slices in line (--once), the plan printed (--dry-run), or stopped",
+               1: "--once: not every pool in line within --timeout"}
+USES_CLUSTER = True
 # A worker process costs about a second to start (imports); below this many nodes per job it does not pay.
 MIN_NODES_PER_JOB = 32
 
@@ -223,6 +227,7 @@ def dry_run_report(api: Any, driver: str, fleet: Any, fleet_path: str, features:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from cli.failures import report
     from dra.model.devices import DeviceModelError
     from dra.model.policy import PolicyError
     from dra.sim.fleet import FleetError, load_fleet
@@ -239,6 +244,7 @@ def run(args: argparse.Namespace) -> int:
     if args.workers < 1 or args.jobs < 1:
         print(f"{PROG}: --workers and --jobs must be at least 1", file=sys.stderr)
         return 2
+    api = None
     try:
         fleet = load_fleet(args.fleet)
         api = api_client_from(args.kubeconfig)
@@ -275,15 +281,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"driver {driver}: {len(fleet.nodes)} pool(s), {ctl.desired_slices} ResourceSlice(s) in line; "
                   f"writes: {', '.join(f'{k} {v}' for k, v in sorted(writes.items())) or 'none'}")
             return 0
-    except (ValueError, OSError, ConnectError, FleetError, PolicyError, DeviceModelError, InvalidPoolError) as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError, ConnectError, FleetError, PolicyError, DeviceModelError, InvalidPoolError,
+            ApiError, ApiUnavailable) as exc:
+        return report(PROG, exc, api)
     except PoolSyncError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 1
-    except (ApiError, ApiUnavailable) as exc:
-        print(f"{PROG}: API server: {exc}", file=sys.stderr)
-        return 1
+        return report(PROG, exc, api, default=1)
     return _serve(args, ctl, pools, fleet, driver, features)
 
 

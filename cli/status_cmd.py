@@ -16,6 +16,9 @@ from api.names import DEFAULT_DRIVER_NAME
 from cli.kubeflags import add_connection_arguments, dump
 
 PROG = "gpu-dra status"
+# In --help (cli.main), with the statuses of cluster failures (cli.failures).
+EXIT_STATUS = {0: "printed", 1: "NODE publishes no devices of the driver"}
+USES_CLUSTER = True
 # kubectl's: the table, the table with more columns, the document, one "node/NAME" line per node.
 FORMATS = ("table", "wide", "json", "yaml", "name")
 
@@ -43,24 +46,23 @@ def collect(api_client: Any, driver: str, node: str | None = None) -> list[Any]:
 
 def run(args: argparse.Namespace) -> int:
     from api.k8snames import is_dns_subdomain
+    from cli.failures import EXIT_USAGE, report
     from kube.connect import ConnectError, api_client_from
-    from ops.status.reads import StatusReadError
+    from ops.status.reads import RIGHTS, StatusReadError
 
     # Both go into field selectors: anything but a Kubernetes name is refused before a request is made.
     for what, value in (("NODE", args.node), ("--driver-name", args.driver_name)):
         if value is not None and not is_dns_subdomain(value):
             print(f"{PROG}: {what} {value[:260]!r}: not a Kubernetes name (lower-case DNS subdomain)", file=sys.stderr)
-            return 2
+            return EXIT_USAGE
     try:
         api = api_client_from(args.kubeconfig, args.context)
     except ConnectError as err:
-        print(f"{PROG}: {err}", file=sys.stderr)
-        return 2
+        return report(PROG, err)
     try:
         nodes = collect(api, args.driver_name, args.node)
     except StatusReadError as err:
-        print(f"{PROG}: {err}", file=sys.stderr)
-        return 1
+        return report(PROG, err, api, needs=f"{PROG} needs {RIGHTS}")
     finally:
         api.close()
     if args.node and not nodes:

@@ -56,6 +56,7 @@ class ClusterController:
         self._writes: _Tally[str] = _Tally()
         self.last_success: float | None = None
         self.last_error: str | None = None
+        self.last_exception: ApiUnavailable | ApiError | None = None     # what the last failed pass raised
         self._runner = PassLoop(f"cluster-{driver_name}", self._pass, interval, self._backoff)
 
     # ---- public API -------------------------------------------------------------------------------
@@ -119,7 +120,7 @@ class ClusterController:
         try:
             self.reconcile_once()
         except (ApiUnavailable, ApiError) as exc:
-            self.last_error = str(exc)
+            self.last_error, self.last_exception = str(exc), exc
             CLUSTER_RECONCILES.labels(self.driver, "error").inc()
             log.warning("cluster controller pass failed: %s", exc)
             return False

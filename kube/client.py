@@ -80,6 +80,10 @@ class ApiUnavailable(Exception):
     """No answer from the API server (connection refused, reset, timed out, TLS failure)."""
 
 
+class CredentialsUnavailable(ApiUnavailable):
+    """The credentials could not be read (an exec plugin that fails, a token file gone): nothing was sent."""
+
+
 class Credentials:
     """The headers every request of one ApiClient carries (credentials, its default headers, our User-Agent), as
     the ApiClient builds them, shared by every KubeApi on it and reused for ``CREDENTIALS_REUSE_S``: building them
@@ -103,7 +107,7 @@ class Credentials:
             except Exception as exc:  # noqa: BLE001 - a refresh hook raises what its source makes it raise
                 if built is not None:
                     return built[1]      # the credentials read before may still be good (a file being rotated)
-                raise ApiUnavailable(f"credentials: {type(exc).__name__}: {exc}") from exc
+                raise CredentialsUnavailable(f"credentials: {type(exc).__name__}: {exc}") from exc
 
     def renew(self, used: dict[str, str]) -> bool:
         """After a 401: the credentials read anew; True when they differ from `used` (a resend may succeed)."""

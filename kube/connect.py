@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import urllib.parse
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -21,7 +22,7 @@ from typing import Any, Callable
 from kube.client import credentials_of
 from kube.kubeconfigcheck import cluster_problems, user_problems
 
-__all__ = ["ConnectError", "api_client_from", "default_namespace"]
+__all__ = ["ConnectError", "api_client_from", "default_namespace", "source_of"]
 
 
 class ConnectError(RuntimeError):
@@ -29,6 +30,17 @@ class ConnectError(RuntimeError):
 
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+IN_CLUSTER = "in-cluster service account"
+# Where each client's server and credentials came from, for messages that say what to check.
+_sources: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def source_of(api_client: Any) -> str:
+    """"kubeconfig FILE, context NAME" or "in-cluster service account"; "" for a client not made here."""
+    try:
+        return _sources.get(api_client, "")
+    except TypeError:           # not weakly referenceable: not one of ours
+        return ""
 
 
 def api_client_from(kubeconfig: str | None = None, context: str | None = None) -> Any:
@@ -99,11 +111,18 @@ def _unreadable(files: list[str], exc: Exception) -> str:
         except Exception as own:  # noqa: BLE001 - as in _read
             path, exc = one, own
             break
+    # kubectl's words: error loading config file "<file>": yaml: line 2: <problem>
+    what = f'error loading config file "{path}"'
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        return f"{what}: yaml: line {mark.line + 1}, column {mark.column + 1}: {exc.problem}"
     if isinstance(exc, yaml.YAMLError):
-        return f"kubeconfig {path}: not YAML: {' '.join(str(exc).split())}"
+        return f"{what}: yaml: {' '.join(str(exc).split())}"
+    if isinstance(exc, UnicodeDecodeError):
+        return f"{what}: not a text file (byte {exc.object[exc.start]:#04x} at offset {exc.start} is not UTF-8)"
     if isinstance(exc, OSError):
-        return f"kubeconfig {path}: {exc.strerror or exc}"
-    return f"kubeconfig {path}: not a kubeconfig: {type(exc).__name__}: {exc}"
+        return f"{what}: {(exc.strerror or str(exc)).lower()}"
+    return f"{what}: not a kubeconfig (a mapping with clusters, contexts and users)"
 
 
 def _from_kubeconfig(files: list[str], context: str | None) -> Any:
@@ -146,7 +165,7 @@ def _from_kubeconfig(files: list[str], context: str | None) -> Any:
     if user is not None and (user[0].get("user") or {}).get("exec") and not _has_credentials(cfg):
         raise ConnectError(f"kubeconfig {user[1]}: user {user[0]['name']}: the exec credential plugin gave no "
                            f"credentials: {_exec_failure(config, user[0]['name'], cluster[0]['name'])}")
-    return _api_client(cfg, load, where)
+    return _api_client(cfg, load, where, f"kubeconfig {config.where}, context {name}")
 
 
 def _in_cluster() -> Any:
@@ -164,7 +183,7 @@ def _in_cluster() -> Any:
         _proxy_credentials(cfg)
 
     _load(load, "in-cluster configuration")
-    return _api_client(cfg, load, "in-cluster configuration")
+    return _api_client(cfg, load, "in-cluster configuration", IN_CLUSTER)
 
 
 def _load(load: Callable[[], None], where: str) -> None:
@@ -176,7 +195,7 @@ def _load(load: Callable[[], None], where: str) -> None:
         raise ConnectError(f"{where}: {exc}") from exc
 
 
-def _api_client(cfg: Any, reload: Callable[[], None], where: str) -> Any:
+def _api_client(cfg: Any, reload: Callable[[], None], where: str, source: str) -> Any:
     from kubernetes import client as kclient
 
     cfg.keep_alive = True        # TCP keep-alive as client-go dials: a watch through a silent drop ends
@@ -185,6 +204,7 @@ def _api_client(cfg: Any, reload: Callable[[], None], where: str) -> Any:
     except (ImportError, ValueError) as exc:     # a socks5 proxy without PySocks, say
         raise ConnectError(f"{where}: {exc}") from exc
     credentials_of(api_client).reload = reload
+    _sources[api_client] = source
     return api_client
 
 

@@ -16,6 +16,10 @@ from dra.node.cdi import TOOLKIT_SPEC_DIRS, CdiSpecWriter, ToolkitSpecs
 from dra.node.driverroot import DriverRoot, DriverRootError
 from dra.node.sharingtools import NvidiaSmiSharingControl, SharingControl, SharingError
 
+# The fix for a machine without a GPU or a usable driver, as the plugin's exit and `gpu-dra doctor` give it: the
+# chart value that places the plugin (docs/operations.md).
+GPU_NODES_ONLY = "run the plugin on GPU nodes only (the chart places it by kubeletPlugin.gpuNodeLabels)"
+
 
 class NodeSetupError(ValueError):
     """A path the node's objects cannot be built from; the message starts with the flag that names it."""

@@ -37,7 +37,7 @@ from dra.model.gpu import GpuInfo, NodeInventory
 from dra.node.cdi import CdiSpecError, CdiSpecWriter, ClaimDevice, load_spec
 from dra.node.driverroot import DriverFiles, DriverRoot, DriverRootError
 from dra.node.inventory import describe_nvml_error, discover
-from dra.node.nodeobjects import NodeObjects, NodeSetupError
+from dra.node.nodeobjects import GPU_NODES_ONLY, NodeObjects, NodeSetupError
 from dra.node.sharingtools import NvidiaSmiSharingControl, SharingError
 
 Status = Literal["PASS", "WARN", "FAIL", "SKIP"]
@@ -146,8 +146,7 @@ def _check_gpu(objects: NodeObjects, state: _State, options: DoctorOptions) -> b
     if not devices:
         add(Check("gpu", "FAIL", f"no NVIDIA GPU on this machine: no PCI device of vendor {NVIDIA_PCI_VENDOR} "
                                  f"under {pci}",
-                  "run gpu-dra on a GPU node (the chart places the plugin by kubeletPlugin.gpuNodeLabels); in a "
-                  "VM, check that the GPU is passed through"))
+                  f"{GPU_NODES_ONLY}; in a VM, check that the GPU is passed through"))
         return False
     named = ", ".join(devices[:4]) + (f" and {len(devices) - 4} more" if len(devices) > 4 else "")
     module = Path(objects.paths.proc_root, "driver/nvidia")

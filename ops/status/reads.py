@@ -18,6 +18,10 @@ CLAIMS = f"{RESOURCE_V1}/resourceclaims"
 PAGE_SIZE = 200
 
 
+# What `gpu-dra status` reads with: the grants its identity needs (docs/operations.md).
+RIGHTS = "get and list on resourceslices, resourceclaims and pods"
+
+
 class StatusReadError(RuntimeError):
     """A list the API server refused or did not answer; the message names the resource and what is needed."""
 
@@ -68,8 +72,7 @@ def _list(kube: KubeApi, what: str, path: str, selector: str | None,
     except ApiError as err:
         if err.status in (401, 403):
             raise StatusReadError(f"the API server refused to list {what} ({err.status} {err.reason}): "
-                                  "gpu-dra status needs get and list on resourceslices, resourceclaims and pods"
-                                  ) from err
+                                  f"gpu-dra status needs {RIGHTS}") from err
         raise StatusReadError(f"listing {what}: {err}") from err
     except ApiUnavailable as err:
         raise StatusReadError(f"listing {what}: {err}") from err

@@ -77,3 +77,17 @@ def test_an_unknown_log_level_names_the_levels(capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit):
         build_parser("controller").parse_args(["controller", "--log-level", "verbose"])
     assert "'verbose': use one of debug, info, warning, error (any case)" in capsys.readouterr().err
+
+
+def _options_with_defaults(name: str) -> list[argparse.Action]:
+    return [a for a in _sub_parser(name)._actions
+            if a.option_strings and a.default not in (None, False, argparse.SUPPRESS)]
+
+
+@pytest.mark.parametrize("name", list(SUBCOMMANDS))
+def test_every_option_with_a_default_shows_it_in_help(name: str) -> None:
+    """--help is where a flag's default is looked up; docs/operations.md is not at hand on a node."""
+    sub = _sub_parser(name)
+    for action in _options_with_defaults(name):
+        text = " ".join(sub._get_formatter()._expand_help(action).split())
+        assert "default" in text, (action.option_strings, text)

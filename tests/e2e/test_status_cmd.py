@@ -135,13 +135,15 @@ def test_status_shows_holders_free_capacity_and_the_mig_row_to_a_read_only_user(
              "-n", ns], capture_output=True, text=True, timeout=30)
         assert as_reader.stdout.strip() == "no"
 
-        # Without the claims grant: one line naming what is missing, exit 1.
+        # Without the claims grant: one line, the API server's refusal as kubectl words it and what the command
+        # needs; exit 7, the status of a refused request in every command (cli.failures).
         partial = service_account_kubeconfig(cluster, kube, ns, "partial", ["resourceslices", "pods"], tmp_path)
         refused = status(partial, driver_name, node)
-        assert refused.returncode == 1 and refused.stdout == ""
-        assert refused.stderr.strip().splitlines() == [
-            "gpu-dra status: the API server refused to list resourceclaims (403 Forbidden): gpu-dra status needs get "
-            "and list on resourceslices, resourceclaims and pods"]
+        assert refused.returncode == 7 and refused.stdout == ""
+        [line] = refused.stderr.strip().splitlines()
+        assert line.startswith("gpu-dra status: error from server (Forbidden): resourceclaims.resource.k8s.io is "
+                               f'forbidden: User "system:serviceaccount:{ns}:partial" cannot list resource'), line
+        assert line.endswith("; gpu-dra status needs get and list on resourceslices, resourceclaims and pods"), line
 
 
 def test_status_of_a_node_without_devices_says_so(cluster: Any, fleet: PublishedFleet, driver_name: str) -> None:

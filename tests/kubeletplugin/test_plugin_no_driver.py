@@ -38,3 +38,17 @@ def test_no_driver_is_one_line_and_exit_2(tmp_path: Path, root: str) -> None:
     assert "Traceback" not in proc.stderr + proc.stdout
     if root == "/":
         assert "--driver-root /: no usable NVIDIA driver" in lines[0], lines[0]
+
+
+def test_the_fix_names_the_charts_placement_value_as_doctor_and_the_docs_do(tmp_path: Path) -> None:
+    """One chart value places the plugin on GPU nodes (kubeletPlugin.gpuNodeLabels, docs/operations.md); the
+    plugin's exit and `gpu-dra doctor` name that one."""
+    from dra.node.nodeobjects import GPU_NODES_ONLY
+    from ops.doctor import checks
+
+    if ctypes.util.find_library("nvidia-ml"):
+        pytest.skip("this machine has an NVIDIA driver at /: the case needs a node without one")
+    line = _plugin(tmp_path, "/").stderr.strip()
+    assert "kubeletPlugin.gpuNodeLabels" in line and "kubeletPlugin.affinity" not in line, line
+    assert "kubeletPlugin.gpuNodeLabels" in (REPO / "docs" / "operations.md").read_text()
+    assert GPU_NODES_ONLY in line and checks.GPU_NODES_ONLY is GPU_NODES_ONLY

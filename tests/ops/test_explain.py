@@ -579,7 +579,8 @@ def test_explain_refuses_targets_that_are_not_names_before_any_request(target: s
 def test_cli_names_bad_arguments_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     from cli.main import main
 
-    assert main(["explain", "claim/x", "-n", "Not_A_Namespace", "--kubeconfig", "/nonexistent/kubeconfig"]) == 2
+    # 5: no usable kubeconfig (cli.failures)
+    assert main(["explain", "claim/x", "-n", "Not_A_Namespace", "--kubeconfig", "/nonexistent/kubeconfig"]) == 5
     err = capsys.readouterr().err.strip()
     assert err == "gpu-dra explain: --kubeconfig /nonexistent/kubeconfig: no such file"
 

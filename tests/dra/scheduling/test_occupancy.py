@@ -375,14 +375,16 @@ def test_the_readme_example_is_what_the_command_prints() -> None:
     assert len(shown) > 20 and missing == []
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["status", "node-a,spec.driver=other.example.com"], "NODE 'node-a,spec.driver=other.example.com': not a Kubernetes name"),
-    (["status", "--driver-name", "Bad_Driver"], "--driver-name 'Bad_Driver': not a Kubernetes name"),
-    (["status", "--kubeconfig", "/nonexistent/kubeconfig"], "--kubeconfig /nonexistent/kubeconfig: no such file"),
+@pytest.mark.parametrize("argv, message, code", [
+    (["status", "node-a,spec.driver=other.example.com"], "NODE 'node-a,spec.driver=other.example.com': not a Kubernetes name", 2),
+    (["status", "--driver-name", "Bad_Driver"], "--driver-name 'Bad_Driver': not a Kubernetes name", 2),
+    (["status", "--kubeconfig", "/nonexistent/kubeconfig"], "--kubeconfig /nonexistent/kubeconfig: no such file", 5),
 ])
-def test_bad_input_is_one_line_and_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_input_is_one_line_and_its_exit_status(argv: list[str], message: str, code: int,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """2: bad arguments; 5: no usable kubeconfig (cli.failures)."""
     from cli.main import main
 
-    assert main(argv) == 2
+    assert main(argv) == code
     err = capsys.readouterr().err
     assert err.startswith("gpu-dra status: ") and message in err and err.count("\n") == 1
