@@ -57,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
         return report(PROG, exc)
     driver = NVIDIA_DRIVER_NAME if args.compat_nvidia else args.driver_name
     class_names = [c["metadata"]["name"] for c in classes]
-    state = ClusterState(KubeApi(api), driver, class_names)
+    # The claims only for the pending-claims pass: without it the controller reads none (nor needs the right to).
+    state = ClusterState(KubeApi(api), driver, class_names, claims=bool(args.pending_interval) and not args.once)
     ctl = ClusterController(api, driver, classes, interval=args.interval, state=state)
     if args.once:
         return _once(ctl, api, driver, len(classes), args.timeout)

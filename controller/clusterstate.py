@@ -8,7 +8,7 @@ loops (controller.cluster, controller.pendingclaims) without a request of their 
   of the Nodes (metadata only).
 
 Every change goes straight into a ``ClusterView`` (dra.scheduling.clusterview), which the verdicts read.
-RBAC: ``list`` and ``watch`` on each of these.
+RBAC: ``list`` and ``watch`` on each of these (claims and DeviceTaintRules only with the pending-claims pass).
 """
 from __future__ import annotations
 
@@ -46,7 +46,9 @@ def holds_devices_of(claim: dict[str, Any], driver: str) -> bool:
 
 
 class ClusterState:
-    def __init__(self, kube: KubeApi, driver: str, class_names: Iterable[str]) -> None:
+    def __init__(self, kube: KubeApi, driver: str, class_names: Iterable[str], claims: bool = True) -> None:
+        """`claims`: also keep the ResourceClaims and DeviceTaintRules, which only the pending-claims pass reads
+        (without them the controller needs no right on either)."""
         self.kube, self.driver = kube, driver
         self.class_names = frozenset(class_names)
         self.view = ClusterView()
@@ -67,7 +69,7 @@ class ClusterState:
         self.view.set_nodes(())
         self.running = False
         self._caches: tuple[WatchCache[Any], ...] = (self.classes, self.taint_rules, self.nodes, self.slices,
-                                                      self.claims)
+                                                      self.claims) if claims else (self.classes, self.nodes, self.slices)
 
     def start(self) -> "ClusterState":
         for cache in self._caches:
@@ -85,7 +87,8 @@ class ClusterState:
         """One LIST of each resource, in this order (slices before Nodes: a Node created in between is seen), for
         a caller that makes one pass (``--once``) instead of watching."""
         for cache in (self.classes, self.taint_rules, self.slices, self.nodes, self.claims):
-            cache.relist()
+            if cache in self._caches:
+                cache.relist()
 
     def wait_synced(self, timeout: float | None = None) -> bool:
         return all(cache.wait_synced(timeout) for cache in self._caches)

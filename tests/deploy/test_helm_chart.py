@@ -84,8 +84,8 @@ def test_chart_defaults_name_the_image_make_image_builds() -> None:
 def test_default_render_has_every_object_once(default: list[dict[str, Any]]) -> None:
     kinds = Counter(o["kind"] for o in default)
     assert kinds == {"DaemonSet": 1, "Deployment": 2, "ServiceAccount": 2, "ClusterRole": 2, "ClusterRoleBinding": 2,
-                     "ConfigMap": 1, "DeviceClass": 8, "ValidatingAdmissionPolicy": 4,
-                     "ValidatingAdmissionPolicyBinding": 4, "Secret": 1, "Service": 2, "PodDisruptionBudget": 1,
+                     "ConfigMap": 1, "DeviceClass": 8, "ValidatingAdmissionPolicy": 5,
+                     "ValidatingAdmissionPolicyBinding": 5, "Secret": 1, "Service": 2, "PodDisruptionBudget": 1,
                      "ValidatingWebhookConfiguration": 1, "NetworkPolicy": 3, "MutatingAdmissionPolicy": 1,
                      "MutatingAdmissionPolicyBinding": 1}, kinds
     for o in default:
@@ -179,6 +179,15 @@ def test_rbac_binds_each_role_to_its_service_account(default: list[dict[str, Any
         (("deviceclasses",), ("create", "list", "watch", "delete")), (("resourceslices",), ("list", "watch", "delete")),
         (("nodes",), ("list", "watch")), (("resourceclaims", "devicetaintrules"), ("list", "watch")),
         (("events",), ("create",))}
+    # Without the pending-claim Events: no right to read claims or DeviceTaintRules, nor to post Events; the
+    # controller is told not to, and the policy on its Events is not rendered.
+    quiet = render("--set", "controller.pendingClaimEvents=false")
+    [quiet_role] = [o for o in quiet if o["kind"] == "ClusterRole" and o["metadata"]["name"].endswith("-controller")]
+    assert {r for rule in quiet_role["rules"] for r in rule["resources"]} == {"deviceclasses", "resourceslices", "nodes"}
+    [quiet_controller] = [o for o in quiet if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-controller")]
+    assert "--pending-interval=0" in quiet_controller["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not [o for o in quiet if o["metadata"]["name"].endswith("-controller-events")]
+    assert len([o for o in default if o["metadata"]["name"].endswith("-controller-events")]) == 2
     compat = {o["metadata"]["name"]: o for o in render("--set", "compatNvidia=true") if o["kind"] == "ClusterRole"}
     [compat_names] = [r["resourceNames"] for r in compat["gpu-dra-gpu-dra-driver-controller"]["rules"]
                       if r.get("resourceNames")]

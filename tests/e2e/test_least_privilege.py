@@ -7,8 +7,9 @@ name in the extra a pod-bound token carries) and as the controller's service acc
 own code paths: the plugin reads a claim, publishes its node's slices (watching them) and writes the claim's
 status.devices; the controller keeps its DeviceClasses and removes the slices of a node that is gone. Each of
 those must pass with the chart's grants alone, and what the identities must not do is refused: the plugin reads no
-pods (the per-claim metrics need none), the controller creates, changes and deletes no other driver's DeviceClass
-and deletes no other driver's ResourceSlice (the chart's controller policies, on both releases)."""
+pods (the per-claim metrics need none), the controller creates, changes and deletes no other driver's DeviceClass,
+deletes no other driver's ResourceSlice and posts no Event but its MPS tenancy Warnings on claims and pods (the
+chart's controller policies, on both releases); with the pending-claim Events off it reads no claims at all."""
 from __future__ import annotations
 
 import itertools
@@ -21,7 +22,7 @@ import pytest
 from api.deviceclasses import device_classes
 from controller.cluster import DRIVER_LABEL, MANAGED_BY, MANAGED_BY_LABEL, ClusterController
 from controller.clusterstate import ClusterState
-from controller.pendingclaims import PendingClaimEvents
+from controller.pendingclaims import ACTION_ALLOCATE, MPS_TENANCY, PendingClaimEvents
 from kube.client import DEVICE_CLASSES, NODES, RESOURCE_V1, SLICES, ApiError, KubeApi
 from kube.events import KubernetesEventWriter, ObjectRef, claim_ref, event_body, micro_time
 from kube.resourceslices import DesiredPool, Owner, ResourceSliceController
@@ -102,14 +103,15 @@ def merge_status(kube: KubeApi, namespace: str, name: str, status: dict[str, Any
 class Release:
     """The chart's RBAC and admission policies for one release, a node pair, and clients for its identities."""
 
-    def __init__(self, cluster: LocalCluster, driver: str) -> None:
+    def __init__(self, cluster: LocalCluster, driver: str, *values: str) -> None:
+        """`values`: more `--set` arguments for `helm template`."""
         n = next(_numbers)
         self.cluster, self.driver = cluster, driver
         self.kube = KubeApi(cluster.api_client())
         self.release, self.namespace = f"lp{n}", f"lp{n}-system"
         self.node_a, self.node_b = f"lp{n}-node-a", f"lp{n}-node-b"
         self.ns_a, self.ns_b = f"lp{n}-team-a", f"lp{n}-team-b"
-        objects = render("--set", f"driverName={driver}", release=self.release, namespace=self.namespace)
+        objects = render("--set", f"driverName={driver}", *values, release=self.release, namespace=self.namespace)
         self.objects = [o for o in objects if o["kind"] in APPLIED]
         self.fullname = next(o["metadata"]["name"] for o in self.objects if o["kind"] == "ClusterRole"
                              and o["metadata"]["name"].endswith("-kubelet-plugin")).removesuffix("-kubelet-plugin")
@@ -122,6 +124,7 @@ class Release:
         self.claims_policy = f"{self.fullname}-resourceclaim-status"
         self.classes_policy = f"{self.fullname}-controller-deviceclasses"
         self.slices_policy = f"{self.fullname}-controller-slice-deletes"
+        self.events_policy = f"{self.fullname}-controller-events"
         self.foreign_slice = f"{self.release}-{OTHER_DRIVER}"
 
     def install(self) -> None:
@@ -358,8 +361,8 @@ def test_the_plugins_and_the_controllers_own_calls_pass_with_the_chart_rbac_alon
     pod = ObjectRef("v1", "Pod", r.ns_b, "waiting-pod", "0f8a7c6e-1111-4222-8333-444455556666")
     for regarding in (claim_ref(r.ns_b, "waiting", waiting["metadata"]["uid"]), pod):
         KubernetesEventWriter(r.controller_client).create(event_body(
-            regarding, reason="MPSTenancy", note="probe", controller=f"{driver}/controller", instance="probe",
-            now=time.time()))
+            regarding, reason=MPS_TENANCY, note="probe", controller=f"{driver}/controller", instance="probe",
+            now=time.time(), action=ACTION_ALLOCATE))
     # Nothing more of claims and pods than that list.
     refused(lambda: r.controller.get(claim_path(r.ns_b, "waiting")), also=(403,))
     refused(lambda: merge_status(r.controller, r.ns_b, "waiting", {"allocation": None}), also=(403,))
@@ -395,3 +398,80 @@ def test_the_plugins_and_the_controllers_own_calls_pass_with_the_chart_rbac_alon
     assert (f"the controller of driver {driver} may only delete ResourceSlices of that driver, not ResourceSlice "
             f"{r.foreign_slice} of driver {OTHER_DRIVER}") in message
     assert r.kube.get(f"{SLICES}/{r.foreign_slice}")["spec"]["driver"] == OTHER_DRIVER
+
+
+def test_the_controller_posts_only_its_tenancy_warnings_on_claims_and_pods(release: Release) -> None:
+    """RBAC lets the controller create any Event in any namespace; the chart's policy holds its Events to what
+    controller.pendingclaims posts, so a stolen token cannot put words in another component's mouth."""
+    r, driver = release, release.driver
+    waiting = r.claim(r.ns_b, "waiting")
+    claim = claim_ref(r.ns_b, "waiting", waiting["metadata"]["uid"])
+    pod = ObjectRef("v1", "Pod", r.ns_b, "waiting-pod", "0f8a7c6e-1111-4222-8333-444455556666")
+    events = KubernetesEventWriter(r.controller_client)
+
+    def event(about: ObjectRef = claim, **changes: Any) -> dict[str, Any]:
+        body = event_body(about, reason=MPS_TENANCY, note="probe", controller=f"{driver}/controller",
+                          instance="probe", now=time.time(), action=ACTION_ALLOCATE)
+        return {**body, **changes}
+
+    deadline = time.monotonic() + 30
+    while True:             # RBAC and the policy take effect asynchronously
+        try:
+            events.create(event(reason="Probe"))
+        except ApiError as exc:
+            if exc.status == 422 and r.events_policy in exc.message:
+                break
+        assert time.monotonic() < deadline, "the controller's Event policy was not enforced in time"
+        time.sleep(0.3)
+
+    # Its CEL type-checks against the Event schema (kube-controller-manager reports it in the status).
+    policy = f"{APPLIED['ValidatingAdmissionPolicy']}/{r.events_policy}"
+    deadline = time.monotonic() + 30
+    while "typeChecking" not in (status := r.kube.get(policy).get("status") or {}):
+        assert time.monotonic() < deadline, "the Event policy's CEL was not type-checked in time"
+        time.sleep(0.3)
+    assert not status["typeChecking"].get("expressionWarnings"), status
+
+    # What it posts passes: on the claim, and on its pod with the claim as the related object.
+    events.create(event())
+    events.create(event(pod, related=claim.to_wire()))
+    # Anything else is refused by the policy, naming the rule.
+    secret = ObjectRef("v1", "Secret", r.ns_b, "db-password", "0f8a7c6e-2222-4222-8333-444455556666")
+    for changes, words in (
+            ({"reason": "FailedScheduling"}, "reason MPSTenancy"),
+            ({"type": "Normal"}, "type Warning"),
+            ({"action": "Scheduling"}, "action Allocate"),
+            ({"reportingController": "default-scheduler"}, f"reportingController {driver}/controller"),
+            ({"regarding": secret.to_wire()}, "about a ResourceClaim or a Pod"),
+            ({"related": secret.to_wire()}, "about a ResourceClaim or a Pod")):
+        message = refused(lambda: events.create(event(**changes)), by_policy=r.events_policy).message
+        assert f"the controller of driver {driver} may only post Events" in message and words in message, message
+
+
+@pytest.fixture
+def release_without_pending_events(control_plane: LocalCluster, driver_name: str) -> Iterator[Release]:
+    r = Release(control_plane, driver_name, "--set", "controller.pendingClaimEvents=false")
+    try:
+        r.install()
+        yield r
+    finally:
+        r.remove()
+
+
+def test_without_pending_claim_events_the_controller_reads_no_claims(release_without_pending_events: Release) -> None:
+    """controller.pendingClaimEvents=false: the controller's token may not list a ResourceClaim, nor post an
+    Event, and the controller keeps its DeviceClasses and slices all the same."""
+    r, driver = release_without_pending_events, release_without_pending_events.driver
+    r.wait_until_enforced(r.claim(r.ns_a, "own", r.node_a))
+    controller = ClusterController(r.controller_client, driver, device_classes(driver),
+                                   state=ClusterState(KubeApi(r.controller_client), driver,
+                                                      [c["metadata"]["name"] for c in device_classes(driver)],
+                                                      claims=False))
+    controller.reconcile_once()
+    assert controller.writes_by_operation["deviceclass-create"] == len(device_classes(driver))
+    refused(lambda: r.controller.list(f"{RESOURCE_V1}/resourceclaims"), also=(403,))
+    refused(lambda: r.controller.list(f"{RESOURCE_V1}/devicetaintrules"), also=(403, 404))
+    refused(lambda: KubernetesEventWriter(r.controller_client).create(event_body(
+        claim_ref(r.ns_a, "own", "0f8a7c6e-1111-4222-8333-444455556666"), reason=MPS_TENANCY, note="probe",
+        controller=f"{driver}/controller", instance="probe", now=time.time(), action=ACTION_ALLOCATE)),
+        also=(403,))
