@@ -54,7 +54,7 @@ def describe(exc: BaseException, api_client: Any = None, needs: str = "") -> Fai
         if isinstance(err, ConnectError):
             return Failure(EXIT_KUBECONFIG, str(err))
         if isinstance(err, CredentialsUnavailable):
-            return Failure(EXIT_KUBECONFIG, f"cannot read the credentials: {_root(err)} ({_source(api_client)})")
+            return Failure(EXIT_KUBECONFIG, f"cannot read the credentials: {_plain(_root(err))} ({_source(api_client)})")
         if isinstance(err, ApiError):
             line = _answered(err, api_client)
             return Failure(EXIT_REFUSED, f"{line}; {needs}" if needs and err.status == 403 else line)
@@ -124,6 +124,13 @@ def _root(exc: BaseException) -> BaseException:
     return last
 
 
+def _plain(err: BaseException) -> str:
+    """An OS error without its errno: "no such file or directory: /var/run/.../token"."""
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror.lower() + (f": {err.filename}" if err.filename else "")
+    return str(err)
+
+
 def _text(err: BaseException) -> str:
     """An error of ours without a library cause: its message, after the request it names."""
     text = str(err)
@@ -138,4 +145,4 @@ def _server(api_client: Any) -> str:
 def _source(api_client: Any) -> str:
     from kube.connect import source_of
 
-    return source_of(api_client) or "its kubeconfig"
+    return source_of(api_client) or "the kubeconfig"

@@ -172,3 +172,19 @@ def test_unauthorized_and_an_unknown_host(tmp_path: Path) -> None:
     assert run("status", config) == (EXIT_UNREACHABLE, "gpu-dra status: unable to connect to the server "
                                      "api.nonexistent.invalid:6443: no such host - check the cluster's server "
                                      f"(kubeconfig {config}, context lab)")
+
+
+def test_credentials_that_cannot_be_read_are_a_kubeconfig_failure() -> None:
+    """A token file gone or an exec plugin that fails: nothing was sent, the kubeconfig's user is to check."""
+    from cli.failures import describe
+    from kube.client import CredentialsUnavailable
+
+    try:
+        try:
+            Path("/nonexistent/token").read_text()
+        except OSError as exc:
+            raise CredentialsUnavailable(f"credentials: {exc}") from exc
+    except CredentialsUnavailable as exc:
+        failure = describe(exc)
+    assert failure is not None and failure.code == EXIT_KUBECONFIG
+    assert failure.line == "cannot read the credentials: no such file or directory: /nonexistent/token (the kubeconfig)"
