@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 MPS_TENANCY = "MPSTenancy"
 ACTION_ALLOCATE = "Allocate"
 MAX_OTHER_LINES = 3        # lines about devices that are unusable for other reasons, in one Event
-REPORTS_KEPT = 20_000      # node reports kept between passes (a few KiB each)
+REPORTS_KEPT = 8_000       # node reports kept between passes (a few KiB each): several claim kinds at 1000 nodes
 
 
 @dataclass

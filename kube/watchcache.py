@@ -21,7 +21,9 @@ from kube.client import METADATA_LIST, METADATA_OBJECT, ApiError, ApiUnavailable
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-PAGE_SIZE = 250
+# Objects per LIST page: a page is parsed whole before it is folded, so this bounds what a LIST of large objects
+# (a node's ResourceSlices are tens of KB each) holds at once.
+PAGE_SIZE = 50
 # A watch is ended by the API server after a random time in [MIN, 2 × MIN], as client-go asks, so that the
 # watches of many clients do not all restart at once.
 WATCH_MIN_S = 300

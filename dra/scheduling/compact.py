@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from array import array
 from typing import Any
 
 # Sub-objects kept whole per device (shared when equal), and the metadata of a slice a reader needs.
@@ -42,6 +43,16 @@ class Interner:
             key = None
         if key is None:
             key = json.dumps(obj, separators=(",", ":"))
+        return self._shared(key, obj)
+
+    def entries(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """A dict whose keys and values are shared already (``value`` of each): one object for equal ones. The
+        devices of one GPU mostly carry equal attributes (every placement of a profile does)."""
+        names = self._shared(("names", *obj), tuple(obj))          # few distinct name lists: shared too
+        shared: dict[str, Any] = self._shared((names, array("Q", map(id, obj.values())).tobytes()), obj)
+        return shared
+
+    def _shared(self, key: Any, obj: Any) -> Any:
         shared = self._table.get(key)
         if shared is None:
             if len(self._table) >= self._limit:
@@ -56,7 +67,7 @@ def _fold_device(device: dict[str, Any], interner: Interner) -> dict[str, Any]:
         if field == "name":
             out["name"] = sys.intern(str(value))
         elif field == "attributes" and isinstance(value, dict):
-            out["attributes"] = {sys.intern(k): interner.value(v) for k, v in value.items()}
+            out["attributes"] = interner.entries({sys.intern(k): interner.value(v) for k, v in value.items()})
         else:
             out[field] = interner.value(value)
     return out

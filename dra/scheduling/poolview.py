@@ -34,7 +34,7 @@ class Holder:
         return self.claim + (f" (pod {', '.join(self.pods)})" if self.pods else "")
 
 
-@dataclass
+@dataclass(slots=True)
 class PoolDevice:
     key: DeviceKey
     raw: dict[str, Any]
@@ -53,8 +53,43 @@ class PoolDevice:
         """counter set -> counter -> amount this device takes while allocated (exact, for the explainer); read
         once per device."""
         if self._consumes is None:
-            self._consumes = consumed_counters(self.raw, _amount)
+            self._consumes = _consumed(self.raw.get("consumesCounters"))
         return self._consumes
+
+
+# Parsed counters by content: the devices of a fleet consume alike, and its pools share alike, so each distinct
+# list is parsed once and its parse is one shared (read-only) object, whatever the objects it came from.
+_PARSED: dict[tuple[Any, ...], dict[str, dict[str, Fraction]]] = {}
+_PARSED_LIMIT = 50_000
+
+
+def _parsed(key: tuple[Any, ...], parse: Any) -> dict[str, dict[str, Fraction]]:
+    kept = _PARSED.get(key)
+    if kept is None:
+        if len(_PARSED) >= _PARSED_LIMIT:
+            _PARSED.clear()
+        kept = _PARSED[key] = parse()
+    return kept
+
+
+def _counter_items(counters: Any) -> tuple[tuple[str, str], ...]:
+    return tuple((k, str((v or {}).get("value", "0"))) for k, v in (counters or {}).items())
+
+
+def _shared_counters(entries: Any) -> dict[str, dict[str, Fraction]]:
+    """counter set -> counter -> amount of a slice's sharedCounters."""
+    if not entries:
+        return {}
+    sets = tuple((str(cs.get("name", "")), _counter_items(cs.get("counters"))) for cs in entries)
+    return _parsed(("shared", *sets), lambda: {name: {n: _amount(v) for n, v in items} for name, items in sets})
+
+
+def _consumed(entries: Any) -> dict[str, dict[str, Fraction]]:
+    """counter set -> counter -> amount of a device's consumesCounters."""
+    if not entries:
+        return {}
+    key = ("consumes", *((e.get("counterSet", ""), _counter_items(e.get("counters"))) for e in entries))
+    return _parsed(key, lambda: consumed_counters({"consumesCounters": entries}, _amount))
 
 
 @lru_cache(maxsize=4096)
@@ -129,8 +164,7 @@ def pool_of(driver: str, name: str, current: Sequence[Mapping[str, Any]],
     if len(current) < want:
         pool.incomplete = f"pool {name} is incomplete ({len(current)} of {want} slices at generation {gen})"
     for m in current:
-        for cs in m["spec"].get("sharedCounters") or []:
-            pool.counters[cs["name"]] = {n: _amount(c.get("value", "0")) for n, c in (cs.get("counters") or {}).items()}
+        pool.counters.update(_shared_counters(m["spec"].get("sharedCounters")))
         for d in m["spec"].get("devices") or []:
             key = (driver, name, d["name"])
             taints = d.get("taints") or []

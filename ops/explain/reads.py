@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,13 +48,21 @@ class ExplainTargets:
 
 def _pages(kube: KubeApi, path: str, field_selector: str | None = None,
            limit: int = PAGE_SIZE) -> Iterator[list[dict[str, Any]]]:
-    cont: str | None = None
-    while True:
-        page = kube.get(path, fieldSelector=field_selector, limit=limit, **({"continue": cont} if cont else {}))
-        yield page.get("items") or []
-        cont = (page.get("metadata") or {}).get("continue")
-        if not cont:
-            return
+    """The pages of a LIST, the next one asked for while the caller works on this one (the API server encodes it
+    and the bytes arrive meanwhile)."""
+    def fetch(cont: str | None) -> dict[str, Any]:
+        return kube.get(path, fieldSelector=field_selector, limit=limit, **({"continue": cont} if cont else {}))
+
+    with ThreadPoolExecutor(1, thread_name_prefix="list-pages") as ahead:
+        upcoming = ahead.submit(fetch, None)
+        while True:
+            page = upcoming.result()
+            cont = (page.get("metadata") or {}).get("continue")
+            if cont:
+                upcoming = ahead.submit(fetch, cont)
+            yield page.get("items") or []
+            if not cont:
+                return
 
 
 def read_view(kube: KubeApi) -> ClusterView:
@@ -75,8 +84,8 @@ def read_view(kube: KubeApi) -> ClusterView:
 
 
 def class_drivers(view: ClusterView, targets: Sequence[Target]) -> list[str] | None:
-    """The drivers whose devices the targets' requests can get, when every requested class pins one with its
-    first selector; None when one does not (then every slice is read)."""
+    """The drivers whose devices the targets' requests can get, when every requested class exists and pins one
+    with its first selector; None otherwise (then every slice is read)."""
     drivers = set()
     for t in targets:
         try:
@@ -89,9 +98,7 @@ def class_drivers(view: ClusterView, targets: Sequence[Target]) -> list[str] | N
                 selectors = ((cls or {}).get("spec") or {}).get("selectors") or []
                 m = _PINNED_DRIVER.match(str((selectors[0].get("cel") or {}).get("expression", ""))) if selectors else None
                 if m is None:
-                    if cls is None:
-                        continue        # no such class: no device matches it anyway
-                    return None
+                    return None         # a class that pins no driver, or none at all (every node says so)
                 drivers.add(m.group(1) or m.group(2))
     return sorted(drivers)
 

@@ -17,6 +17,7 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
+from functools import lru_cache
 from typing import Any
 
 from api.config import ConfigError, decode_opaque_config
@@ -221,7 +222,13 @@ def _capacity_left(ctx: _Context, dev: PoolDevice) -> list[tuple[str, Fraction, 
 
 
 def _capacity_total(caps: dict[str, Any], name: str) -> Fraction:
-    return quantity_value(str((caps.get(name) or {}).get("value", "0")))
+    return _quantity(str((caps.get(name) or {}).get("value", "0")))
+
+
+@lru_cache(maxsize=4096)
+def _quantity(text: str) -> Fraction:
+    """A capacity's value; the few distinct values of a fleet are parsed once."""
+    return quantity_value(text)
 
 
 def _candidates(ctx: _Context, node: str, alt: Alternative, report: AlternativeReport,
@@ -558,28 +565,49 @@ def _gpu_lines(ctx: _Context, node: str) -> list[str]:
     """Per counter set (one per GPU here): who holds it and the largest MIG profile still placeable."""
     lines = []
     for pool in ctx.pools_for(node):
-        users: dict[str, list[PoolDevice]] = defaultdict(list)
+        untouched = not ctx.view.counters_taken(pool)
+        profiled: dict[str, list[PoolDevice]] = defaultdict(list)      # MIG devices by the counter sets they use
         for dev in pool.devices:
-            for cs in dev.consumes():
-                users[cs].append(dev)
+            if (dev.raw.get("attributes") or {}).get("profile"):
+                for entry in dev.raw.get("consumesCounters") or ():
+                    profiled[str(entry.get("counterSet", ""))].append(dev)
         for cs in pool.counters:
             held = ctx.counter_holders(pool, cs)
             text = f"{cs}: " + (", ".join(sorted({f"{d} held by {h.describe()}" for d, h in held}))
                                 if held else "nothing allocated")
-            best: tuple[Fraction, str] | None = None
-            for dev in users.get(cs, []):
-                profile = (dev.raw.get("attributes") or {}).get("profile")
-                if not profile or ctx.usage.exclusive(dev.key):
-                    continue
-                if any(v > ctx.counter_free(pool, s, n) for s, cnt in dev.consumes().items() for n, v in cnt.items()):
-                    continue
-                mem = _capacity_total(dev.raw.get("capacity") or {}, "memory")
-                if best is None or mem > best[0]:
-                    best = (mem, str(attribute_value(profile)))
-            if any((d.raw.get("attributes") or {}).get("profile") for d in users.get(cs, [])):
-                text += f"; largest MIG profile still placeable: {best[1] if best else 'none'}"
+            if profiled.get(cs):
+                # The largest placeable is the first, by memory (largest first, published order among equals),
+                # that is free and fits what the counters have left.
+                best = next((d for d in sorted(profiled[cs], key=lambda d: _capacity_total(
+                    d.raw.get("capacity") or {}, "memory"), reverse=True) if not ctx.usage.exclusive(d.key) and
+                             _fits_left(ctx, pool, d, untouched)), None)
+                placeable = str(attribute_value(best.raw["attributes"]["profile"])) if best else "none"
+                text += f"; largest MIG profile still placeable: {placeable}"
             lines.append(text)
     return lines
+
+
+# Whether a device's counters fit what its pool has when nothing of the pool is allocated: the same for every pool
+# of a fleet that publishes alike (the parsed counters are shared objects, dra.scheduling.poolview), so answered
+# once. Each entry keeps the objects whose identities make its key.
+_FITS_EMPTY: dict[tuple[int, ...], tuple[Any, tuple[Any, ...], bool]] = {}
+
+
+def _fits_left(ctx: _Context, pool: Pool, dev: PoolDevice, untouched: bool) -> bool:
+    """Whether what the device consumes fits what its counter sets have left."""
+    consumes = dev.consumes()
+    if untouched:
+        sets = tuple(pool.counters.get(cs) for cs in consumes)
+        key = (id(consumes), *map(id, sets))
+        kept = _FITS_EMPTY.get(key)
+        if kept is not None and kept[0] is consumes and all(a is b for a, b in zip(kept[1], sets)):
+            return kept[2]
+    fits = not any(v > ctx.counter_free(pool, s, n) for s, cnt in consumes.items() for n, v in cnt.items())
+    if untouched:
+        if len(_FITS_EMPTY) >= 50_000:
+            _FITS_EMPTY.clear()
+        _FITS_EMPTY[key] = (consumes, sets, fits)
+    return fits
 
 
 def _explain_node(ctx: _Context, node: str, targets: list[tuple[str, ClaimSpec]]) -> NodeReport:
