@@ -331,19 +331,30 @@ class _Unshared(Exception):
     """An input that cannot be read off the device without building its variable (one attribute named twice)."""
 
 
+@lru_cache(maxsize=4096)
+def _qualified(domain: str, ident: str) -> str:
+    return f"{domain}/{ident}"
+
+
 def _input_value(driver: str, device: dict[str, Any], ref: Input) -> Any:
     if len(ref) == 1:
         return driver if ref[0] == "driver" else bool(device.get("allowMultipleAllocations"))
     kind, domain, ident = ref
     entries = device.get(kind) or {}
-    qualified = entries.get(f"{domain}/{ident}")
+    qualified = entries.get(_qualified(domain, ident))
     plain = entries.get(ident) if domain == driver else None
     if qualified is not None and plain is not None:
         raise _Unshared()                       # which one counts depends on their order: no sharing
     value = qualified if qualified is not None else plain
     if value is None:
         return _ABSENT
-    return _frozen(value) if kind == "attributes" else str((value or {}).get("value", "0"))
+    if kind != "attributes":
+        return str((value or {}).get("value", "0"))
+    if len(value) == 1:                         # {"string": "gpu"}: the common case, without recursion
+        ((k, v),) = value.items()
+        if not isinstance(v, (list, dict)):
+            return k, v
+    return _frozen(value)
 
 
 class SelectorResults:

@@ -24,7 +24,7 @@ from dra.scheduling.claimrequests import ClaimSpecError, read_claim_spec
 from dra.scheduling.clusterview import ClusterView
 from dra.scheduling.poolview import allocation_results
 from kube.client import DEVICE_CLASSES, NODES, RESOURCE_V1, SLICES, ApiError, KubeApi
-from ops.explain.verdict import Explainer, Explanation, NodeReport, Target
+from ops.explain.verdict import NOT_ALLOCATABLE, Explainer, Explanation, NodeReport, Target, clip_line
 
 CLAIMS = f"{RESOURCE_V1}/resourceclaims"
 TAINT_RULES = f"{RESOURCE_V1}/devicetaintrules"
@@ -40,10 +40,19 @@ class ExplainTargetError(LookupError):
 
 @dataclass
 class ExplainTargets:
-    """(name, claim dict) per claim to explain, and lines about how they were found."""
+    """(name, claim dict) per claim to explain, lines about how they were found, and why a claim the pod needs
+    cannot be created at all (then that is the verdict: the scheduler never gets to see it)."""
 
     claims: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    uncreatable: list[str] = field(default_factory=list)
+
+
+# A request for admin access is admitted only in a namespace with this label ("true"): the API server refuses
+# such a claim (and the claim controller's creation from a template) elsewhere.
+ADMIN_ACCESS_LABEL = "resource.kubernetes.io/admin-access"
+# The Event the claim controller posts on a pod whose claim it could not create from its template.
+FAILED_CLAIM_CREATION = "FailedResourceClaimCreation"
 
 
 def _pages(kube: KubeApi, path: str, field_selector: str | None = None,
@@ -232,6 +241,7 @@ def find_targets(kube: KubeApi, target: str, namespace: str) -> ExplainTargets:
         tpl = _get(kube, f"{RESOURCE_V1}/namespaces/{namespace}/resourceclaimtemplates/{name}")
         if tpl is not None:
             out.claims.append((f"{namespace}/{name} (template, as generated)", generated_claim(tpl, namespace)))
+            out.uncreatable += _admin_access_refused(kube, tpl, namespace)
             return out
     if kind in ("", "pod"):
         pod = _get(kube, f"/api/v1/namespaces/{namespace}/pods/{name}")
@@ -267,6 +277,9 @@ def _pod_targets(kube: KubeApi, pod: dict[str, Any], namespace: str) -> ExplainT
                              f"{ref['resourceClaimTemplateName']}")
             out.claims.append((f"{namespace}/{ref['resourceClaimTemplateName']} (template, as generated)",
                                generated_claim(tpl, namespace)))
+            out.uncreatable += _admin_access_refused(kube, tpl, namespace)
+    if any("(template, as generated)" in n for n, _ in out.claims):
+        out.uncreatable += _creation_failures(kube, pod, namespace)
     extended = _extended_resource_claim(kube, pod, namespace, out)
     if extended is not None:
         out.claims.append(extended)
@@ -294,30 +307,65 @@ def extended_resource_classes(classes: list[dict[str, Any]]) -> dict[str, str]:
     return {r: n for r, (_, n) in out.items()}
 
 
-def pod_extended_resource_claim(pod: dict[str, Any], classes: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The claim the scheduler would create for the pod's extended resources backed by a DeviceClass: per
-    resource (in name order) and per container asking for it, a request "container-<i>-request-<j>" (i: the
-    container's index after the init containers, j: the resource's index among the container's requests in
-    name order) for that many devices of the class. None when the pod asks for none."""
+# From this Kubernetes minor on, the scheduler counts init containers as the kubelet runs them (the rule of
+# k8s.io/component-helpers' PodRequests): an init container reuses the devices of the containers that run after
+# it, and only the largest need beyond those is requested. Before, every container got a request of its own.
+INIT_CONTAINERS_REUSE_MINOR = 37
+
+
+def pod_extended_resource_claim(pod: dict[str, Any], classes: list[dict[str, Any]],
+                                server_minor: int = INIT_CONTAINERS_REUSE_MINOR) -> dict[str, Any] | None:
+    """The claim the scheduler would create for the pod's extended resources backed by a DeviceClass, with its
+    requests "container-<i>-request-<j>" (i: the container's index in init containers + containers, j: the
+    resource's index among the container's requests in name order), for each resource in name order:
+
+    - every long-lived container (an app container, or an init container with restartPolicy Always) asking for
+      the resource gets a request for that many devices;
+    - an init container that runs to completion reuses the requests of the long-lived containers after it and
+      asks for the rest; of those, only the largest is requested (they run one after another).
+
+    Servers before 1.``INIT_CONTAINERS_REUSE_MINOR`` gave every container a request of its own. None when the
+    pod asks for no such resource."""
     mapping = extended_resource_classes(classes)
     spec = pod.get("spec") or {}
-    inits = spec.get("initContainers") or []
-    requests = []
-    for resource in sorted({r for c in spec.get("containers") or [] for r in
-                            ((c.get("resources") or {}).get("requests") or {}) if r in mapping}):
-        for i, container in enumerate(spec.get("containers") or []):
-            asked = (container.get("resources") or {}).get("requests") or {}
-            count = _whole(asked.get(resource))
-            if count:
-                requests.append({"name": f"container-{len(inits) + i}-request-{sorted(asked).index(resource)}",
-                                 "exactly": {"deviceClassName": mapping[resource], "allocationMode": "ExactCount",
-                                             "count": count}})
+    inits = list(spec.get("initContainers") or [])
+    containers = inits + list(spec.get("containers") or [])
+    resources = sorted({r for c in containers for r, v in _requests(c).items() if r in mapping and _whole(v)})
+    requests: list[dict[str, Any]] = []
+    for resource in resources:
+        cls = mapping[resource]
+        if server_minor < INIT_CONTAINERS_REUSE_MINOR:
+            requests += [_device_request(i, c, resource, cls, _whole(_requests(c).get(resource)))
+                         for i, c in enumerate(containers) if _whole(_requests(c).get(resource))]
+            continue
+        long_lived: list[dict[str, Any] | None] = [None] * len(containers)
+        for i, c in enumerate(containers):
+            if (i >= len(inits) or c.get("restartPolicy") == "Always") and _whole(_requests(c).get(resource)):
+                long_lived[i] = _device_request(i, c, resource, cls, _whole(_requests(c).get(resource)))
+        largest: dict[str, Any] | None = None
+        for i, c in enumerate(inits):
+            wanted = _whole(_requests(c).get(resource))
+            if c.get("restartPolicy") == "Always" or not wanted:
+                continue
+            rest = wanted - sum(r["exactly"]["count"] for r in long_lived[i:] if r is not None)
+            if rest > 0 and (largest is None or largest["exactly"]["count"] < rest):
+                largest = _device_request(i, c, resource, cls, rest)
+        requests += ([largest] if largest else []) + [r for r in long_lived if r is not None]
     if not requests:
         return None
     meta = pod["metadata"]
     return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
             "metadata": {"namespace": meta.get("namespace", ""), "name": f"{meta['name']}-extended-resources"},
-            "spec": {"devices": {"requests": requests}}}
+            "spec": {"devices": {"requests": sorted(requests, key=lambda r: str(r["name"]))}}}
+
+
+def _requests(container: dict[str, Any]) -> dict[str, Any]:
+    return dict((container.get("resources") or {}).get("requests") or {})
+
+
+def _device_request(index: int, container: dict[str, Any], resource: str, cls: str, count: int) -> dict[str, Any]:
+    return {"name": f"container-{index}-request-{sorted(_requests(container)).index(resource)}",
+            "exactly": {"deviceClassName": cls, "allocationMode": "ExactCount", "count": count}}
 
 
 def _whole(value: Any) -> int:
@@ -335,9 +383,11 @@ def _extended_resource_claim(kube: KubeApi, pod: dict[str, Any], namespace: str,
         claim = _get(kube, f"{_claims_path(namespace)}/{made}")
         if claim is not None:
             return f"{namespace}/{made} (extended resources)", claim
-    if any(((c.get("resources") or {}).get("requests") or {}) for c in (pod.get("spec") or {}).get("initContainers") or []):
-        out.notes.append("init containers' extended resources are not explained")
-    claim = pod_extended_resource_claim(pod, kube.list(DEVICE_CLASSES)["items"])
+    classes = kube.list(DEVICE_CLASSES)["items"]
+    if not any(r in extended_resource_classes(classes) for c in ((pod.get("spec") or {}).get("initContainers") or [])
+               + ((pod.get("spec") or {}).get("containers") or []) for r in _requests(c)):
+        return None
+    claim = pod_extended_resource_claim(pod, classes, kube.server_version()[1])
     if claim is None:
         return None
     out.notes.append(f"pod {pod['metadata']['name']}: extended resources explained as the claim the scheduler "
@@ -345,9 +395,52 @@ def _extended_resource_claim(kube: KubeApi, pod: dict[str, Any], namespace: str,
     return f"{namespace}/{pod['metadata']['name']} (extended resources, as the scheduler would create it)", claim
 
 
+def _admin_access_refused(kube: KubeApi, template: dict[str, Any], namespace: str) -> list[str]:
+    """Why the claim of a template asking for admin access cannot be created in the namespace, if it cannot."""
+    requests = (((template.get("spec") or {}).get("spec") or {}).get("devices") or {}).get("requests") or []
+    asks = [r.get("name", "") for r in requests
+            if (r.get("exactly") or {}).get("adminAccess")
+            or any(s.get("adminAccess") for s in r.get("firstAvailable") or [])]
+    if not asks:
+        return []
+    try:
+        ns = kube.get(f"/api/v1/namespaces/{namespace}")
+    except ApiError as exc:
+        if exc.status in (403, 404):
+            return []                 # cannot tell: the claim controller will say, in the pod's Events
+        raise
+    if ((ns.get("metadata") or {}).get("labels") or {}).get(ADMIN_ACCESS_LABEL) == "true":
+        return []
+    return [f"its claim cannot be created: template {template['metadata']['name']} asks for admin access (request "
+            f"{asks[0]}), which the API server admits only in a namespace labelled {ADMIN_ACCESS_LABEL}=true, and "
+            f"namespace {namespace} is not"]
+
+
+def _creation_failures(kube: KubeApi, pod: dict[str, Any], namespace: str) -> list[str]:
+    """The claim controller's latest word on why it could not create a claim of the pod (its Warning Event)."""
+    uid = (pod.get("metadata") or {}).get("uid")
+    if not uid:
+        return []
+    try:
+        events = kube.list(f"/api/v1/namespaces/{namespace}/events",
+                           field_selector=f"involvedObject.uid={uid},reason={FAILED_CLAIM_CREATION}")["items"]
+    except ApiError as exc:
+        if exc.status in (403, 404):
+            return []
+        raise
+    if not events:
+        return []
+    last = max(events, key=lambda e: str(e.get("lastTimestamp") or e.get("eventTime") or ""))
+    return [f"its claim cannot be created ({FAILED_CLAIM_CREATION}): {str(last.get('message', '')).strip()}"]
+
+
 def explain_target(kube: KubeApi, target: str, namespace: str) -> Explanation:
-    """`gpu-dra explain` as a function: finds the claims of `target` and explains them against the live state."""
+    """`gpu-dra explain` as a function: finds the claims of `target` and explains them against the live state.
+    A claim that cannot be created is the verdict, before any node."""
     found = find_targets(kube, target, namespace)
+    if found.uncreatable:
+        return Explanation(NOT_ALLOCATABLE, clip_line(f"not allocatable: {found.uncreatable[0]}"),
+                           [n for n, _ in found.claims], notes=found.notes + found.uncreatable[1:])
     result = explain_live(kube, [Target(n, c) for n, c in found.claims])
     result.notes = found.notes + result.notes
     return result

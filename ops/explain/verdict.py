@@ -231,6 +231,16 @@ def _quantity(text: str) -> Fraction:
     return quantity_value(text)
 
 
+def _size(caps: dict[str, Any], name: str) -> float:
+    """A capacity as a number to sort by (exact Fractions compare slowly, and sizes of devices are far apart)."""
+    return _float_quantity(str((caps.get(name) or {}).get("value", "0")))
+
+
+@lru_cache(maxsize=4096)
+def _float_quantity(text: str) -> float:
+    return float(quantity_value(text))
+
+
 def _candidates(ctx: _Context, node: str, alt: Alternative, report: AlternativeReport,
                 claim: str = "") -> list[tuple[Pool, _Candidate]]:
     """The devices of the node matching the alternative's class and selectors, each with its state."""
@@ -578,7 +588,7 @@ def _gpu_lines(ctx: _Context, node: str) -> list[str]:
             if profiled.get(cs):
                 # The largest placeable is the first, by memory (largest first, published order among equals),
                 # that is free and fits what the counters have left.
-                best = next((d for d in sorted(profiled[cs], key=lambda d: _capacity_total(
+                best = next((d for d in sorted(profiled[cs], key=lambda d: _size(
                     d.raw.get("capacity") or {}, "memory"), reverse=True) if not ctx.usage.exclusive(d.key) and
                              _fits_left(ctx, pool, d, untouched)), None)
                 placeable = str(attribute_value(best.raw["attributes"]["profile"])) if best else "none"

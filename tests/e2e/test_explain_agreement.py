@@ -556,3 +556,77 @@ def test_cli_explains_a_pending_pod_and_an_allocatable_template(cluster: Any, ap
     missing = cli("template/nosuch")
     assert missing.returncode == 2 and missing.stderr.strip() == \
         f"gpu-dra explain: no template named nosuch in namespace {ns}", missing.stderr
+
+
+def test_explain_counts_init_containers_as_the_scheduler_does(api_client: Any, case_env: Any) -> None:
+    """A pod asking `<domain>/gpu: 3` in an init container and 1 in its app container, on a node with two GPUs:
+    the scheduler needs three GPUs (the init container's beyond what the app container gets) and leaves the pod
+    pending; explain says so, and allocatable once the init container asks for two."""
+    kube = KubeApi(api_client)
+    driver, node, ns, n = case_env(Case("init-containers", [{"model": "L4", "count": 2}], ONE, False))
+    resource = f"x{n}.example.com/gpu"
+    kube.request("PATCH", f"{DEVICE_CLASSES}/{driver}", body={"spec": {"extendedResourceName": resource}},
+                 content_type="application/merge-patch+json")
+
+    def pod(name: str, init_gpus: int) -> dict[str, Any]:
+        def container(cname: str, gpus: int) -> dict[str, Any]:
+            return {"name": cname, "image": "example.invalid/none",
+                    "resources": {"requests": {resource: str(gpus)}, "limits": {resource: str(gpus)}}}
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+                "spec": {"restartPolicy": "Never", "schedulingGates": [{"name": "example.com/explain-first"}],
+                         "initContainers": [container("init", init_gpus)], "containers": [container("app", 1)]}}
+
+    for name, init_gpus, fits in (("too-many", 3, False), ("fits", 2, True)):
+        apply_objects(kube, [pod(name, init_gpus)], ns)
+        exp = explain_target(kube, f"pod/{name}", ns)           # before the scheduler makes a claim of it
+        kube.request("PATCH", f"{collection('Pod', ns)}/{name}", body={"spec": {"schedulingGates": None}},
+                     content_type="application/merge-patch+json")
+        outcome = _scheduled_or_not(kube, ns, name)
+        assert outcome.allocated == fits, outcome
+        assert_agree(exp, outcome, f"init container asking {init_gpus}")
+        if not fits:
+            assert "container-0-request-0" in format_text(exp), format_text(exp)
+        _delete_and_wait(kube, "Pod", ns, name)
+
+
+def _scheduled_or_not(kube: KubeApi, ns: str, name: str, timeout: float = 40.0) -> Outcome:
+    """Bound, or given up on by the scheduler (a pod with extended resources only has no claim before)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        current = kube.get(f"{collection('Pod', ns)}/{name}")
+        cond = next((c for c in (current.get("status") or {}).get("conditions") or []
+                     if c.get("type") == "PodScheduled"), {})
+        if current["spec"].get("nodeName") or (cond.get("status") == "False" and cond.get("reason") != "SchedulingGated"):
+            return Outcome(bool(current["spec"].get("nodeName")), current["spec"].get("nodeName", ""),
+                           message=str(cond.get("message", "")))
+        assert time.monotonic() < deadline, f"the scheduler neither bound nor gave up on pod {name}"
+        time.sleep(0.25)
+
+
+def test_a_claim_that_cannot_be_created_is_the_verdict(api_client: Any, case_env: Any) -> None:
+    """A template asking for admin access, made while the namespace had the admin-access label; the label is then
+    removed. The claim controller cannot create the pod's claim (FailedResourceClaimCreation) and the pod stays
+    Pending: explain says not allocatable and why, for the pod and for the template alone."""
+    kube = KubeApi(api_client)
+    driver, node, ns, _ = case_env(Case("uncreatable", L4, ONE, False, admin=True))
+    apply_objects(kube, [_template("watch", _driver_in(_spec(_req("gpu", _exactly(GPU, adminAccess=True))), driver))],
+                  ns)
+    kube.request("PATCH", f"/api/v1/namespaces/{ns}", body={"metadata": {"labels": {
+        "resource.kubernetes.io/admin-access": None}}}, content_type="application/merge-patch+json")
+    apply_objects(kube, [_pod("watcher", [("gpu", "template:watch")])], ns)
+
+    def refused() -> bool:
+        events = kube.list(f"/api/v1/namespaces/{ns}/events")["items"]
+        return any(e.get("reason") == "FailedResourceClaimCreation" for e in events)
+
+    deadline = time.monotonic() + 40
+    while not refused():
+        assert time.monotonic() < deadline, "no FailedResourceClaimCreation Event for the pod"
+        time.sleep(0.25)
+    pod = kube.get(f"{collection('Pod', ns)}/watcher")
+    assert not pod["spec"].get("nodeName") and not (pod.get("status") or {}).get("resourceClaimStatuses")
+    for target in ("pod/watcher", "template/watch"):
+        exp = explain_target(kube, target, ns)
+        assert exp.verdict == NOT_ALLOCATABLE, (target, exp.sentence)
+        assert "cannot be created" in exp.sentence or "cannot create" in exp.sentence, (target, exp.sentence)
+    assert "admin" in explain_target(kube, "template/watch", ns).sentence

@@ -612,14 +612,17 @@ def test_a_pods_extended_resources_are_explained_as_the_scheduler_claims_them() 
         def list(self, path: str, **kw: Any) -> Any:
             return {"items": classes}
 
+        def server_version(self) -> tuple[int, int]:
+            return 1, 37
+
     found = find_targets(Api(pod), "pod/p", "ml")  # type: ignore[arg-type]
     ((name, claim),) = found.claims
     assert name == "ml/p (extended resources, as the scheduler would create it)"
-    assert claim["spec"]["devices"]["requests"] == [
-        {"name": "container-1-request-0", "exactly": {"deviceClassName": f"mig.{D}", "allocationMode": "ExactCount",
-                                                      "count": 1}},
+    assert claim["spec"]["devices"]["requests"] == [          # in name order, as the scheduler sorts them
         {"name": "container-0-request-1", "exactly": {"deviceClassName": D, "allocationMode": "ExactCount",
-                                                      "count": 2}}]
+                                                      "count": 2}},
+        {"name": "container-1-request-0", "exactly": {"deviceClassName": f"mig.{D}", "allocationMode": "ExactCount",
+                                                      "count": 1}}]
     exp = explain([Target(name, claim)], classes, _slices(gpus=3), [])
     assert exp.verdict == ALLOCATABLE, exp.sentence
     scheduled = {**pod, "status": {"extendedResourceClaimStatus": {"resourceClaimName": "p-gpu-x7k", "requestMappings": []}}}
@@ -655,3 +658,45 @@ def test_an_opaque_config_the_plugin_refuses_is_named_in_the_webhooks_words() ->
         "activeThreadPercentge: unknown field (known fields: activeThreadPercentage, pinnedMemoryLimit, "
         "perDevicePinnedMemoryLimit)"]
     assert f"config refused: {exp.config_problems[0]}" in format_text(exp)
+
+
+def _counts(claim: dict[str, Any] | None) -> list[tuple[str, int]]:
+    return [(r["name"], r["exactly"]["count"]) for r in (claim or {}).get("spec", {}).get("devices", {}).get("requests", [])]
+
+
+def test_init_containers_count_as_the_kubelet_runs_them() -> None:
+    """An init container runs before the app containers and hands its devices on: it reuses the requests of the
+    long-lived containers after it (app containers, sidecars) and asks only for the rest, and only the largest
+    such need is requested. `nvidia.com/gpu: 9` in an init container and 1 in the app container is 9 GPUs (not
+    allocatable on an 8-GPU node); servers before 1.37 gave each container a request of its own."""
+    from ops.explain.reads import pod_extended_resource_claim
+
+    classes = [{**c, "spec": {**c["spec"], "extendedResourceName": "nvidia.com/gpu"}} if c["metadata"]["name"] == D
+               else c for c in CLASSES]
+
+    def pod(inits: list[dict[str, Any]], apps: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"metadata": {"name": "p", "namespace": "ml"}, "spec": {"initContainers": inits, "containers": apps}}
+
+    def gpu(n: int, name: str = "c", always: bool = False) -> dict[str, Any]:
+        return {"name": name, "resources": {"requests": {"nvidia.com/gpu": str(n)}},
+                **({"restartPolicy": "Always"} if always else {})}
+
+    big_init = pod([gpu(9, "init")], [gpu(1, "app")])
+    assert _counts(pod_extended_resource_claim(big_init, classes)) == [("container-0-request-0", 8),
+                                                                       ("container-1-request-0", 1)]
+    exp = explain([Target("ml/p (extended resources)", pod_extended_resource_claim(big_init, classes))], classes,
+                  _slices(gpus=8), [])
+    assert exp.verdict == NOT_ALLOCATABLE, exp.sentence
+    # The init container's need is covered by what the app containers get: nothing more.
+    assert _counts(pod_extended_resource_claim(pod([gpu(1, "init")], [gpu(2, "a"), gpu(1, "b")]), classes)) == [
+        ("container-1-request-0", 2), ("container-2-request-0", 1)]
+    # Several init containers: the largest remainder only; a sidecar is long-lived and reusable by those before it.
+    three = pod([gpu(3, "i0"), gpu(1, "side", always=True), gpu(5, "i2")], [gpu(1, "app")])
+    assert _counts(pod_extended_resource_claim(three, classes)) == [("container-1-request-0", 1),
+                                                                    ("container-2-request-0", 4),
+                                                                    ("container-3-request-0", 1)]
+    assert _counts(pod_extended_resource_claim(big_init, classes, server_minor=34)) == [("container-0-request-0", 9),
+                                                                                        ("container-1-request-0", 1)]
+    # A resource asked for by an init container only is still the pod's.
+    assert _counts(pod_extended_resource_claim(pod([gpu(2, "init")], [{"name": "app"}]), classes)) == [
+        ("container-0-request-0", 2)]
