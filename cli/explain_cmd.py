@@ -3,6 +3,7 @@ kube-scheduler decides it, from the live DeviceClasses, ResourceSlices and Resou
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from typing import Any
 
@@ -27,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # A short-lived command that parses a cluster's slices page by page: the cycle collector would scan the
+    # millions of objects each page makes again and again (half the time at 1000 nodes), and none form cycles.
+    gc.disable()
     from cli.failures import EXIT_USAGE, report
     from dra.scheduling.claimrequests import ClaimSpecError
     from kube.client import ApiError, ApiUnavailable, KubeApi

@@ -8,6 +8,7 @@ free ones are summed up as the profiles still placeable instead.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -45,6 +46,7 @@ def collect(api_client: Any, driver: str, node: str | None = None) -> list[Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    gc.disable()        # short-lived, parses pages of slices and claims: as gpu-dra explain (cli/explain_cmd.py)
     from api.k8snames import is_dns_subdomain
     from cli.failures import EXIT_USAGE, report
     from kube.connect import ConnectError, api_client_from

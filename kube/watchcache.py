@@ -9,10 +9,12 @@ from the watch's thread; a relist reports only what differs from before.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 from kube.backoff import Backoff
@@ -123,6 +125,10 @@ class WatchCache(Generic[T]):
 
     def relist(self) -> None:
         """One paged LIST: the store becomes exactly what it returned, each page folded before the next is read."""
+        with _collector_paused():
+            self._relist()
+
+    def _relist(self) -> None:
         fresh: dict[str, T] = {}
         cont: str | None = None
         version = ""
@@ -218,6 +224,30 @@ class WatchCache(Generic[T]):
     def keys(self) -> list[str]:
         with self.lock:
             return list(self.store)
+
+
+_pauses = 0
+_pauses_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cycle collector off while LIST pages are parsed and folded: each page makes millions of objects (none in
+    cycles), and the collector would scan the growing cache again and again (most of a large LIST's time). After
+    the last such pass the cache's objects are moved out of the collector's way (gc.freeze): they live as long as
+    the process, in no cycle, and are freed by their counts when replaced."""
+    global _pauses
+    with _pauses_lock:
+        _pauses += 1
+        gc.disable()
+    try:
+        yield
+    finally:
+        with _pauses_lock:
+            _pauses -= 1
+            if not _pauses:
+                gc.freeze()
+                gc.enable()
 
 
 def _json_text(obj: dict[str, Any]) -> str:
