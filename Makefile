@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # K8S_VERSION (the target release), K8S_SKEW_VERSION (the oldest supported one), ETCD_VERSION.
 include hack/versions.env
 
-.PHONY: demo test lint unit e2e bench bench-peer peer-driver control-plane control-plane-target control-plane-skew node-binaries helm prometheus kueue cdi-tools cdi-hook cdi-validate image image-lock protos clean
+.PHONY: demo test lint unit e2e bench bench-peer peer-driver control-plane control-plane-target control-plane-skew node-binaries helm prometheus kueue cdi-tools cdi-hook cdi-hook-arm64 cdi-validate oci-tools crane registry image image-index image-lock release protos clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,22 @@ cdi-tools: cdi-hook cdi-validate
 cdi-hook:
 	NVIDIA_CTK_VERSION=$(NVIDIA_CTK_VERSION) bash hack/build-cdi-tools.sh hook
 
+# The arm64 image's nvidia-cdi-hook, cross-compiled (cgo, static) with Debian's aarch64 gcc, which
+# hack/build-cross-cc.sh downloads and unpacks into the cache (never installed).
+cdi-hook-arm64:
+	HOOK_ARCH=arm64 NVIDIA_CTK_VERSION=$(NVIDIA_CTK_VERSION) bash hack/build-cdi-tools.sh hook
+
+# Builds (or reuses) crane (CRANE_VERSION, from go-containerregistry's Go module: `make release` pushes the image
+# with it) and the CNCF distribution registry (DISTRIBUTION_VERSION: the release test's registry) into
+# ~/.cache/gpu-dra/crane/ and ~/.cache/gpu-dra/registry/.
+oci-tools: crane registry
+
+crane:
+	bash hack/build-oci-tools.sh crane
+
+registry:
+	bash hack/build-oci-tools.sh registry
+
 cdi-validate:
 	bash hack/build-cdi-tools.sh validate
 
@@ -66,9 +82,21 @@ cdi-validate:
 image: $(STAMP) cdi-hook
 	$(PY) hack/build-image.py build
 
-# Re-resolves deploy/image/*.lock: Debian packages from this host's apt lists (Debian 12), wheels from PyPI.
+# The image for linux/amd64 and linux/arm64 as one OCI image index, in an OCI layout directory under
+# ~/.cache/gpu-dra/image/indexes (what `make release` pushes); the layers are the archive's, cached the same way.
+image-index: $(STAMP) cdi-hook cdi-hook-arm64
+	$(PY) hack/build-image.py index
+
+# Re-resolves deploy/image/*.lock for amd64 and arm64: Debian packages with apt (a private state updated from this
+# host's sources, Debian 12), wheels from PyPI.
 image-lock: $(STAMP)
 	$(PY) hack/build-image.py lock
+
+# A release of the commit checked out (a clean tree): VERSION=X.Y.Z REGISTRY=host[:port]/path [DOWNLOAD_URL=...].
+# Pushes the image index and the chart, writes the Python distribution and the krew archive into dist/
+# (docs/releasing.md; hack/release.py).
+release: $(STAMP) helm crane cdi-hook cdi-hook-arm64
+	$(PY) hack/release.py --version "$(VERSION)" --registry "$(REGISTRY)" --download-url "$(DOWNLOAD_URL)"
 
 # The demo runs on the target release only. Its real nodes (one per fleet node; --real-nodes N) are optional:
 # not root, no cgroups or node binaries that cannot be built (no Go, gcc, libseccomp download), and the demo says
@@ -79,7 +107,7 @@ demo: $(STAMP) control-plane-target
 	-@[ "$$(id -u)" != 0 ] || NVIDIA_CTK_VERSION=$(NVIDIA_CTK_VERSION) bash hack/build-cdi-tools.sh hook >/dev/null
 	$(VENV)/bin/gpu-dra demo
 
-test: $(STAMP) control-plane node-binaries helm prometheus kueue cdi-tools image
+test: $(STAMP) control-plane node-binaries helm prometheus kueue cdi-tools image image-index oci-tools
 	$(MAKE) --no-print-directory lint
 	$(PY) -m pytest
 
@@ -94,7 +122,7 @@ lint: $(STAMP)
 unit: $(STAMP) cdi-validate prometheus
 	$(PY) -m pytest -m 'not e2e'
 
-e2e: $(STAMP) control-plane node-binaries helm prometheus cdi-tools image
+e2e: $(STAMP) control-plane node-binaries helm prometheus cdi-tools image image-index oci-tools
 	$(PY) -m pytest -m e2e
 
 # BENCH_ARGS goes to python -m bench, e.g. make bench BENCH_ARGS="--quick" or BENCH_ARGS="--peer-bin PATH".

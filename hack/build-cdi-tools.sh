@@ -5,6 +5,8 @@
 #                    The driver's CDI specs run it as createContainer hooks (soname links, the container's
 #                    loader cache, no device-node changes by the driver); the image ships it, the chart
 #                    installs it on each node, the real-node tests hand it to the plugin.
+#                    HOOK_ARCH=arm64 cross-compiles it for the arm64 image (cgo with hack/build-cross-cc.sh's
+#                    compiler) -> ~/.cache/gpu-dra/cdi-hook/<version>-arm64/bin/nvidia-cdi-hook.
 #   cdi-validate     hack/cdi-validate (the CDI reference library, version in its go.mod), keyed by a hash of
 #                    its sources -> ~/.cache/gpu-dra/cdi-validate/<hash>/bin/cdi-validate. Tests check every
 #                    spec the driver writes with it.
@@ -23,7 +25,12 @@ case "$WHAT" in hook|validate|all) ;; *) die "unknown target '$WHAT' (hook, vali
 [[ "$NVIDIA_CTK_VERSION" =~ ^v1\.[0-9]+\.[0-9]+$ ]] \
   || die "NVIDIA_CTK_VERSION '$NVIDIA_CTK_VERSION' is not a toolkit release like v1.20.2 (set it, or pin it in $VERSIONS_FILE)"
 
+# The build machine's architecture (as Go names it) builds natively; another one is a cross build.
+case "$(uname -m)" in x86_64) HOST_ARCH=amd64;; aarch64|arm64) HOST_ARCH=arm64;; *) HOST_ARCH=$(uname -m);; esac
+HOOK_ARCH="${HOOK_ARCH:-$HOST_ARCH}"
+case "$HOOK_ARCH" in amd64|arm64) ;; *) die "HOOK_ARCH '$HOOK_ARCH' is not amd64 or arm64";; esac
 HOOK_DIR="$CACHE_ROOT/cdi-hook/$NVIDIA_CTK_VERSION"
+[ "$HOOK_ARCH" = "$HOST_ARCH" ] || HOOK_DIR="$HOOK_DIR-$HOOK_ARCH"
 HOOK_BIN="$HOOK_DIR/bin/nvidia-cdi-hook"
 VALIDATE_SRC="$HACK/cdi-validate"
 
@@ -45,12 +52,9 @@ build_hook() {
   local mod=github.com/NVIDIA/nvidia-container-toolkit start=$SECONDS
   mkdir -p "$HOOK_DIR"
   rm -rf "$HOOK_DIR/bin.tmp"; mkdir -p "$HOOK_DIR/bin.tmp"
+  if [ "$HOOK_ARCH" != "$HOST_ARCH" ]; then build_hook_cross "$mod" "$start"; return; fi
   log "building nvidia-cdi-hook $NVIDIA_CTK_VERSION from $mod (a few minutes the first time; output: $BUILD_LOG)"
-  # Static (cgo for go-nvml, glibc linked in; pure-Go DNS and user lookups): runc runs the hook from the host's
-  # file system, so it must not depend on the host's libc version. The version shows in `--version`.
-  (cd "$HOOK_DIR" && GOBIN="$HOOK_DIR/bin.tmp" quiet go install -trimpath -tags netgo,osusergo \
-      -ldflags "-s -w -linkmode external -extldflags -static -X $mod/internal/info.version=${NVIDIA_CTK_VERSION#v}" \
-      "$mod/cmd/nvidia-cdi-hook@$NVIDIA_CTK_VERSION") \
+  (cd "$HOOK_DIR" && GOBIN="$HOOK_DIR/bin.tmp" quiet go install "${HOOK_FLAGS[@]}" "$mod/cmd/nvidia-cdi-hook@$NVIDIA_CTK_VERSION") \
     || die "go install of $mod/cmd/nvidia-cdi-hook@$NVIDIA_CTK_VERSION failed (is the Go module proxy reachable? GOPROXY=$(go env GOPROXY))"
   "$HOOK_DIR/bin.tmp/nvidia-cdi-hook" --help >/dev/null 2>&1 \
     || die "the nvidia-cdi-hook built does not run ($HOOK_DIR/bin.tmp/nvidia-cdi-hook --help)"
@@ -60,10 +64,41 @@ build_hook() {
     "$HOOK_DIR/bin.tmp/nvidia-cdi-hook" "$sub" --help >/dev/null 2>&1 \
       || die "nvidia-cdi-hook $NVIDIA_CTK_VERSION has no '$sub' sub-command, which the driver's CDI specs use"
   done
+  finish_hook "$start"
+}
+
+# Static (cgo for go-nvml, glibc linked in; pure-Go DNS and user lookups): runc runs the hook from the host's file
+# system, so it must not depend on the host's libc version. The version shows in `--version`.
+HOOK_FLAGS=(-trimpath -tags netgo,osusergo
+  -ldflags "-s -w -linkmode external -extldflags -static -X github.com/NVIDIA/nvidia-container-toolkit/internal/info.version=${NVIDIA_CTK_VERSION#v}")
+
+# The same build for HOOK_ARCH with Debian's cross compiler. `go install` puts a cross-compiled program in
+# $GOPATH/bin/linux_<arch> (it refuses GOBIN then): a GOPATH of its own, the shared module cache. It cannot run
+# here, so its ELF header is what is checked.
+build_hook_cross() {
+  local mod=$1 start=$2 cc gopath
+  cc=$(bash "$HACK/build-cross-cc.sh" | tail -n 1) || die "no C cross compiler for $HOOK_ARCH (hack/build-cross-cc.sh)"
+  gopath=$(mktemp -d)
+  log "cross-compiling nvidia-cdi-hook $NVIDIA_CTK_VERSION for linux/$HOOK_ARCH from $mod (output: $BUILD_LOG)"
+  (cd "$HOOK_DIR" && GOPATH="$gopath" GOMODCACHE="$(go env GOMODCACHE)" GOOS=linux GOARCH="$HOOK_ARCH" CGO_ENABLED=1 \
+      CC="$cc" quiet go install "${HOOK_FLAGS[@]}" "$mod/cmd/nvidia-cdi-hook@$NVIDIA_CTK_VERSION") \
+    || { rm -rf "$gopath"; die "cross-compiling $mod/cmd/nvidia-cdi-hook@$NVIDIA_CTK_VERSION for $HOOK_ARCH failed"; }
+  mv "$gopath/bin/linux_$HOOK_ARCH/nvidia-cdi-hook" "$HOOK_DIR/bin.tmp/"
+  chmod -R u+w "$gopath"; rm -rf "$gopath"
+  # e_machine: 183 is aarch64 (EM_AARCH64), 62 x86-64.
+  local machine
+  machine=$(od -An -tu2 -j18 -N2 "$HOOK_DIR/bin.tmp/nvidia-cdi-hook" | tr -d ' ')
+  [ "$machine" = "$([ "$HOOK_ARCH" = arm64 ] && echo 183 || echo 62)" ] \
+    || die "the nvidia-cdi-hook built for $HOOK_ARCH has ELF machine $machine"
+  finish_hook "$start"
+}
+
+finish_hook() {
+  local start=$1
   rm -rf "$HOOK_DIR/bin"; mv "$HOOK_DIR/bin.tmp" "$HOOK_DIR/bin"
   echo "$NVIDIA_CTK_VERSION" > "$HOOK_DIR/.complete"
-  echo "nvidia-cdi-hook $((SECONDS-start))s $(date -u +%Y-%m-%dT%H:%M:%SZ)" >> "$HOOK_DIR/build-times.txt"
-  log "built nvidia-cdi-hook $NVIDIA_CTK_VERSION in $((SECONDS-start))s: $HOOK_BIN"
+  echo "nvidia-cdi-hook linux/$HOOK_ARCH $((SECONDS-start))s $(date -u +%Y-%m-%dT%H:%M:%SZ)" >> "$HOOK_DIR/build-times.txt"
+  log "built nvidia-cdi-hook $NVIDIA_CTK_VERSION for linux/$HOOK_ARCH in $((SECONDS-start))s: $HOOK_BIN"
   echo "$HOOK_BIN"
 }
 

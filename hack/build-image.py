@@ -3,9 +3,14 @@
 a registry or root: Debian 12 packages unpacked into a root file system, the pinned PyPI wheels and the
 project's own wheel installed next to them, packed by this script.
 
-    build-image.py build [--repository R] [--tag T]   the archive; prints its path on the last line
+    build-image.py build [--repository R] [--tag T]   the archive (this machine's architecture); prints its path
+    build-image.py index [--repository R] [--tag T] [--out DIR]
+                                                       the image index of linux/amd64 and linux/arm64 as an OCI
+                                                       layout directory (what `make release` pushes); prints the
+                                                       name, the index's digest and the directory
     build-image.py rootfs --out DIR                    the same file system as a directory (deploy/Dockerfile)
-    build-image.py lock                                re-resolves deploy/image/*.lock (needs apt, a Debian 12 host)
+    build-image.py lock                                re-resolves deploy/image/*.lock for both architectures
+                                                       (needs apt, a Debian 12 host)
 
 Three layers, each cached by a hash of its inputs under ~/.cache/gpu-dra/image (GPU_DRA_CACHE moves it):
   base  Debian packages of deploy/image/debian.lock: python3.11 and the libraries it and the wheels link
@@ -15,8 +20,11 @@ Three layers, each cached by a hash of its inputs under ~/.cache/gpu-dra/image (
         installs on each node for the CDI specs;
   app   the project's wheel (built with the setuptools of deploy/image/requirements-build.lock) and
         /usr/local/bin/gpu-dra.
-Python files are byte-compiled by the image's own Python with unchecked-hash pycs (they do not depend on file
-times, which the layers fix at 0). Only the build machine's architecture is built.
+Python files are byte-compiled with unchecked-hash pycs (they do not depend on file times, which the layers fix
+at 0) by the image's own Python of the build machine's architecture: byte code is the same on every architecture
+of one Python version, so the other architecture's layers are compiled by it too (the locks pin the same Python
+for both), and the app layer, pure Python, is one layer shared by both images. Nothing of the other architecture
+runs here: its packages are unpacked and its wheels installed with pip's --platform.
 """
 from __future__ import annotations
 
@@ -39,7 +47,8 @@ import tomllib
 import urllib.error
 import urllib.request
 import zipfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -81,7 +90,24 @@ SOURCE_PACKAGES = ["api", "cli", "controller", "dra", "kube", "kubeletplugin", "
 SOURCE_SUFFIXES = {".py", ".yaml", ".proto"}
 # Debian's aliased directories: bookworm systems have merged /usr, packages still ship some files in /lib etc.
 MERGED = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
-_MULTIARCH = {"x86_64": ("amd64", "x86_64-linux-gnu"), "aarch64": ("arm64", "aarch64-linux-gnu")}
+
+
+@dataclass(frozen=True)
+class Platform:
+    """An architecture of the image, in each naming it needs."""
+    deb: str       # Debian architecture (the lock, apt)
+    triplet: str   # multiarch triplet: usr/lib/<triplet>
+    machine: str   # uname -m, in manylinux wheel tags
+    variant: str   # OCI platform variant
+
+    @property
+    def oci(self) -> dict[str, str]:
+        return {"architecture": self.deb, "os": "linux", **({"variant": self.variant} if self.variant else {})}
+
+
+PLATFORMS = {"amd64": Platform("amd64", "x86_64-linux-gnu", "x86_64", ""),
+             # v8: the variant registries and containerd give arm64 images.
+             "arm64": Platform("arm64", "aarch64-linux-gnu", "aarch64", "v8")}
 
 
 class BuildError(Exception):
@@ -108,12 +134,12 @@ def pinned(key: str) -> str:
     raise BuildError(f"{key} is not pinned in {VERSIONS_FILE}")
 
 
-def arch() -> tuple[str, str]:
-    """(Debian architecture, multiarch triplet) of this machine."""
-    try:
-        return _MULTIARCH[platform.machine()]
-    except KeyError:
-        raise BuildError(f"unsupported build machine architecture {platform.machine()}") from None
+def native() -> Platform:
+    """This machine's architecture: the image's Python runs here only for it."""
+    for plat in PLATFORMS.values():
+        if plat.machine == platform.machine():
+            return plat
+    raise BuildError(f"unsupported build machine architecture {platform.machine()}")
 
 
 def sha256_file(path: Path) -> str:
@@ -159,24 +185,35 @@ class Deb:
         return f"{self.name}_{self.version.replace(':', '%3a')}_{self.arch}.deb"
 
 
-def read_debian_lock() -> list[Deb]:
+def read_debian_lock(deb_arch: str | None = None) -> list[Deb]:
+    """The lock's packages of one image architecture (default: this machine's): its own and the `all` ones."""
+    deb_arch = deb_arch or native().deb
     debs = []
     for n, line in enumerate(DEBIAN_LOCK.read_text().splitlines(), 1):
         if not line.strip() or line.startswith("#"):
             continue
         try:
-            name, version, deb_arch, url, size, digest = line.split()
-            debs.append(Deb(name, version, deb_arch, url, int(size), digest.removeprefix("sha256:")))
+            name, version, pkg_arch, url, size, digest = line.split()
         except ValueError:
             raise BuildError(f"{DEBIAN_LOCK}:{n}: expected 'name version arch url size sha256:hex'") from None
-    if not debs:
-        raise BuildError(f"{DEBIAN_LOCK} lists no packages; run `make image-lock`")
+        if pkg_arch in (deb_arch, "all"):
+            debs.append(Deb(name, version, pkg_arch, url, int(size), digest.removeprefix("sha256:")))
+    if not any(d.arch == deb_arch for d in debs):
+        raise BuildError(f"{DEBIAN_LOCK} lists no {deb_arch} packages; run `make image-lock`")
     return debs
 
 
-def _apt_record(name: str, version: str | None = None) -> dict[str, str]:
+def python_version(debs: list[Deb]) -> str:
+    """The Debian version of the image's Python: the one that byte-compiles every architecture's layers."""
+    found = [d.version for d in debs if d.name == f"python{PYTHON}-minimal"]
+    if not found:
+        raise BuildError(f"{DEBIAN_LOCK.name} has no python{PYTHON}-minimal")
+    return found[0]
+
+
+def _apt_record(name: str, version: str | None = None, apt: Sequence[str] = ()) -> dict[str, str]:
     spec = f"{name}={version}" if version else name
-    out = run(["apt-cache", "show", "--no-all-versions", spec], f"apt-cache show {spec}").stdout
+    out = run(["apt-cache", *apt, "show", "--no-all-versions", spec], f"apt-cache show {spec}").stdout
     record: dict[str, str] = {}
     field = ""
     for line in out.split("\n\n", 1)[0].splitlines():
@@ -188,46 +225,93 @@ def _apt_record(name: str, version: str | None = None) -> dict[str, str]:
     return record
 
 
-def _candidate(name: str) -> str | None:
-    out = subprocess.run(["apt-cache", "policy", name], capture_output=True, text=True).stdout
+def _candidate(name: str, apt: Sequence[str] = ()) -> str | None:
+    out = subprocess.run(["apt-cache", *apt, "policy", name], capture_output=True, text=True).stdout
     m = re.search(r"^\s*Candidate:\s*(\S+)", out, re.M)
     return m.group(1) if m and m.group(1) != "(none)" else None
 
 
-def _uri(name: str, version: str) -> Deb:
-    out = run(["apt-get", "download", "--print-uris", f"{name}={version}"], f"apt-get download --print-uris {name}").stdout
+def _uri(name: str, version: str, apt: Sequence[str] = ()) -> Deb:
+    """The package `name` (arch-qualified or not) at `version`, with its URL, size and SHA256 from apt."""
+    out = run(["apt-get", *apt, "download", "--print-uris", f"{name}={version}"],
+              f"apt-get download --print-uris {name}").stdout
     m = re.search(r"^'(\S+)' \S+ (\d+) SHA256:([0-9a-f]{64})", out, re.M)
     if not m:
         raise BuildError(f"apt-get download --print-uris {name}={version} printed no URL with a SHA256")
-    deb_arch = _apt_record(name, version)["Architecture"]
-    return Deb(name, version, deb_arch, m.group(1), int(m.group(2)), m.group(3))
+    deb_arch = _apt_record(name, version, apt)["Architecture"]
+    return Deb(name.split(":")[0], version, deb_arch, m.group(1), int(m.group(2)), m.group(3))
 
 
-def resolve_debian(roots: Iterable[str]) -> list[Deb]:
-    """The candidate versions of `roots` and everything they depend on (Depends, Pre-Depends), from the host's
-    apt lists; a dependency group naming an EXCLUDED package is left out, as are virtual packages' providers."""
-    chosen: dict[str, str] = {}
+@contextmanager
+def private_apt() -> Iterator[list[str]]:
+    """apt options for a state of its own, updated now from the host's sources for every image architecture: one
+    snapshot of the mirror for all of them (the same Python in each), and the host's apt lists left alone."""
+    if shutil.which("apt-get") is None:
+        raise BuildError("`lock` resolves Debian packages with apt: run it on a Debian 12 host")
+    with tempfile.TemporaryDirectory() as tmp:
+        state = Path(tmp)
+        for d in ("lists/partial", "cache/archives/partial"):
+            (state / d).mkdir(parents=True)
+        (state / "status").touch()  # nothing installed: the candidates are the mirror's newest
+        os.chmod(tmp, 0o755)        # as root, apt downloads as the _apt user unless told otherwise
+        apt = ["-o", f"Dir::State::Lists={state / 'lists'}", "-o", f"Dir::State::status={state / 'status'}",
+               "-o", f"Dir::Cache={state / 'cache'}", "-o", "APT::Sandbox::User=root",
+               "-o", "Acquire::Languages=none", "-o", f"APT::Architecture={native().deb}",
+               *(a for plat in PLATFORMS.values() for a in ("-o", f"APT::Architectures::={plat.deb}"))]
+        log("apt-get update into a private state for " + ", ".join(PLATFORMS))
+        run(["apt-get", *apt, "-q", "update"], "apt-get update (private state)")
+        yield apt
+
+
+def resolve_debian(roots: Iterable[str], deb_arch: str, apt: Sequence[str]) -> list[Deb]:
+    """The candidate versions for `deb_arch` of `roots` and everything they depend on (Depends, Pre-Depends); a
+    dependency group naming an EXCLUDED package is left out, as are virtual packages' providers."""
+    candidates: dict[str, str | None] = {}
+
+    def candidate(spec: str) -> str | None:
+        if spec not in candidates:
+            candidates[spec] = _candidate(spec, apt)
+        return candidates[spec]
+
+    def qualified(name: str) -> str | None:
+        """name:<arch>, or name:all for an architecture-independent package; None: no such real package."""
+        return next((q for q in (f"{name}:{deb_arch}", f"{name}:all") if candidate(q) is not None), None)
+
+    chosen: dict[str, tuple[str, str]] = {}
     todo = list(roots)
     while todo:
         name = todo.pop(0)
         if name in chosen or name in EXCLUDED:
             continue
-        version = _candidate(name)
-        if version is None:
-            raise BuildError(f"Debian package {name} has no candidate version (apt-get update? a virtual package "
-                             "needs a real one named in ROOT_PACKAGES or EXCLUDED)")
-        chosen[name] = version
-        record = _apt_record(name, version)
+        spec = qualified(name)
+        version = candidate(spec) if spec else None
+        if spec is None or version is None:
+            raise BuildError(f"Debian package {name} has no {deb_arch} candidate version (a virtual package needs a "
+                             "real one named in ROOT_PACKAGES or EXCLUDED)")
+        chosen[name] = (spec, version)
+        record = _apt_record(spec, version, apt)
         for field in ("Pre-Depends", "Depends"):
             for group in filter(None, (g.strip() for g in record.get(field, "").split(","))):
                 names = [re.split(r"[\s(:]", alt.strip(), maxsplit=1)[0] for alt in group.split("|")]
                 if any(n in EXCLUDED for n in names):
                     continue
-                real = [n for n in names if n in chosen or _candidate(n) is not None]
+                real = [n for n in names if n in chosen or qualified(n) is not None]
                 if not real:
-                    raise BuildError(f"{name} depends on {group!r}, which no real package satisfies")
+                    raise BuildError(f"{name} depends on {group!r}, which no real {deb_arch} package satisfies")
                 todo.append(real[0])
-    return [_uri(name, chosen[name]) for name in sorted(chosen)]
+    return [_uri(*chosen[name], apt) for name in sorted(chosen)]
+
+
+def merged_debian_lock(per_arch: dict[str, list[Deb]]) -> list[Deb]:
+    """One lock for every architecture: each one's own packages, and the `all` ones once, which must be the same
+    for all (the lock cannot say that an `all` package belongs to one architecture only)."""
+    shared = {arch: {d for d in debs if d.arch == "all"} for arch, debs in per_arch.items()}
+    first = next(iter(shared.values()))
+    for arch, debs in shared.items():
+        if debs != first:
+            raise BuildError(f"the architectures need different `all` packages ({arch}: "
+                             f"{sorted(d.name for d in debs ^ first)}): the lock's format cannot hold that")
+    return sorted({d for debs in per_arch.values() for d in debs}, key=lambda d: (d.name, d.arch))
 
 
 def fetch_deb(deb: Deb, cache: Path) -> Path:
@@ -343,9 +427,10 @@ def unpack_deb(path: Path, root: Path) -> str:
     return control
 
 
-def build_base(root: Path, cache: Path) -> None:
-    debs = read_debian_lock()
-    _, triplet = arch()
+def build_base(root: Path, cache: Path, plat: Platform, python_root: Path | None) -> None:
+    """The base of `plat`; its standard library compiled by python_root's Python (None: its own)."""
+    debs = read_debian_lock(plat.deb)
+    triplet = plat.triplet
     for d in MERGED:
         (root / "usr" / d).mkdir(parents=True, exist_ok=True)
         (root / d).symlink_to(f"usr/{d}")
@@ -378,14 +463,14 @@ def build_base(root: Path, cache: Path) -> None:
         raise BuildError(f"the base has no usr/lib/{triplet}/libc.so.6: is {DEBIAN_LOCK.name} for this architecture?")
     # Debian compiles the standard library when installing (py3compile); without pycs every start of the
     # read-only container would compile what it imports.
-    compile_pycs(root, root, f"usr/lib/python{PYTHON}")
+    compile_pycs(python_root or root, root, f"usr/lib/python{PYTHON}")
 
 
 def rootfs_python(root: Path) -> tuple[list[str], dict[str, str]]:
-    """argv prefix and environment that run the image's Python on this machine, outside the image: its own
-    dynamic loader and libraries, its own standard library (no chroot, no root needed)."""
-    _, triplet = arch()
-    libdir = root / "usr/lib" / triplet
+    """argv prefix and environment that run the image's Python of this machine's architecture (a base layer
+    unpacked at `root`) outside the image: its own dynamic loader and libraries, its own standard library (no
+    chroot, no root needed)."""
+    libdir = root / "usr/lib" / native().triplet
     loader = next(iter(sorted(libdir.glob("ld-linux*.so.*"))), None)
     if loader is None:
         raise BuildError(f"no dynamic loader in {libdir}")
@@ -395,7 +480,8 @@ def rootfs_python(root: Path) -> tuple[list[str], dict[str, str]]:
 
 
 def compile_pycs(python_root: Path, tree: Path, under: str) -> None:
-    """Byte-compiles tree/under with the image's Python (python_root), recording image paths (/under/...)."""
+    """Byte-compiles tree/under with the image's Python (python_root, this machine's architecture), recording
+    image paths (/under/...)."""
     argv, env = rootfs_python(python_root)
     # unchecked-hash: valid whatever the file times (the layers set them to 0) and never rewritten at run time.
     run([*argv, "-m", "compileall", "-q", "-j", "0", "--invalidation-mode", "unchecked-hash",
@@ -413,10 +499,10 @@ def _glibc(debs: list[Deb]) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-def pip_target_flags(debs: list[Deb]) -> list[str]:
-    """pip options selecting wheels for the image's Python and glibc, not this machine's."""
+def pip_target_flags(debs: list[Deb], plat: Platform) -> list[str]:
+    """pip options selecting wheels for the image's Python, glibc and architecture, not this machine's."""
     major, minor = _glibc(debs)
-    machine = platform.machine()
+    machine = plat.machine
     platforms = [f"manylinux_{major}_{m}_{machine}" for m in range(minor, 4, -1)]
     platforms += [f"manylinux2014_{machine}", f"manylinux2010_{machine}", f"manylinux1_{machine}"]
     flags = ["--only-binary=:all:", "--implementation", "cp", "--python-version", PYTHON,
@@ -430,13 +516,15 @@ def pip(python: str, *args: str, what: str) -> None:
     run([python, "-m", "pip", "--disable-pip-version-check", "--no-input", *args], what)
 
 
-def cdi_hook_binary(given: Path | None) -> Path:
-    """The nvidia-cdi-hook to ship: `given` (--cdi-hook), else hack/build-cdi-tools.sh's (built or reused)."""
-    if given is not None:
+def cdi_hook_binary(given: Path | None, plat: Platform) -> Path:
+    """The nvidia-cdi-hook of `plat` to ship: `given` (--cdi-hook, this machine's architecture only), else
+    hack/build-cdi-tools.sh's (built or reused; cross-compiled for the other architecture)."""
+    if given is not None and plat == native():
         if not given.is_file():
             raise BuildError(f"--cdi-hook {given}: no such file")
         return given
-    proc = subprocess.run(["bash", str(HACK / "build-cdi-tools.sh"), "hook"], capture_output=True, text=True)
+    proc = subprocess.run(["bash", str(HACK / "build-cdi-tools.sh"), "hook"], capture_output=True, text=True,
+                          env={**os.environ, "HOOK_ARCH": plat.deb})
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         last = proc.stderr.strip().splitlines()[-1:] or ["no output"]
@@ -444,10 +532,10 @@ def cdi_hook_binary(given: Path | None) -> Path:
     return Path(lines[-1])
 
 
-def build_deps(root: Path, base: Path, cache: Path, python: str, debs: list[Deb], hook: Path) -> None:
+def build_deps(root: Path, base: Path, cache: Path, python: str, debs: list[Deb], hook: Path, plat: Platform) -> None:
     wheels = cache / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
-    flags = pip_target_flags(debs)
+    flags = pip_target_flags(debs, plat)
     pip(python, "download", "--no-deps", "--require-hashes", "-r", str(PYPI_LOCK), "-d", str(wheels), *flags,
         what=f"pip download of {PYPI_LOCK.name}")
     pip(python, "install", "--no-deps", "--require-hashes", "-r", str(PYPI_LOCK), "--no-index", "--find-links",
@@ -505,7 +593,7 @@ def build_app(root: Path, base: Path, cache: Path, python: str, debs: list[Deb],
         raise BuildError(f"the wheel and source_files() disagree (the app layer's cache key would be wrong): "
                          f"only in the wheel {sorted(packed - selected)[:5]}, only selected {sorted(selected - packed)[:5]}")
     pip(python, "install", "--no-deps", "--no-index", "--target", str(root / SITE), "--no-compile",
-        *pip_target_flags(debs), str(wheel), what="pip install of the project's wheel")
+        *pip_target_flags(debs, native()), str(wheel), what="pip install of the project's wheel")
     _tidy_target(root)
     # pip records where the wheel was installed from: a path on the build machine, different in every cache.
     for dist_info in (root / SITE).glob("gpu_dra_driver-*.dist-info"):
@@ -568,23 +656,22 @@ def extract_layer(blob: Path, dest: Path) -> None:
 
 
 def prune(cache: Path, keep: int = 3) -> None:
-    """Keeps the `keep` most recently used archives and layers of each kind; each code change makes new ones."""
+    """Keeps the `keep` most recently used archives and index layouts, and twice as many layers of each kind (two
+    architectures; an app layer per version); each code change makes new ones."""
     groups: dict[str, list[Path]] = {}
-    for d in [*(cache / "archives").glob("*"), *(cache / "layers").glob("*-*")]:
+    for d in [*(cache / "archives").glob("*"), *(cache / "indexes").glob("*"), *(cache / "layers").glob("*-*")]:
         groups.setdefault(d.parent.name + d.name.split("-")[0] * (d.parent.name == "layers"), []).append(d)
-    for dirs in groups.values():
-        for old in sorted(dirs, key=lambda p: p.stat().st_mtime, reverse=True)[keep:]:
+    for group, dirs in groups.items():
+        kept = keep * 2 if group.startswith("layers") else keep
+        for old in sorted(dirs, key=lambda p: p.stat().st_mtime, reverse=True)[kept:]:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def pack(layers: list[Layer], name: str, version: str) -> bytes:
-    """The OCI archive: an image layout in a tar, named after `name` for `ctr images import`."""
+def image_config(layers: list[Layer], version: str, plat: Platform) -> bytes:
     oci = _oci()
-    arch_name, _ = arch()
     created = oci.CREATED
-    metas = [layer.meta for layer in layers]
-    config = oci.canonical({
-        "created": created, "architecture": arch_name, "os": "linux",
+    return bytes(oci.canonical({
+        "created": created, **plat.oci,
         "config": {
             "User": f"{UID}:{GID}",
             "Env": ["PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8", "PYTHONUNBUFFERED=1",
@@ -594,76 +681,114 @@ def pack(layers: list[Layer], name: str, version: str) -> bytes:
                        "org.opencontainers.image.version": version,
                        "org.opencontainers.image.base.name": "debian:bookworm (packages: /var/lib/dpkg/status.d)"},
         },
-        "rootfs": {"type": "layers", "diff_ids": [m["diff_id"] for m in metas]},
+        "rootfs": {"type": "layers", "diff_ids": [layer.meta["diff_id"] for layer in layers]},
         "history": [{"created": created, "created_by": f"hack/build-image.py: {layer.kind} layer"} for layer in layers],
-    })
-    manifest = oci.canonical({
-        "schemaVersion": 2, "mediaType": oci.MANIFEST,
-        "config": {"mediaType": oci.CONFIG, "digest": oci.digest(config), "size": len(config)},
-        "layers": [{"mediaType": oci.LAYER, "digest": m["digest"], "size": m["size"]} for m in metas],
-    })
+    }))
+
+
+def image_blobs(layers: list[Layer], version: str, plat: Platform) -> tuple[bytes, list[bytes], dict[str, Path]]:
+    """(manifest, [config], {digest: layer file}) of one architecture's image."""
+    oci = _oci()
+    config = image_config(layers, version, plat)
+    metas = [layer.meta for layer in layers]
+    manifest = oci.image_manifest(config, metas)
+    return manifest, [config], {m["digest"]: layer.blob for m, layer in zip(metas, layers)}
+
+
+def pack(layers: list[Layer], name: str, version: str) -> bytes:
+    """The OCI archive of this machine's image: an image layout in a tar, named after `name` for `ctr images
+    import`."""
+    oci = _oci()
+    plat = native()
+    manifest, small, big = image_blobs(layers, version, plat)
     index = oci.canonical({
         "schemaVersion": 2, "mediaType": oci.INDEX,
         "manifests": [{
-            "mediaType": oci.MANIFEST, "digest": oci.digest(manifest), "size": len(manifest),
-            "platform": {"architecture": arch_name, "os": "linux"},
+            "mediaType": oci.MANIFEST, "digest": oci.digest(manifest), "size": len(manifest), "platform": plat.oci,
             "annotations": {"io.containerd.image.name": name, "org.opencontainers.image.ref.name": oci._tag(name)},
         }],
     })
-    small = {oci.digest(b).split(":", 1)[1]: b for b in (config, manifest)}
-    big = {m["digest"].split(":", 1)[1]: layer.blob for m, layer in zip(metas, layers)}
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for d in ("blobs", "blobs/sha256"):
-            tar.addfile(oci._info(d, None, tarfile.DIRTYPE))
-        for hexd in sorted({**small, **big}):
-            if hexd in small:
-                body = small[hexd]
-                tar.addfile(oci._info(f"blobs/sha256/{hexd}", None, tarfile.REGTYPE, len(body), mode=0o644),
-                            io.BytesIO(body))
-            else:
-                with open(big[hexd], "rb") as fh:
-                    tar.addfile(oci._info(f"blobs/sha256/{hexd}", None, tarfile.REGTYPE,
-                                          big[hexd].stat().st_size, mode=0o644), fh)
-        for fname, body in (("index.json", index), ("oci-layout", oci.canonical({"imageLayoutVersion": "1.0.0"}))):
-            tar.addfile(oci._info(fname, None, tarfile.REGTYPE, len(body), mode=0o644), io.BytesIO(body))
-    return out.getvalue()
+    return bytes(oci.layout_tar(index, [manifest, *small], big))
+
+
+def write_index_layout(images: dict[Platform, list[Layer]], name: str, version: str, out: Path) -> str:
+    """The image index of every architecture in `images`, as an OCI layout directory at `out` whose index.json
+    names that index (`crane push DIR REF` pushes it as it is); returns the index's digest."""
+    oci = _oci()
+    small: list[bytes] = []
+    big: dict[str, Path] = {}
+    entries = []
+    for plat, layers in images.items():
+        manifest, configs, blobs = image_blobs(layers, version, plat)
+        small += [manifest, *configs]
+        big.update(blobs)
+        entries.append({"mediaType": oci.MANIFEST, "digest": oci.digest(manifest), "size": len(manifest),
+                        "platform": plat.oci})
+    index = oci.canonical({"schemaVersion": 2, "mediaType": oci.INDEX, "manifests": entries})
+    top = oci.canonical({
+        "schemaVersion": 2, "mediaType": oci.INDEX,
+        "manifests": [{"mediaType": oci.INDEX, "digest": oci.digest(index), "size": len(index),
+                       "annotations": {"io.containerd.image.name": name,
+                                       "org.opencontainers.image.ref.name": oci._tag(name)}}],
+    })
+    oci.write_layout(out, top, [index, *small], big)
+    return str(oci.digest(index))
 
 
 def project_version() -> str:
     return str(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"])
 
 
-def build_layers(cache: Path, python: str, hook: Path) -> list[Layer]:
+def build_layers(cache: Path, python: str, plat: Platform, hook: Path) -> list[Layer]:
+    """base, deps and app of `plat`. This machine's base layer is built in any case: its Python compiles the
+    others; the app layer is the same for every architecture."""
+    here = native()
     script = Path(__file__).read_bytes() + (HACK / "build-oci-image.py").read_bytes()
-    debs = read_debian_lock()
-    base_key = key_of(script, DEBIAN_LOCK.read_bytes(), platform.machine())
-    deps_key = key_of(base_key, PYPI_LOCK.read_bytes(), sha256_file(hook))
-    app_key = key_of(base_key, BUILD_LOCK.read_bytes(),
+    debs, native_debs = read_debian_lock(plat.deb), read_debian_lock(here.deb)
+    if python_version(debs) != python_version(native_debs):
+        raise BuildError(f"{DEBIAN_LOCK.name} pins python{PYTHON} {python_version(debs)} for {plat.deb} but "
+                         f"{python_version(native_debs)} for {here.deb}: one Python compiles both (make image-lock)")
+
+    def base_key(p: Platform) -> str:
+        return key_of(script, DEBIAN_LOCK.read_bytes(), p.machine)
+
+    deps_key = key_of(base_key(plat), PYPI_LOCK.read_bytes(), sha256_file(hook))
+    app_key = key_of(script, python_version(debs), BUILD_LOCK.read_bytes(),
                      *(str(f.relative_to(REPO)) + "\0" + f.read_text() for f in source_files()))
 
-    base = cached_layer(cache, "base", base_key, lambda root: build_base(root, cache))
+    def missing(kind: str, key: str) -> bool:
+        return not (cache / "layers" / f"{kind}-{key}" / "layer.json").exists()
+
+    native_base = cached_layer(cache, "base", base_key(here), lambda root: build_base(root, cache, here, None))
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        base_root = Path(tmp) / "base"
-        needs_python = [not (cache / "layers" / f"{k}-{key}" / "layer.json").exists()
-                        for k, key in (("deps", deps_key), ("app", app_key))]
-        if any(needs_python):  # the image's Python compiles the pycs of the other layers
-            extract_layer(base.blob, base_root)
+        python_root = Path(tmp) / "base"
+        if missing("deps", deps_key) or missing("app", app_key) or (plat != here and missing("base", base_key(plat))):
+            extract_layer(native_base.blob, python_root)  # its Python compiles the pycs of the others
+        base = native_base if plat == here else cached_layer(
+            cache, "base", base_key(plat), lambda root: build_base(root, cache, plat, python_root))
         deps = cached_layer(cache, "deps", deps_key,
-                            lambda root: build_deps(root, base_root, cache, python, debs, hook))
+                            lambda root: build_deps(root, python_root, cache, python, debs, hook, plat))
         app_dir = cache / "layers" / f"app-{app_key}"
         app = cached_layer(cache, "app", app_key,
-                           lambda root: build_app(root, base_root, cache, python, debs, app_dir / "wheel"))
+                           lambda root: build_app(root, python_root, cache, python, native_debs, app_dir / "wheel"))
     return [base, deps, app]
 
 
-def cmd_build(args: argparse.Namespace) -> int:
+def image_cache() -> Path:
     cache = Path(os.environ.get("GPU_DRA_CACHE", Path.home() / ".cache/gpu-dra")) / "image"
     cache.mkdir(parents=True, exist_ok=True)
-    repository = args.repository or pinned("DRIVER_IMAGE_REPOSITORY")
+    return cache
+
+
+def image_name(args: argparse.Namespace) -> str:
+    return f"{args.repository or pinned('DRIVER_IMAGE_REPOSITORY')}:{args.tag or project_version()}"
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    cache = image_cache()
     version = project_version()
-    name = f"{repository}:{args.tag or version}"
-    layers = build_layers(cache, args.python, cdi_hook_binary(args.cdi_hook))
+    name = image_name(args)
+    layers = build_layers(cache, args.python, native(), cdi_hook_binary(args.cdi_hook, native()))
     key = key_of(name, *(layer.key for layer in layers), Path(__file__).read_bytes())
     out = cache / "archives" / key / "gpu-dra-driver.oci.tar"
     if not out.exists():
@@ -689,36 +814,77 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_index(args: argparse.Namespace) -> int:
+    cache = image_cache()
+    version = project_version()
+    name = image_name(args)
+    images = {plat: build_layers(cache, args.python, plat, cdi_hook_binary(args.cdi_hook, plat))
+              for plat in PLATFORMS.values()}
+    key = key_of(name, *(layer.key for layers in images.values() for layer in layers), Path(__file__).read_bytes())
+    out = args.out or cache / "indexes" / key
+    if args.out or not (out / "index.json").exists():
+        shutil.rmtree(out, ignore_errors=True)
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        digest = write_index_layout(images, name, version, tmp)
+        tmp.replace(out)
+        log(f"wrote the image index {digest} of {', '.join(p.deb for p in images)} to {out}")
+    else:
+        log(f"reusing {out}")
+        os.utime(out)
+    if not args.out:
+        prune(cache)
+    top = json.loads((out / "index.json").read_text())
+    print(f"{name} {top['manifests'][0]['digest']} {out}")
+    return 0
+
+
 def cmd_rootfs(args: argparse.Namespace) -> int:
-    cache = Path(os.environ.get("GPU_DRA_CACHE", Path.home() / ".cache/gpu-dra")) / "image"
-    cache.mkdir(parents=True, exist_ok=True)
+    cache = image_cache()
     args.out.mkdir(parents=True, exist_ok=True)
-    for layer in build_layers(cache, args.python, cdi_hook_binary(args.cdi_hook)):
+    for layer in build_layers(cache, args.python, native(), cdi_hook_binary(args.cdi_hook, native())):
         extract_layer(layer.blob, args.out)
     print(args.out)
     return 0
 
 
+def lock_wheels(python: str, reqs: list[str], flags_of: dict[Platform, list[str]], what: str) -> list[str]:
+    """Lock lines of `reqs` resolved for each platform's flags: one version of each distribution for all of them,
+    with the hash of every platform's wheel (pip --require-hashes takes any of a line's hashes)."""
+    found: dict[str, dict[str, set[str]]] = {}
+    for plat, flags in flags_of.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            pip(python, "download", "-d", tmp, *flags, *reqs, what=f"resolving {what} for {plat.deb}")
+            for wheel in Path(tmp).glob("*.whl"):
+                dist, ver = wheel.name.split("-")[:2]
+                found.setdefault(dist.replace("_", "-").lower(), {}).setdefault(ver, set()).add(sha256_file(wheel))
+    lines = []
+    for dist, versions in sorted(found.items()):
+        if len(versions) != 1:
+            raise BuildError(f"{what}: {dist} resolves to {sorted(versions)} on different architectures")
+        (ver, hashes), = versions.items()
+        lines.append(f"{dist}=={ver}" + "".join(f" --hash=sha256:{h}" for h in sorted(hashes)) + "\n")
+    return lines
+
+
 def cmd_lock(args: argparse.Namespace) -> int:
-    if shutil.which("apt-cache") is None:
-        raise BuildError("`lock` resolves Debian packages with apt: run it on a Debian 12 host")
-    debs = resolve_debian(ROOT_PACKAGES)
-    header = ("# Debian packages of the image, resolved by `hack/build-image.py lock` (make image-lock) from the\n"
-              "# host's apt lists (bookworm, bookworm-updates, bookworm-security). Do not edit.\n"
+    with private_apt() as apt:
+        per_arch = {plat.deb: resolve_debian(ROOT_PACKAGES, plat.deb, apt) for plat in PLATFORMS.values()}
+    debs = merged_debian_lock(per_arch)
+    header = ("# Debian packages of the image, resolved by `hack/build-image.py lock` (make image-lock) for "
+              f"{', '.join(PLATFORMS)} from\n# the host's apt sources (bookworm, bookworm-updates, bookworm-security). "
+              "Each architecture takes its own\n# packages and the `all` ones. Do not edit.\n"
               f"# roots: {' '.join(ROOT_PACKAGES)}\n# left out: {' '.join(sorted(EXCLUDED))}\n")
     DEBIAN_LOCK.write_text(header + "".join(d.line() + "\n" for d in debs))
     log(f"{DEBIAN_LOCK}: {len(debs)} packages")
-    flags = pip_target_flags(debs)
-    runtime = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    build = tomllib.loads((REPO / "pyproject.toml").read_text())["build-system"]["requires"]
-    for path, reqs, extra, what in ((PYPI_LOCK, runtime, flags, "runtime dependencies of pyproject.toml"),
-                                    (BUILD_LOCK, build, ["--only-binary=:all:"], "the build backend")):
-        with tempfile.TemporaryDirectory() as tmp:
-            pip(args.python, "download", "-d", tmp, *extra, *reqs, what=f"resolving {what}")
-            lines = []
-            for wheel in sorted(Path(tmp).glob("*.whl"), key=lambda p: p.name.lower()):
-                dist, ver = wheel.name.split("-")[:2]
-                lines.append(f"{dist.replace('_', '-').lower()}=={ver} --hash=sha256:{sha256_file(wheel)}\n")
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    runtime = lock_wheels(args.python, pyproject["project"]["dependencies"],
+                          {p: pip_target_flags(per_arch[p.deb], p) for p in PLATFORMS.values()},
+                          "runtime dependencies of pyproject.toml")
+    build = lock_wheels(args.python, pyproject["build-system"]["requires"],
+                        {native(): ["--only-binary=:all:"]}, "the build backend")
+    for path, lines, what in ((PYPI_LOCK, runtime, "runtime dependencies of pyproject.toml"),
+                              (BUILD_LOCK, build, "the build backend")):
         path.write_text(f"# {what.capitalize()}, for the image: resolved by `hack/build-image.py lock` "
                         f"(make image-lock). Do not edit.\n" + "".join(lines))
         log(f"{path}: {len(lines)} wheels")
@@ -729,19 +895,23 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--python", default=sys.executable, help="the Python whose pip downloads and installs wheels")
     ap.add_argument("--cdi-hook", type=Path, default=os.environ.get("CDI_HOOK") or None,
-                    help="the nvidia-cdi-hook binary to ship (default: built or reused by hack/build-cdi-tools.sh)")
+                    help="the nvidia-cdi-hook binary to ship in this machine's image (default: built or reused by "
+                         "hack/build-cdi-tools.sh, which also cross-compiles the other architecture's)")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="build the OCI archive (cached)")
-    b.add_argument("--repository", default=os.environ.get("IMAGE_REPOSITORY"),
-                   help="image repository (default: DRIVER_IMAGE_REPOSITORY in hack/versions.env)")
-    b.add_argument("--tag", default=os.environ.get("IMAGE_TAG"), help="image tag (default: the project version)")
+    b = sub.add_parser("build", help="build the OCI archive of this machine's architecture (cached)")
+    i = sub.add_parser("index", help="build the image index of linux/amd64 and linux/arm64 as an OCI layout")
+    for p in (b, i):
+        p.add_argument("--repository", default=os.environ.get("IMAGE_REPOSITORY"),
+                       help="image repository (default: DRIVER_IMAGE_REPOSITORY in hack/versions.env)")
+        p.add_argument("--tag", default=os.environ.get("IMAGE_TAG"), help="image tag (default: the project version)")
+    i.add_argument("--out", type=Path, help="the layout directory, replaced (default: one in the cache)")
     r = sub.add_parser("rootfs", help="write the image's file system into a directory")
     r.add_argument("--out", type=Path, required=True)
     sub.add_parser("lock", help="re-resolve deploy/image/*.lock from apt and PyPI")
     args = ap.parse_args(argv)
     os.umask(0o022)
     try:
-        return {"build": cmd_build, "rootfs": cmd_rootfs, "lock": cmd_lock}[args.cmd](args)
+        return {"build": cmd_build, "index": cmd_index, "rootfs": cmd_rootfs, "lock": cmd_lock}[args.cmd](args)
     except BuildError as err:
         print(f"build-image: error: {err}", file=sys.stderr)
         return 1

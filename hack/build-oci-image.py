@@ -16,9 +16,11 @@ import io
 import json
 import os
 import platform
+import shutil
 import stat
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +87,52 @@ def _tag(name: str) -> str:
     return tag if sep and "/" not in tag else "latest"
 
 
+def image_manifest(config: bytes, layers: list[dict[str, Any]]) -> bytes:
+    """The image manifest of a config and its gzip'd layers (each {"digest", "size"})."""
+    return canonical({
+        "schemaVersion": 2, "mediaType": MANIFEST,
+        "config": {"mediaType": CONFIG, "digest": digest(config), "size": len(config)},
+        "layers": [{"mediaType": LAYER, "digest": m["digest"], "size": m["size"]} for m in layers],
+    })
+
+
+def layout_tar(index: bytes, small: list[bytes], big: dict[str, Path]) -> bytes:
+    """An OCI image layout in a tar (what `ctr images import` reads): index.json, the `small` blobs (manifests,
+    configs) and the `big` ones (digest -> file), entries sorted and dated 0."""
+    blobs: dict[str, bytes | Path] = {**{digest(b): b for b in small}, **big}
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for d in ("blobs", "blobs/sha256"):
+            tar.addfile(_info(d, None, tarfile.DIRTYPE))
+        for name in sorted(blobs):
+            body = blobs[name]
+            path = f"blobs/sha256/{name.split(':', 1)[1]}"
+            if isinstance(body, bytes):
+                tar.addfile(_info(path, None, tarfile.REGTYPE, len(body), mode=0o644), io.BytesIO(body))
+            else:
+                with open(body, "rb") as fh:
+                    tar.addfile(_info(path, None, tarfile.REGTYPE, body.stat().st_size, mode=0o644), fh)
+        for fname, data in (("index.json", index), ("oci-layout", canonical({"imageLayoutVersion": "1.0.0"}))):
+            tar.addfile(_info(fname, None, tarfile.REGTYPE, len(data), mode=0o644), io.BytesIO(data))
+    return out.getvalue()
+
+
+def write_layout(out: Path, index: bytes, small: list[bytes], big: dict[str, Path]) -> None:
+    """The same layout as a directory (what `crane push DIR` reads); the big blobs hard-linked when they can be."""
+    blobs = out / "blobs" / "sha256"
+    blobs.mkdir(parents=True)
+    for body in small:
+        (blobs / digest(body).split(":", 1)[1]).write_bytes(body)
+    for name, path in big.items():
+        dest = blobs / name.split(":", 1)[1]
+        try:
+            os.link(path, dest)
+        except OSError:
+            shutil.copyfile(path, dest)
+    (out / "oci-layout").write_bytes(canonical({"imageLayoutVersion": "1.0.0"}))
+    (out / "index.json").write_bytes(index)
+
+
 def build(rootfs: Path, name: str, entrypoint: list[str], cmd: list[str], env: list[str]) -> bytes:
     """The OCI archive as bytes."""
     arch = _ARCH.get(platform.machine(), platform.machine())
@@ -96,11 +144,7 @@ def build(rootfs: Path, name: str, entrypoint: list[str], cmd: list[str], env: l
         "rootfs": {"type": "layers", "diff_ids": [digest(raw)]},
         "history": [{"created": CREATED, "created_by": "hack/build-oci-image.py"}],
     })
-    manifest = canonical({
-        "schemaVersion": 2, "mediaType": MANIFEST,
-        "config": {"mediaType": CONFIG, "digest": digest(config), "size": len(config)},
-        "layers": [{"mediaType": LAYER, "digest": digest(layer), "size": len(layer)}],
-    })
+    manifest = image_manifest(config, [{"digest": digest(layer), "size": len(layer)}])
     index = canonical({
         "schemaVersion": 2, "mediaType": INDEX,
         "manifests": [{
@@ -111,17 +155,10 @@ def build(rootfs: Path, name: str, entrypoint: list[str], cmd: list[str], env: l
             "annotations": {"io.containerd.image.name": name, "org.opencontainers.image.ref.name": _tag(name)},
         }],
     })
-    blobs = {digest(b).split(":", 1)[1]: b for b in (layer, config, manifest)}
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for d in ("blobs", "blobs/sha256"):
-            tar.addfile(_info(d, None, tarfile.DIRTYPE))
-        for hexd in sorted(blobs):
-            tar.addfile(_info(f"blobs/sha256/{hexd}", None, tarfile.REGTYPE, len(blobs[hexd]), mode=0o644),
-                        io.BytesIO(blobs[hexd]))
-        for fname, body in (("index.json", index), ("oci-layout", canonical({"imageLayoutVersion": "1.0.0"}))):
-            tar.addfile(_info(fname, None, tarfile.REGTYPE, len(body), mode=0o644), io.BytesIO(body))
-    return out.getvalue()
+    with tempfile.TemporaryDirectory() as tmp:
+        blob = Path(tmp) / "layer"
+        blob.write_bytes(layer)
+        return layout_tar(index, [config, manifest], {digest(layer): blob})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,9 @@
 """Builds the krew plugin archive of `kubectl gpu` (deploy/krew/kubectl-gpu, the launcher, packed the same way
 every time so its sha256 is stable) and writes deploy/krew/gpu.yaml, the krew Plugin manifest pointing at it.
 
-    python hack/krew_manifest.py [--uri URL] [--archive dist/kubectl-gpu.tar.gz]
+    python hack/krew_manifest.py [--uri URL] [--archive dist/kubectl-gpu.tar.gz] [--manifest deploy/krew/gpu.yaml]
+
+`make release` writes a release's pair into dist/ with the uri it is published at (hack/release.py).
 
 Install from a checkout: `kubectl krew install --manifest=deploy/krew/gpu.yaml --archive=dist/kubectl-gpu.tar.gz`
 (krew checks the archive against the manifest's sha256 and does not fetch the uri then)."""
@@ -68,13 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--uri", default=DEFAULT_URI, help="where the archive is published")
     parser.add_argument("--archive", default=str(REPO / "dist" / "kubectl-gpu.tar.gz"), help="archive to write")
+    parser.add_argument("--manifest", default=str(MANIFEST), help="manifest to write")
     args = parser.parse_args(argv)
     data = archive_bytes()
     Path(args.archive).parent.mkdir(parents=True, exist_ok=True)
     Path(args.archive).write_bytes(data)
     doc = manifest(hashlib.sha256(data).hexdigest(), args.uri)
-    MANIFEST.write_text("# Written by hack/krew_manifest.py: edit that, not this.\n" + yaml.safe_dump(doc, sort_keys=False, width=1000))
-    print(f"{args.archive}\n{MANIFEST}")
+    Path(args.manifest).write_text("# Written by hack/krew_manifest.py: edit that, not this.\n"
+                                   + yaml.safe_dump(doc, sort_keys=False, width=1000))
+    print(f"{args.archive}\n{args.manifest}")
     return 0
 
 

@@ -43,7 +43,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -180,13 +180,14 @@ class LocalNode:
     `workdir` holds everything of the node (default: a new directory under /tmp, removed on stop); sockets
     live in it, so it must be short. `kubelet_config` is merged over the generated KubeletConfiguration.
     On a cluster with `node_authorization` the kubelet authenticates as system:node:<name> (a client
-    certificate), else as the cluster's admin."""
+    certificate), else as the cluster's admin. `registry_cas` maps registry hosts (host:port) to the CA file
+    containerd trusts for them (a hosts.toml each under ``containerd/certs.d``), so that pods pull from them."""
 
     def __init__(self, cluster: LocalCluster, name: str | None = None, labels: dict[str, str] | None = None,
                  cdi_dirs: Sequence[Path | str] = (), workdir: Path | str | None = None,
                  bin_dir: Path | str | None = None, startup_timeout: float = 120.0,
                  kubelet_config: dict[str, Any] | None = None, kubelet_args: Sequence[str] = (),
-                 kubelet_verbosity: int = 2) -> None:
+                 kubelet_verbosity: int = 2, registry_cas: Mapping[str, Path] | None = None) -> None:
         self.cluster = cluster
         self.name = name or local_hostname() or "local-node"
         self.labels = dict(labels or {})
@@ -198,6 +199,7 @@ class LocalNode:
         self.kubelet_config_overrides = dict(kubelet_config or {})
         self.kubelet_args = list(kubelet_args)
         self.kubelet_verbosity = kubelet_verbosity
+        self.registry_cas = dict(registry_cas or {})
         self.workdir: Path | None = None
         self.node_ip = ""
         self.cgroup_root = ""
@@ -564,6 +566,8 @@ temp = {q(str(d / 'containerd' / 'tmp'))}
     address = {q(str(self.containerd_socket) + '.ttrpc')}
   [plugins.'io.containerd.cri.v1.images']
     snapshotter = {q(self.snapshotter)}
+    [plugins.'io.containerd.cri.v1.images'.registry]
+      config_path = {q(str(self._certs_dir))}
     [plugins.'io.containerd.cri.v1.images'.pinned_images]
       sandbox = {q(pause_image())}
   [plugins.'io.containerd.cri.v1.runtime']
@@ -598,6 +602,19 @@ temp = {q(str(d / 'containerd' / 'tmp'))}
     socket_dir = {q(str(d / 'run' / 's'))}
 """
 
+    @property
+    def _certs_dir(self) -> Path:
+        return self._dir / "containerd" / "certs.d"
+
+    def _write_registry_hosts(self) -> None:
+        """containerd's hosts.toml per registry of `registry_cas`: HTTPS with that CA."""
+        for host, ca in self.registry_cas.items():
+            d = self._certs_dir / host
+            d.mkdir(parents=True, exist_ok=True)
+            q = json.dumps
+            (d / "hosts.toml").write_text(f'server = {q("https://" + host)}\n\n[host.{q("https://" + host)}]\n'
+                                          f'  capabilities = ["pull", "resolve"]\n  ca = {q(str(ca))}\n')
+
     def _pick_snapshotter(self) -> str:
         """overlayfs when the kernel mounts it in the work dir's file system, else the copying native one."""
         base = self._dir / "overlay-probe"
@@ -624,6 +641,7 @@ temp = {q(str(d / 'containerd' / 'tmp'))}
         (d / "cni" / "net.d" / "10-loopback.conflist").write_text(json.dumps(
             {"cniVersion": "1.0.0", "name": "loopback", "plugins": [{"type": "loopback"}]}))
         self.snapshotter = self._pick_snapshotter()
+        self._write_registry_hosts()
         config = d / "containerd.toml"
         config.write_text(self._containerd_config(bin_dir))
         # The shim finds runc and itself on PATH; keep the node's binaries first.

@@ -1,6 +1,8 @@
-"""The chart installed the way users install it, on a real node: the image that `make image` builds imported into the
-node's containerd, `helm install` of deploy/helm/gpu-dra-driver, and the DaemonSet's plugin pod running on a real
-kubelet v1.37 + containerd 2 + runc with the node's GPUs simulated (the chart's simulatedFleet).
+"""The driver released and installed the way users install it, on a real node: `make release` of this tree into a
+CNCF distribution registry (TLS, htpasswd basic authentication), `helm install oci://.../gpu-dra-driver --version`
+with the registry's credentials in imagePullSecrets, the node's containerd pulling the image index from the
+registry (nothing imported), and the DaemonSet's plugin pod running on a real kubelet v1.37 + containerd 2 + runc
+with the node's GPUs simulated (the chart's simulatedFleet).
 
 The local cluster runs with what a real cluster has and a kubelet-less one turns off: ServiceAccount admission (pods
 get projected tokens through TokenRequest), the Node authorizer and NodeRestriction (the kubelet is
@@ -8,22 +10,29 @@ system:node:<name> with a client certificate), and webhooks called at their endp
 ClusterIP here; `--enable-aggregator-routing`). The chart is told the API server's address (k8sServiceHost and
 k8sServicePort, as on kube-proxy-free clusters) and runs its pods in the node's network (no CNI).
 
-Proven here: the plugin pod runs from the imported image, registers with the kubelet under socket names with its
-pod UID, and publishes the node's slices; the controller and the webhook run, and the webhook pod refuses a bad
-claim; examples run with their devices; the admission policy holds for the plugin's own projected token; `helm
-upgrade` to another tag rolls the plugin while running pods keep their devices and a later delete unprepares;
-`helm uninstall` leaves no slices, classes or CDI specs behind. The tests run in file order on one installation.
+Proven here: the release pushed one image index of linux/amd64 and linux/arm64 and a chart pinning it by digest,
+refuses a version already pushed and a dirty tree, and its krew manifest names its archive where it is served; the
+release's wheel, installed alone into a fresh virtualenv, gives `gpu-dra` and `kubectl gpu` that read this cluster;
+the plugin pod runs from the pulled image, registers with the kubelet under socket names with its pod UID, and
+publishes the node's slices; the controller and the webhook run, and the webhook pod refuses a bad claim; examples
+run with their devices; the admission policy holds for the plugin's own projected token; `helm upgrade` to the next
+release rolls the plugin onto the next image while running pods keep their devices and claims, and a later delete
+unprepares; `helm uninstall` leaves no slices, classes or CDI specs behind. The tests run in file order on one
+installation.
 """
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +40,16 @@ import pytest
 import yaml
 from kubernetes import client as kclient
 from kubernetes import config as kconfig
+from oci_registry import LocalRegistry
 from realnode_helpers import EXAMPLES, RealNode, fleet_node, load_objects
+from releaser import Releaser
 from standin.workloads import wait_until
 from test_realnode_examples import Checked, check_pod, finish
 
 from api.names import DEFAULT_DRIVER_NAME
 from kube.client import DEVICE_CLASSES, SLICES, ApiError, KubeApi
 from kubeletplugin.transport.sockets import socket_paths
-from testbed.helmchart import CHART, helm
+from testbed.helmchart import CHART, helm_binary
 from testbed.hostplumbing import cgroup_dirs
 from testbed.localcluster import free_port
 from testbed.localnode import install_driver_root
@@ -52,18 +63,11 @@ NAMESPACE = "gpu-dra"
 FULLNAME = f"{RELEASE}-gpu-dra-driver"
 DRIVER = DEFAULT_DRIVER_NAME
 GPU_LABEL = {"nvidia.com/gpu.present": "true"}
-UPGRADE_TAG = "0.1.1"
 PODS = "/api/v1/namespaces/{ns}/pods"
-
-
-def build_image() -> tuple[str, Path]:
-    """(name:tag, archive) of `make image`: hack/build-image.py reports them on its last line (cached: under a
-    second when nothing changed, about 30 s cold)."""
-    proc = subprocess.run([sys.executable, str(REPO / "hack" / "build-image.py"), "build"], capture_output=True,
-                          text=True, timeout=1800, env={**os.environ, "IMAGE_TAG": "", "IMAGE_REPOSITORY": ""})
-    assert proc.returncode == 0, f"hack/build-image.py build failed:\n{proc.stderr[-3000:]}"
-    name, path = proc.stdout.strip().splitlines()[-1].split()
-    return name, Path(path)
+PULL_SECRET = "registry-credentials"
+# The releases: the tree's version, then its next patch release for the upgrade.
+VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+NEXT_VERSION = ".".join([*VERSION.split(".")[:2], str(int(VERSION.split(".")[2]) + 1)])
 
 
 class ChartPlugin(LocalNodePlugin):
@@ -122,21 +126,37 @@ class ChartPlugin(LocalNodePlugin):
 
 
 class Installation:
-    """The cluster, the node, the imported image and the chart's release."""
+    """The cluster, the node and the chart's release; with `releaser`, the registry the chart and image came from
+    and `released`, the first release's dist/release-<version>.json. `image` is what the chart's pods run."""
 
     def __init__(self, real: RealNode, image: str, values: Path, plugin: ChartPlugin, controller_port: int,
-                 webhook_port: int) -> None:
+                 webhook_port: int, releaser: Releaser | None = None, released: dict[str, Any] | None = None) -> None:
         self.real, self.image, self.values, self.plugin = real, image, values, plugin
         self.controller_port, self.webhook_port = controller_port, webhook_port
+        self._releaser, self._released = releaser, released
 
     @property
     def kube(self) -> KubeApi:
         assert self.real.kube is not None
         return self.real.kube
 
+    @property
+    def releaser(self) -> Releaser:
+        assert self._releaser is not None, "installed from the checkout, not from a release"
+        return self._releaser
+
+    @property
+    def released(self) -> dict[str, Any]:
+        assert self._released is not None, "installed from the checkout, not from a release"
+        return self._released
+
     def helm(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """Helm on this cluster and the chart's namespace; with the registry's credentials and CA."""
         assert self.real.cluster is not None
-        return helm(*args, "--kubeconfig", str(self.real.cluster.kubeconfig), "--namespace", NAMESPACE)
+        registry = self._releaser.registry.client_env() if self._releaser else {}
+        return subprocess.run([helm_binary(), *args, "--kubeconfig", str(self.real.cluster.kubeconfig),
+                               "--namespace", NAMESPACE], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, **registry})
 
     def component_pod(self, component: str, timeout: float = 60.0, ready: bool = False) -> dict[str, Any]:
         """The running (and, with `ready`, Ready) pod of a chart component, on the real node."""
@@ -162,15 +182,15 @@ class Installation:
                                  f"events: {events}\n{node.logs_tail(15)}") from None
 
 
-def chart_values(real: RealNode, image: str, plugin_port: int, controller_port: int, webhook_port: int,
+def chart_values(real: RealNode, image: dict[str, Any], plugin_port: int, controller_port: int, webhook_port: int,
                  driver_root: Path) -> dict[str, Any]:
-    """The values for this cluster: the imported image never pulled, the API server's address, the node's
-    network, paths under the node's kubelet root and CDI directory, the simulated fleet for the node."""
+    """The values for this cluster: the image's (the registry's credentials, or an imported image never pulled),
+    the API server's address, the node's network, paths under the node's kubelet root and CDI directory, the
+    simulated fleet for the node."""
     assert real.node is not None and real.cluster is not None
-    repository, tag = image.rsplit(":", 1)
     on_the_node = {"kubernetes.io/hostname": real.node.name}
     return {
-        "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
+        **image,
         # No kube-proxy: the `kubernetes` Service's ClusterIP goes nowhere; the API server listens on loopback,
         # which pods in the node's network reach.
         "k8sServiceHost": "127.0.0.1", "k8sServicePort": real.cluster.ports["apiserver"],
@@ -194,22 +214,52 @@ def mps_cgroup(real: RealNode) -> str:
     return f"{real.node.cgroup_root.strip('/')}/gpu-dra-mps"
 
 
-@pytest.fixture(scope="module")
-def installed() -> Iterator[Installation]:
+def build_image() -> tuple[str, Path]:
+    """(name:tag, archive) of `make image`: hack/build-image.py reports them on its last line (cached: under a
+    second when nothing changed, about 30 s cold)."""
+    proc = subprocess.run([sys.executable, str(REPO / "hack" / "build-image.py"), "build"], capture_output=True,
+                          text=True, timeout=1800, env={**os.environ, "IMAGE_TAG": "", "IMAGE_REPOSITORY": ""})
+    assert proc.returncode == 0, f"hack/build-image.py build failed:\n{proc.stderr[-3000:]}"
+    name, path = proc.stdout.strip().splitlines()[-1].split()
+    return name, Path(path)
+
+
+@contextmanager
+def installation(workdir: Path, from_release: bool = True) -> Iterator[Installation]:
+    """The chart installed on a real node. From a release: `make release` into a registry with TLS and basic
+    authentication, `helm install oci://...`, containerd pulls the image with the chart's imagePullSecrets. Else
+    from the checkout: `make image`'s archive imported into the node's containerd, as `kind load image-archive`
+    does, and deploy/helm/gpu-dra-driver."""
     t0 = time.monotonic()
-    image, archive = build_image()
-    print(f"\nmake image: {time.monotonic() - t0:.1f}s")
-    real = RealNode(cluster_options={"service_accounts": True, "node_authorization": True, "endpoint_routing": True},
-                    labels=GPU_LABEL).start()
+    registry: LocalRegistry | None = None
+    releaser: Releaser | None = None
+    released: dict[str, Any] | None = None
+    real: RealNode | None = None
     try:
-        assert real.node is not None and real.node.workdir is not None
+        if from_release:
+            registry = LocalRegistry(workdir / "registry").start()
+            releaser = Releaser(registry, workdir)
+            released = releaser.release(VERSION)
+            image = str(released["image"]["reference"])
+            print(f"\nregistry and make release {VERSION}: {time.monotonic() - t0:.1f}s")
+        else:
+            image, archive = build_image()
+        # The node's containerd trusts the registry's CA (containerd's hosts.toml), as a node trusts its
+        # registry's; the credentials come with each pull, from the pods' imagePullSecrets.
+        real = RealNode(cluster_options={"service_accounts": True, "node_authorization": True,
+                                         "endpoint_routing": True}, labels=GPU_LABEL,
+                        node_options={"registry_cas": {registry.host: registry.ca}} if registry else {}).start()
+        assert real.node is not None and real.node.workdir is not None and real.kube is not None
         node = real.node
-        # As `kind load image-archive` does it: the OCI archive into the CRI namespace of the node's containerd.
-        node.ctr("images", "import", "--snapshotter", node.snapshotter, str(archive), timeout=180)
-        repository = image.rsplit(":", 1)[0]
-        node.ctr("images", "tag", "--force", image, f"{repository}:{UPGRADE_TAG}")
-        names = node.ctr("images", "ls", "-q").stdout.split()
-        assert image in names and f"{repository}:{UPGRADE_TAG}" in names, names
+        if registry:
+            assert not [n for n in node.ctr("images", "ls", "-q").stdout.split() if registry.host in n], \
+                "the node has the driver's image before the install"
+            image_values: dict[str, Any] = {"imagePullSecrets": [{"name": PULL_SECRET}]}
+        else:
+            node.ctr("images", "import", "--snapshotter", node.snapshotter, str(archive), timeout=180)
+            assert image in node.ctr("images", "ls", "-q").stdout.split()
+            repository, tag = image.rsplit(":", 1)
+            image_values = {"image": {"repository": repository, "tag": tag, "pullPolicy": "Never"}}
         # The simulated node's driver files: the CUDA stand-in, laid out as a host driver install.
         driver_root = node.workdir / "driver-root"
         driver_root.mkdir()
@@ -221,19 +271,41 @@ def installed() -> Iterator[Installation]:
             subprocess.run(argv, check=True, capture_output=True)
         ports = (free_port(), free_port(), free_port())
         values = node.workdir / "values.yaml"
-        values.write_text(yaml.safe_dump(chart_values(real, image, *ports, driver_root), sort_keys=False))
-        inst = Installation(real, image, values, ChartPlugin(real, ports[0], driver_root), ports[1], ports[2])
-        proc = inst.helm("install", RELEASE, str(CHART), "--create-namespace", "-f", str(values))
+        values.write_text(yaml.safe_dump(chart_values(real, image_values, *ports, driver_root), sort_keys=False))
+        real.namespace(NAMESPACE)
+        if registry:
+            # The pull secret, as `kubectl create secret docker-registry` makes it, in the release's namespace.
+            real.kube.create(f"/api/v1/namespaces/{NAMESPACE}/secrets", {
+                "apiVersion": "v1", "kind": "Secret", "metadata": {"name": PULL_SECRET},
+                "type": "kubernetes.io/dockerconfigjson",
+                "stringData": {".dockerconfigjson": json.dumps(registry.docker_config())}})
+        inst = Installation(real, image, values, ChartPlugin(real, ports[0], driver_root), ports[1], ports[2],
+                            releaser, released)
+        chart = [releaser.chart, "--version", VERSION] if releaser else [str(CHART)]
+        proc = inst.helm("install", RELEASE, *chart, "-f", str(values))
         assert proc.returncode == 0, proc.stderr
-        print(f"\ncluster, node, image import and helm install: {time.monotonic() - t0:.1f}s")
+        print(f"\n+ cluster, node and helm install of {chart[0]}: {time.monotonic() - t0:.1f}s")
         yield inst
     finally:
         try:
-            if real.cluster is not None and real.kube is not None:
-                helm("uninstall", RELEASE, "--kubeconfig", str(real.cluster.kubeconfig), "--namespace", NAMESPACE,
-                     "--ignore-not-found")
+            if real is not None and real.cluster is not None and real.kube is not None:
+                subprocess.run([helm_binary(), "uninstall", RELEASE, "--kubeconfig", str(real.cluster.kubeconfig),
+                                "--namespace", NAMESPACE, "--ignore-not-found"], capture_output=True, timeout=120)
         finally:
-            real.stop()
+            try:
+                if real is not None:
+                    real.stop()
+            finally:
+                if releaser is not None:
+                    releaser.stop()
+                if registry is not None:
+                    registry.stop()
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installation]:
+    with installation(tmp_path_factory.mktemp("release")) as inst:
+        yield inst
 
 
 def token_client(real: RealNode, token: str) -> KubeApi:
@@ -281,17 +353,82 @@ def test_the_kubelet_is_its_node_and_may_change_only_that_node(installed: Instal
         kubelet.api_client.close()
 
 
+# ---- the release --------------------------------------------------------------------------------
+
+
+def crane(installed: Installation, *args: str) -> subprocess.CompletedProcess[str]:
+    binary = subprocess.run(["bash", str(REPO / "hack" / "build-oci-tools.sh"), "crane"], capture_output=True,
+                            text=True, check=True).stdout.strip().splitlines()[-1]
+    return subprocess.run([binary, *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **installed.releaser.registry.client_env()})
+
+
+def test_the_release_pushed_an_index_of_both_platforms_and_a_chart_pinning_it(installed: Installation) -> None:
+    releaser = installed.releaser
+    repository, digest = installed.image.split("@")
+    assert repository == f"{releaser.image}:{VERSION}"
+    proc = crane(installed, "manifest", f"{releaser.image}:{VERSION}")
+    assert proc.returncode == 0, proc.stderr
+    assert "sha256:" + hashlib.sha256(proc.stdout.encode()).hexdigest() == digest
+    index = json.loads(proc.stdout)
+    assert index["mediaType"] == "application/vnd.oci.image.index.v1+json"
+    assert sorted(m["platform"]["architecture"] for m in index["manifests"]) == ["amd64", "arm64"]
+    proc = installed.helm("show", "chart", releaser.chart, "--version", VERSION)
+    assert proc.returncode == 0, proc.stderr
+    chart = yaml.safe_load(proc.stdout)
+    assert (chart["version"], chart["appVersion"]) == (VERSION, VERSION)
+    assert chart["annotations"] == {"gpu.dra-driver.io/image-digest": digest}
+    assert installed.released["chart"]["reference"] == releaser.chart
+    assert sorted(installed.released["files"]) == sorted([
+        f"gpu_dra_driver-{VERSION}-py3-none-any.whl", f"gpu_dra_driver-{VERSION}.tar.gz",
+        f"gpu-dra-driver-{VERSION}.tgz", f"kubectl-gpu-{VERSION}.tar.gz", f"krew-gpu-{VERSION}.yaml"])
+
+
+def test_a_version_already_pushed_is_refused(installed: Installation) -> None:
+    proc = installed.releaser.make_release(VERSION)
+    assert proc.returncode != 0
+    assert f"the chart {VERSION} is already in oci://{installed.releaser.chart[6:]}" in proc.stderr, proc.stderr
+
+
+def test_a_dirty_tree_is_refused(installed: Installation) -> None:
+    untracked = installed.releaser.repo / "api" / "scratch.py"
+    untracked.write_text("")
+    try:
+        proc = installed.releaser.make_release(NEXT_VERSION)
+    finally:
+        untracked.unlink()
+    assert proc.returncode != 0 and "the tree is not clean (api/scratch.py" in proc.stderr, proc.stderr
+
+
+def test_the_krew_manifest_names_the_archive_where_it_is_published(installed: Installation) -> None:
+    dist = installed.releaser.dist
+    manifest = yaml.safe_load((dist / f"krew-gpu-{VERSION}.yaml").read_text())
+    assert manifest["spec"]["version"] == f"v{VERSION}"
+    uris = {p["uri"] for p in manifest["spec"]["platforms"]}
+    assert uris == {f"{installed.releaser.url}/kubectl-gpu-{VERSION}.tar.gz"}
+    with urllib.request.urlopen(uris.pop(), timeout=10) as resp:
+        served = resp.read()
+    assert {p["sha256"] for p in manifest["spec"]["platforms"]} == {hashlib.sha256(served).hexdigest()}
+
+
 # ---- install --------------------------------------------------------------------------------------
 
 
-def test_the_plugin_pod_runs_the_imported_image_registers_and_publishes(installed: Installation) -> None:
+def test_the_plugin_pod_runs_the_pulled_image_registers_and_publishes(installed: Installation) -> None:
     plugin, node = installed.plugin, installed.real.node
     assert node is not None
-    pod = installed.component_pod("kubelet-plugin", timeout=90)
+    pod = installed.component_pod("kubelet-plugin", timeout=180)
     assert pod["spec"]["nodeName"] == node.name
+    # The chart's own image, pinned by the release's digest, pulled with the chart's imagePullSecrets.
+    assert pod["spec"]["containers"][0]["image"] == installed.image
+    assert pod["spec"]["imagePullSecrets"] == [{"name": PULL_SECRET}]
     status, = pod["status"]["containerStatuses"]
-    # imagePullPolicy Never: it can only have run from the image imported into the node's containerd.
-    assert status["image"] == installed.image and pod["spec"]["containers"][0]["imagePullPolicy"] == "Never"
+    repository = installed.image.split("@")[0].rsplit(":", 1)[0]
+    assert status["imageID"] == f"{repository}@{installed.image.split('@')[1]}"
+    # The kubelet pulled it from the registry (the node had no such image before the install).
+    events = "\n".join(installed.real.events(NAMESPACE, p["metadata"]["name"])
+                       for p in installed.kube.list(PODS.format(ns=NAMESPACE))["items"])
+    assert f'Pulled: Successfully pulled image "{installed.image}"' in events, events
     try:
         plugin.wait_registered(60)
     except NodePluginError as exc:
@@ -360,6 +497,59 @@ def run_example(installed: Installation, example: str, prefix: str = "chart") ->
 def test_an_example_runs_with_its_devices(installed: Installation, example: str) -> None:
     namespace, pods, checked = run_example(installed, example)
     finish(installed.real, installed.plugin, namespace, pods, checked)
+
+
+# What a fresh virtualenv holds after `pip install` of the wheel: gpu-dra-driver and what its requirements need,
+# their markers evaluated (extras, such as dev, left out). pip's own packaging reads them.
+CLOSURE = """
+import importlib.metadata as md, json
+from pip._vendor.packaging.requirements import Requirement
+from pip._vendor.packaging.utils import canonicalize_name as name
+need, todo = set(), ["gpu-dra-driver"]
+while todo:
+    dist = name(todo.pop())
+    if dist in need:
+        continue
+    need.add(dist)
+    for r in map(Requirement, md.requires(dist) or []):
+        if r.marker is None or r.marker.evaluate({"extra": ""}):
+            todo.append(r.name)
+installed = {name(d.metadata["Name"]) for d in md.distributions()} - {"pip", "setuptools"}
+print(json.dumps({"need": sorted(need), "installed": sorted(installed)}))
+"""
+
+
+def test_the_released_wheel_alone_gives_gpu_dra_and_kubectl_gpu(installed: Installation, tmp_path: Path) -> None:
+    """`pip install dist/gpu_dra_driver-X.Y.Z-py3-none-any.whl` into a fresh virtualenv: only the runtime
+    dependencies, and `gpu-dra` and `kubectl gpu` (kubectl finds kubectl-gpu on PATH) read this cluster."""
+    real = installed.real
+    assert real.cluster is not None and real.node is not None
+    wheel = installed.releaser.dist / f"gpu_dra_driver-{VERSION}-py3-none-any.whl"
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=120)
+    proc = subprocess.run([str(venv / "bin/python"), "-m", "pip", "install", "--disable-pip-version-check", "-q",
+                           str(wheel)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "KUBECONFIG": str(real.cluster.kubeconfig), "HOME": str(tmp_path)}
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(list(argv), capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+
+    deps = json.loads(run(str(venv / "bin/python"), "-c", CLOSURE).stdout)
+    assert deps["installed"] == deps["need"], deps
+    assert not {"pytest", "mypy", "ruff", "grpcio-tools", "hypothesis"} & set(deps["installed"])
+    assert run(str(venv / "bin/gpu-dra"), "--version").stdout.strip() == f"gpu-dra {VERSION}"
+    where = run(str(venv / "bin/python"), "-c", "import cli; print(cli.__file__)").stdout
+    assert where.startswith(str(venv)), where           # the wheel's code, not the checkout's
+    namespace, pods, checked = run_example(installed, "gpu-by-family", "pip")
+    kubectl = str(real.cluster.bin_dir / "kubectl")
+    for argv in ([str(venv / "bin/gpu-dra"), "status", real.node.name], [kubectl, "gpu", "status", real.node.name]):
+        proc = run(*argv)
+        assert proc.returncode == 0 and pods[0] in proc.stdout and real.node.name in proc.stdout, \
+            f"{argv[1:]}: {proc.stdout}{proc.stderr}"
+    proc = run(kubectl, "gpu", "explain", f"pod/{pods[0]}", "-n", namespace)
+    assert proc.returncode == 0 and real.node.name in proc.stdout, proc.stdout + proc.stderr
+    finish(real, installed.plugin, namespace, pods, checked)
 
 
 def test_the_admission_policy_holds_for_the_plugins_own_token(installed: Installation) -> None:
@@ -466,7 +656,7 @@ def compute_mode(installed: Installation, gpu_uuid: str) -> str:
     return names.get(mode, str(mode))
 
 
-def test_helm_upgrade_rolls_the_plugin_and_running_pods_keep_their_devices(installed: Installation) -> None:
+def test_helm_upgrade_to_the_next_release_rolls_the_plugin_and_running_pods_keep_their_devices(installed: Installation) -> None:
     """... and MPS clients keep their daemon: the chart's plugin moved it out of its container's cgroup (into
     `mps.daemonCgroup`) and runs in the host's PID namespace, so replacing the plugin pod does not end it; the new
     plugin takes it over untouched and stops it with its last claim."""
@@ -490,9 +680,12 @@ def test_helm_upgrade_rolls_the_plugin_and_running_pods_keep_their_devices(insta
     expected_cgroups = {h: f"/{mps_cgroup(real)}" for h in plugin_cgroups}
     assert cgroups_of(daemon) == expected_cgroups, (cgroups_of(daemon), plugin_cgroups)
 
-    proc = installed.helm("upgrade", RELEASE, str(CHART), "--reuse-values", "--set", f"image.tag={UPGRADE_TAG}")
+    t0 = time.monotonic()
+    upgrade = installed.releaser.release(NEXT_VERSION)["image"]["reference"]
+    print(f"\nmake release {NEXT_VERSION} (pods running): {time.monotonic() - t0:.1f}s")
+    # --reuse-values keeps this installation's values; the next chart's own pinned image comes with it.
+    proc = installed.helm("upgrade", RELEASE, installed.releaser.chart, "--version", NEXT_VERSION, "--reuse-values")
     assert proc.returncode == 0, proc.stderr
-    repository = installed.image.rsplit(":", 1)[0]
 
     def rolled() -> dict[str, Any] | None:
         pod = plugin.pod()
@@ -500,10 +693,12 @@ def test_helm_upgrade_rolls_the_plugin_and_running_pods_keep_their_devices(insta
             return None
         return pod
 
-    new = wait_until(rolled, 90, "the DaemonSet's new plugin pod")
-    # The same archive under a second tag: the image ID is the same (containerd reports either tag as the image).
-    assert new["spec"]["containers"][0]["image"] == f"{repository}:{UPGRADE_TAG}"
-    assert new["status"]["containerStatuses"][0]["imageID"] == old["status"]["containerStatuses"][0]["imageID"]
+    new = wait_until(rolled, 180, "the DaemonSet's new plugin pod")
+    # The next release's image, pulled: another digest.
+    assert new["spec"]["containers"][0]["image"] == upgrade
+    upgrade_id = f"{upgrade.split('@')[0].rsplit(':', 1)[0]}@{upgrade.split('@')[1]}"
+    assert new["status"]["containerStatuses"][0]["imageID"] == upgrade_id
+    assert old["status"]["containerStatuses"][0]["imageID"] != upgrade_id
     try:
         plugin.wait_registered(60)
     except NodePluginError as exc:
@@ -519,7 +714,7 @@ def test_helm_upgrade_rolls_the_plugin_and_running_pods_keep_their_devices(insta
             c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions") or []))
             for p in pods["items"]]
 
-    wait_until(lambda: webhook_images() == [(f"{repository}:{UPGRADE_TAG}", True)], 60,
+    wait_until(lambda: webhook_images() == [(upgrade, True)], 120,
                f"the webhook to run the new image alone (now: {webhook_images()})")
 
     # The MPS daemon ran through it: the same process, still outside any container's cgroup, while the old plugin

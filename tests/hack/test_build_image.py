@@ -199,8 +199,9 @@ def test_the_root_file_system_is_minimal_and_described(rootfs: Path) -> None:
         assert not (rootfs / absent).exists(), absent
     assert (rootfs / "bin").is_symlink() and os.readlink(rootfs / "bin") == "usr/bin"
     # Scanners find the Debian packages and their versions; they are the lock's.
-    lock = {line.split()[0]: line.split()[1] for line in (ROOT / "deploy/image/debian.lock").read_text().splitlines()
-            if line and not line.startswith("#")}
+    arch = (rootfs / "var/lib/dpkg/status.d/libc6").read_text().split("\nArchitecture: ", 1)[1].split()[0]
+    lock = {f[0]: f[1] for f in (line.split() for line in (ROOT / "deploy/image/debian.lock").read_text().splitlines()
+                                 if line and not line.startswith("#")) if f[2] in (arch, "all")}
     status = {p.name: p.read_text() for p in (rootfs / "var/lib/dpkg/status.d").iterdir()}
     assert set(status) == set(lock)
     for pkg, text in status.items():

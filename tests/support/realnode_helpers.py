@@ -68,12 +68,15 @@ def fleet_node(name: str, extra: Sequence[tuple[dict[str, Any], dict[str, Any]]]
 
 class RealNode:
     """A LocalCluster, a LocalNode and the plugins running for it. `start` fails the test (never skips).
-    `cluster_options` go to LocalCluster (e.g. service_accounts=True), `labels` to the node's kubelet."""
+    `cluster_options` go to LocalCluster (e.g. service_accounts=True), `labels` to the node's kubelet,
+    `node_options` to LocalNode (e.g. registry_cas)."""
 
     def __init__(self, kubelet_config: dict[str, Any] | None = None, *,
                  cluster_options: dict[str, Any] | None = None, labels: dict[str, str] | None = None,
-                 extra_gpus: Sequence[tuple[dict[str, Any], dict[str, Any]]] = ()) -> None:
+                 extra_gpus: Sequence[tuple[dict[str, Any], dict[str, Any]]] = (),
+                 node_options: dict[str, Any] | None = None) -> None:
         self.kubelet_config = kubelet_config
+        self.node_options = dict(node_options or {})
         self.extra_gpus = list(extra_gpus)
         self.cluster_options = dict(cluster_options or {})
         self.labels = dict(labels or {})
@@ -88,7 +91,8 @@ class RealNode:
         try:
             cleanup_leftovers()
             self.cluster = LocalCluster(**self.cluster_options).start()
-            self.node = LocalNode(self.cluster, labels=self.labels, kubelet_config=self.kubelet_config).start()
+            self.node = LocalNode(self.cluster, labels=self.labels, kubelet_config=self.kubelet_config,
+                                  **self.node_options).start()
         except ClusterError as exc:  # NodeError included
             self.stop()
             pytest.fail(f"the real node did not start: {exc}", pytrace=False)

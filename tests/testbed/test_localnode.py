@@ -128,3 +128,19 @@ def test_port_taken_reads_only_the_kubelets_own_ports() -> None:
     assert port_taken(log, [40124]) == 40124
     assert port_taken(log, [10250]) is None
     assert port_taken("I1204 server.go:1] started\n", [40123]) is None
+
+
+def test_the_node_trusts_each_registry_ca_it_is_given(tmp_path: Path) -> None:
+    """registry_cas: containerd's CRI image service reads a hosts.toml per registry, HTTPS with that CA."""
+    import tomllib
+
+    ca = tmp_path / "ca.crt"
+    n = LocalNode(ReadyCluster(), name="registry-node", workdir=tmp_path / "node",  # type: ignore[arg-type]
+                  bin_dir=tmp_path / "bin", registry_cas={"127.0.0.1:5443": ca})
+    n.workdir, n.snapshotter = tmp_path / "node", "native"
+    n._write_registry_hosts()
+    config = tomllib.loads(n._containerd_config(tmp_path / "bin"))
+    certs = Path(config["plugins"]["io.containerd.cri.v1.images"]["registry"]["config_path"])
+    hosts = tomllib.loads((certs / "127.0.0.1:5443" / "hosts.toml").read_text())
+    assert hosts == {"server": "https://127.0.0.1:5443",
+                     "host": {"https://127.0.0.1:5443": {"capabilities": ["pull", "resolve"], "ca": str(ca)}}}

@@ -33,8 +33,15 @@ app.kubernetes.io/name: {{ include "gpu-dra-driver.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
+{{- /* The chart's own image (no image.tag) is pinned by the digest a release records in Chart.yaml: an annotation,
+not a value, since `helm upgrade --reuse-values` keeps the old chart's values and so would keep its digest. A tag of
+your own is taken as it is; image.digest pins any image. */}}
 {{- define "gpu-dra-driver.image" -}}
-{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- $digest := .Values.image.digest -}}
+{{- if and (not $digest) (not .Values.image.tag) -}}
+{{- $digest = index (.Chart.Annotations | default dict) "gpu.dra-driver.io/image-digest" | default "" -}}
+{{- end -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}{{ with $digest }}@{{ . }}{{ end }}
 {{- end }}
 
 {{- define "gpu-dra-driver.kubeletPluginServiceAccount" -}}
