@@ -22,12 +22,18 @@ EXIT_USAGE = 2          # bad arguments or input files (argparse's own status)
 EXIT_KUBECONFIG = 5     # no usable kubeconfig, in-cluster service account or credentials
 EXIT_UNREACHABLE = 6    # no answer from the API server: refused, timed out, TLS, name lookup
 EXIT_REFUSED = 7        # the API server answered with an error: unauthorized, forbidden, not found, invalid
+EXIT_PROMETHEUS = 8     # Prometheus (or a plugin's /metrics) unreachable, refused, or not a Prometheus API there
 
 # For --help, beside each command's own statuses.
 CLUSTER_EXIT_STATUS = {
     EXIT_KUBECONFIG: "no usable kubeconfig or credentials",
     EXIT_UNREACHABLE: "API server unreachable (refused, timed out, TLS, unknown host)",
     EXIT_REFUSED: "API server refused the request (unauthorized, forbidden, not found, invalid)",
+}
+# For --help of the commands that read Prometheus or a plugin's /metrics.
+PROMETHEUS_EXIT_STATUS = {
+    EXIT_PROMETHEUS: "Prometheus or the plugin's /metrics unreachable (refused, timed out, TLS, unknown host), "
+                     "credentials refused, or no Prometheus API at that URL",
 }
 
 # OpenSSL's verify codes as Go's x509 words them (what kubectl prints).

@@ -1,8 +1,8 @@
 """`kubectl gpu`: the kubectl plugin (the console script ``kubectl-gpu`` on PATH; deploy/krew/gpu.yaml is its
 krew manifest). ``kubectl gpu status [NODE]``, or ``kubectl gpu [NODE]`` alone, is ``gpu-dra status``;
-``kubectl gpu explain TARGET`` is ``gpu-dra explain``. As with kubectl, flags go anywhere: before the command
-(``kubectl gpu --kubeconfig K status node-b``) as well as after it. kubectl hands the plugin its arguments and
-$KUBECONFIG."""
+``kubectl gpu explain TARGET`` is ``gpu-dra explain``; ``kubectl gpu advise`` is ``gpu-dra advise``. As with
+kubectl, flags go anywhere: before the command (``kubectl gpu --kubeconfig K status node-b``) as well as after
+it. kubectl hands the plugin its arguments and $KUBECONFIG."""
 from __future__ import annotations
 
 import sys
@@ -10,9 +10,12 @@ import sys
 from cli.main import main as gpu_dra
 
 PROG = "kubectl gpu"
-COMMANDS = ("status", "explain")
+COMMANDS = ("status", "explain", "advise")
 # The flags of those commands that take a value: the word after one is its value, not the command.
-VALUE_FLAGS = ("--kubeconfig", "--context", "-n", "--namespace", "-o", "--output", "--driver-name")
+VALUE_FLAGS = ("--kubeconfig", "--context", "-n", "--namespace", "-o", "--output", "--driver-name",
+               "--prometheus", "--window", "--prometheus-user", "--prometheus-password-file", "--prometheus-token-file",
+               "--prometheus-ca-file", "--http-config", "--from-node", "--metrics-url", "--headroom", "--min-samples",
+               "--min-span", "--max-gap", "--kinds", "--emit")
 
 
 def command_and_rest(args: list[str]) -> tuple[str, list[str]]:

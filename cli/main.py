@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("cli.doctor_cmd", "check that this node can run GPU containers with this driver (read-only)"),
     "status": ("cli.status_cmd", "who holds which GPU device, what is free, MIG memory slices drawn (read-only)"),
     "explain": ("cli.explain_cmd", "say why a claim, template or pod's claims are (not) allocatable, node by node"),
+    "advise": ("cli.advise_cmd", "from what each workload used to what it should claim (MIG profile, share, slot)"),
     "convert": ("cli.convert_cmd", "convert NVIDIA device plugin, mig-parted configs and workloads to this driver"),
     "simulate": ("cli.simulate_cmd", "inject faults (XIDs, lost GPUs, recoveries) into a simulated node's GPUs"),
     "demo": ("cli.demo_cmd", "start a local control plane with a simulated fleet and allocate the examples"),
@@ -39,6 +40,7 @@ EXAMPLES: dict[str, str] = {
     "doctor": "gpu-dra doctor --driver-root /run/nvidia/driver",
     "status": "gpu-dra status node-a -o yaml",
     "explain": "gpu-dra explain pod/training-0 -n team-a",
+    "advise": "gpu-dra advise --prometheus http://prometheus.monitoring:9090 --window 7d -n ml --emit templates",
     "convert": "gpu-dra convert -f examples/migration/device-plugin-configs.yaml --output-dir converted/",
     "simulate": "gpu-dra simulate xid --sim-state /var/lib/kubelet/plugins/gpu.dra-driver.io/simulated-gpus.json "
                 "--gpu 0 --xid 79",

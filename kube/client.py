@@ -207,10 +207,11 @@ class KubeApi:
 
     def request(self, method: str, path: str, query: dict[str, Any] | None = None, body: Any = None,
                 content_type: str = "application/json", timeout: float | None = None,
-                stream: bool = False, accept: str = "application/json") -> Any:
+                stream: bool = False, accept: str = "application/json", as_text: bool = False) -> Any:
         """One request; returns the decoded JSON document (or a Stream, which the caller closes, when
-        stream=True). A bytes body (e.g. an EncodedObject) is sent as it is: it is JSON already. A 401 after which
-        the credentials read anew differ (a rotated token) sends the request once more."""
+        stream=True; the body as text, when as_text=True: a pod's /metrics through the API server's proxy). A bytes
+        body (e.g. an EncodedObject) is sent as it is: it is JSON already. A 401 after which the credentials read
+        anew differ (a rotated token) sends the request once more."""
         data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
         target = path
         if query:
@@ -244,6 +245,8 @@ class KubeApi:
         text = _text(resp, what)
         if not 200 <= resp.status < 300:
             raise ApiError(method, path, resp.status, text)
+        if as_text:
+            return text
         return json.loads(text) if text else {}
 
     def get(self, path: str, **query: Any) -> dict[str, Any]:

@@ -45,6 +45,7 @@ def test_the_layers_hold() -> None:
     ("dra/scheduling/occupancy.py", "import dra.node.inventory"),  # the replica reaching for node actions
     ("dra/model/tenancy.py", "import dra.scheduling.devicefit"),   # the driver model on an operator tool's replica
     ("ops/explain/verdict.py", "import kubernetes"),         # the pure verdict talking to the API server
+    ("ops/advise/sizing.py", "import kubernetes"),           # advise's pure sizing talking to the API server
     ("kube/client.py", "import ops.explain.reads"),          # the client reaching up into an operator tool
     ("kubeletplugin/transport/unixserver.py", "import socket"),  # the transport serving sockets itself, not grpcio
     ("kubeletplugin/transport/server.py", "import http.client"),  # ... or framing HTTP of its own

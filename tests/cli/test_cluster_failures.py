@@ -24,7 +24,8 @@ FLEET = REPO / "examples" / "fleets" / "demo.yaml"
 # Each command in the form that needs the API server, given --kubeconfig last.
 COMMANDS = {"status": ["status"], "explain": ["explain", "claim/x", "-n", "ml"],
             "publish": ["publish", "--once", "--fleet", str(FLEET), "--timeout", "5"],
-            "controller": ["controller", "--once", "--timeout", "5", "--metrics-port", "0"]}
+            "controller": ["controller", "--once", "--timeout", "5", "--metrics-port", "0"],
+            "advise": ["advise", "--prometheus", "http://127.0.0.1:9"]}
 # The exit status of each kind of failure, as every command's --help lists it.
 EXIT_KUBECONFIG, EXIT_UNREACHABLE, EXIT_REFUSED = 5, 6, 7
 CRASH_WORDS = ("Errno", "Error:", "_ssl.c", "urllib3", "HTTPSConnection", "Traceback", "while parsing")
