@@ -316,12 +316,14 @@ def test_controller_rbac_manages_device_classes() -> None:
     by_name = [r for r in classes if r.get("resourceNames")]
     # Reads and rewrites only the chart's own classes, by name; create, list and delete cannot name them.
     assert [set(r["verbs"]) for r in by_name] == [{"get", "update"}] and by_name[0]["resourceNames"]
-    assert {v for r in classes if not r.get("resourceNames") for v in r["verbs"]} == {"create", "list", "delete"}
+    # It reads through list+watch caches (controller.clusterstate): watch beside each list.
+    assert {v for r in classes if not r.get("resourceNames") for v in r["verbs"]} == {"create", "list", "watch",
+                                                                                      "delete"}
     rules = _rules("controller")
-    assert rules["resourceslices"][0] == {"list", "delete"}
-    # Claims only listed, for the MPS tenancy Events on pending claims (controller.pendingclaims): never read
-    # one by one, never written.
-    assert rules["resourceclaims"][0] == {"list"}
+    assert rules["resourceslices"][0] == {"list", "watch", "delete"}
+    # Claims only listed and watched, for the MPS tenancy Events on pending claims (controller.pendingclaims): never
+    # read one by one, never written.
+    assert rules["resourceclaims"][0] == {"list", "watch"}
 
 
 def test_admission_policy_limits_the_plugin_to_its_node() -> None:

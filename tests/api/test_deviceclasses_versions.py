@@ -11,6 +11,7 @@ import pytest
 from api.deviceclasses import EXTENDED_RESOURCE_MIN_MINOR, classes_for_server, device_classes
 from api.names import NVIDIA_DRIVER_NAME
 from controller.cluster import ClusterController
+from controller.clusterstate import ClusterState
 from kube.client import DEVICE_CLASSES, NODES, SLICES, ApiError
 
 
@@ -94,11 +95,17 @@ class FakeServer:
         self.writes.append(("delete", name))
         return self.classes.pop(name)
 
+    def request(self, method: str, path: str, **_: Any) -> dict[str, Any]:
+        """The LISTs the controller's caches load at each pass (controller.clusterstate)."""
+        items = list(self.classes.values()) if path == DEVICE_CLASSES else []
+        return {"items": copy.deepcopy(items), "metadata": {"resourceVersion": "1"}}
+
 
 def _controller(server: FakeServer, server_minor: int | None = None) -> ClusterController:
     ctl = ClusterController(object(), NVIDIA_DRIVER_NAME, device_classes(compat_nvidia=True),
                             server_minor=server_minor)
     ctl.kube = server  # type: ignore[assignment]
+    ctl.state = ClusterState(server, NVIDIA_DRIVER_NAME, [])  # type: ignore[arg-type]
     return ctl
 
 

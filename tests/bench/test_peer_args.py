@@ -83,7 +83,8 @@ def test_figures_answer_every_peer_target_and_judge_ratios() -> None:
                                              targets, [NAME]).verdicts}
     assert slower["peer.prepare.p50_ratio"].figure.value == pytest.approx(2.0, rel=0.05)
     assert not slower["peer.prepare.p50_ratio"].ok and not slower["peer.unprepare.p50_ratio"].ok
-    assert slower["peer.cpu_per_pod_ratio"].ok                    # ≤ 2× passes
-    assert not slower["peer.idle.rss_mib"].ok                     # 80 MiB against 60
-    assert slower["peer.idle.cpu_excess_ms_per_s"].figure.value == pytest.approx(0.5, rel=0.05)
-    assert not slower["peer.idle.cpu_excess_ms_per_s"].ok
+    assert slower["peer.cpu_per_pod_ratio"].ok                    # 2× passes (≤ 2.5×)
+    assert slower["peer.idle.rss_mib"].ok                         # 80 MiB against 90
+    assert slower["peer.idle.cpu_excess_ms_per_s"].figure.value == pytest.approx(0.5, rel=0.05)   # context
+    assert slower["peer.idle.cpu_ms_per_s"].figure.value == pytest.approx(1.0, rel=0.05)
+    assert not slower["peer.idle.cpu_ms_per_s"].ok                # just over 1 ms/s
