@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import urllib3
 import yaml
 from scripted_http import Answer, Proxy, Request, Scripted, response
 from tlscerts import ServingCert, make_serving_cert
@@ -365,7 +366,8 @@ def test_tls_with_the_kubeconfigs_ca_and_client_certificate(serve: Callable[...,
     assert get("files", {"certificate-authority": str(serving.ca)}, user) == {"ok": True}
     assert get("inline", {"certificate-authority-data": b64(serving.ca)},
                {"client-certificate-data": b64(cert.cert), "client-key-data": b64(cert.key)}) == {"ok": True}
-    assert get("insecure", {"insecure-skip-tls-verify": True}, user) == {"ok": True}
+    with pytest.warns(urllib3.exceptions.InsecureRequestWarning):  # what the kubeconfig asked for, said aloud
+        assert get("insecure", {"insecure-skip-tls-verify": True}, user) == {"ok": True}
     with pytest.raises(ApiUnavailable):
         get("nocert", {"certificate-authority": str(serving.ca)}, {})
     with pytest.raises(ApiUnavailable, match="CERTIFICATE_VERIFY_FAILED"):
