@@ -435,10 +435,10 @@ def _start_real_node_plugins(ctx: DemoContext, kube: Any) -> None:
 
 
 def _pod_run(kube: Any, namespace: str, name: str) -> Any:
-    from testbed.demo_examples import collection
+    from kube.client import namespaced_collection
     from testbed.demo_node import PodRun
 
-    pod = kube.get(f"{collection('Pod', namespace)}/{name}")
+    pod = kube.get(f"{namespaced_collection('Pod', namespace)}/{name}")
     return PodRun(pod.get("status", {}).get("phase", "Unknown"), pod["spec"].get("nodeName"))
 
 

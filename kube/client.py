@@ -25,6 +25,20 @@ RESOURCE_V1 = "/apis/resource.k8s.io/v1"
 SLICES = f"{RESOURCE_V1}/resourceslices"
 DEVICE_CLASSES = f"{RESOURCE_V1}/deviceclasses"
 NODES = "/api/v1/nodes"
+# The namespaced kinds the driver's tools and test bed name by kind, as (API prefix, plural): the one table every
+# path built from a kind comes from.
+NAMESPACED: dict[str, tuple[str, str]] = {
+    "Pod": ("/api/v1", "pods"),
+    "ConfigMap": ("/api/v1", "configmaps"),
+    "ResourceClaim": (RESOURCE_V1, "resourceclaims"),
+    "ResourceClaimTemplate": (RESOURCE_V1, "resourceclaimtemplates"),
+    "ReplicaSet": ("/apis/apps/v1", "replicasets"),
+    "Deployment": ("/apis/apps/v1", "deployments"),
+    "StatefulSet": ("/apis/apps/v1", "statefulsets"),
+    "DaemonSet": ("/apis/apps/v1", "daemonsets"),
+    "Job": ("/apis/batch/v1", "jobs"),
+    "CronJob": ("/apis/batch/v1", "cronjobs"),
+}
 # Accept header that makes the API server answer a LIST (or a WATCH) with metadata only (PartialObjectMetadata):
 # a thousandth of the bytes of full ResourceSlices, for readers that need names, versions and annotations.
 METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
@@ -311,6 +325,12 @@ class KubeApi:
             return int(_digits(doc["major"])), int(_digits(doc["minor"]))
         except (KeyError, ValueError) as exc:
             raise ApiError("GET", "/version", 200, json.dumps({"message": f"unreadable version {doc}"})) from exc
+
+
+def namespaced_collection(kind: str, namespace: str) -> str:
+    """The collection path of ``kind`` (a key of NAMESPACED) in ``namespace``."""
+    prefix, plural = NAMESPACED[kind]
+    return f"{prefix}/namespaces/{namespace}/{plural}"
 
 
 def iter_json_lines(resp: Stream) -> Iterator[dict[str, Any]]:

@@ -15,18 +15,13 @@ from typing import Any
 
 from api.names import DEFAULT_DRIVER_NAME
 from api.yamlfiles import parse_yaml, read_text
-from kube.client import RESOURCE_V1, ApiError, KubeApi
+from kube.client import ApiError, KubeApi, namespaced_collection
 
 CLAIM_FILE = "claim.yaml"
 NAMESPACES = "/api/v1/namespaces"
 
 # Namespaced kinds an example may contain -> (API group path, plural).
-_KINDS: dict[str, tuple[str, str]] = {
-    "Pod": ("/api/v1", "pods"),
-    "ResourceClaim": (RESOURCE_V1, "resourceclaims"),
-    "ResourceClaimTemplate": (RESOURCE_V1, "resourceclaimtemplates"),
-    "ConfigMap": ("/api/v1", "configmaps"),
-}
+_KINDS = ("Pod", "ResourceClaim", "ResourceClaimTemplate", "ConfigMap")   # what an example may hold
 # The default driver name wherever it names the driver: CEL domains, DeviceClass names and opaque config
 # `driver` fields, but not the config's `apiVersion` (gpu.dra-driver.io/v1alpha1), which stays ours.
 _DRIVER_IN_TEXT = re.compile(re.escape(DEFAULT_DRIVER_NAME) + r"(?![\w/.-])")
@@ -86,11 +81,6 @@ def load_examples(examples_dir: Path | str, driver: str = DEFAULT_DRIVER_NAME) -
     return examples
 
 
-def collection(kind: str, namespace: str) -> str:
-    group, plural = _KINDS[kind]
-    return f"{group}/namespaces/{namespace}/{plural}"
-
-
 def create_namespace(kube: KubeApi, name: str) -> None:
     """Creates the namespace; an existing one is fine."""
     try:
@@ -106,7 +96,7 @@ def apply_objects(kube: KubeApi, objects: list[dict[str, Any]], namespace: str) 
     stored = []
     for obj in sorted(objects, key=lambda o: order.get(o["kind"], 9)):
         body = {**obj, "metadata": {**obj["metadata"], "namespace": namespace}}
-        stored.append(kube.create(collection(obj["kind"], namespace), body))
+        stored.append(kube.create(namespaced_collection(obj["kind"], namespace), body))
     return stored
 
 
@@ -114,8 +104,8 @@ def delete_namespace(kube: KubeApi, name: str) -> None:
     """Best-effort clean-up: pods first with no grace period (no kubelet would ever confirm a graceful
     deletion of a bound pod), then the namespace. Does not wait."""
     try:
-        for pod in kube.list(collection("Pod", name))["items"]:
-            kube.request("DELETE", f"{collection('Pod', name)}/{pod['metadata']['name']}",
+        for pod in kube.list(namespaced_collection("Pod", name))["items"]:
+            kube.request("DELETE", f"{namespaced_collection('Pod', name)}/{pod['metadata']['name']}",
                          body={"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0})
         kube.request("DELETE", f"{NAMESPACES}/{name}")
     except ApiError as exc:
@@ -163,8 +153,8 @@ class AllocationState:
 
 def allocation_state(kube: KubeApi, examples: list[Example], namespace: str) -> AllocationState:
     """Reads pods and claims once and pairs them up."""
-    pods = {p["metadata"]["name"]: p for p in kube.list(collection("Pod", namespace))["items"]}
-    claims = {c["metadata"]["name"]: c for c in kube.list(collection("ResourceClaim", namespace))["items"]}
+    pods = {p["metadata"]["name"]: p for p in kube.list(namespaced_collection("Pod", namespace))["items"]}
+    claims = {c["metadata"]["name"]: c for c in kube.list(namespaced_collection("ResourceClaim", namespace))["items"]}
     state = AllocationState()
     for example in examples:
         for spec_pod in example.pods:
@@ -199,7 +189,7 @@ def scheduler_reason(kube: KubeApi, namespace: str, pod: str) -> str:
     """Why the scheduler has not bound `pod`: its PodScheduled condition and the latest scheduling event."""
     parts: list[str] = []
     try:
-        obj = kube.get(f"{collection('Pod', namespace)}/{pod}")
+        obj = kube.get(f"{namespaced_collection('Pod', namespace)}/{pod}")
     except ApiError as exc:
         return f"pod {pod} cannot be read: {exc.message}"
     for cond in (obj.get("status") or {}).get("conditions") or []:

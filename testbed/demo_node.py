@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from testbed.demo_examples import PodClaim, collection
+from kube.client import namespaced_collection
+from testbed.demo_examples import PodClaim
 from testbed.hostplumbing import NodeError
 from testbed.localcluster import ClusterError
 from testbed.localnode import LocalNode, install_driver_root
@@ -115,7 +116,7 @@ def wait_for_pods(kube: Any, reals: Sequence[RealNode], namespace: str, pods: li
     while True:
         runs = {}
         for name in pods:
-            pod = kube.get(f"{collection('Pod', namespace)}/{name}")
+            pod = kube.get(f"{namespaced_collection('Pod', namespace)}/{name}")
             node = pod["spec"].get("nodeName")
             run = PodRun(pod.get("status", {}).get("phase", "Unknown"), node)
             real = by_name.get(node or "")

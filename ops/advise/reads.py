@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from api.quantity import quantity_value
-from kube.client import SLICES, ApiError, ApiUnavailable, KubeApi
+from kube.client import SLICES, ApiError, ApiUnavailable, KubeApi, namespaced_collection
 from ops.advise.owners import (
     PATTERN_ORDER,
     PodFacts,
@@ -23,17 +23,9 @@ from ops.advise.owners import (
 
 RIGHTS = ("get and list on resourceslices, pods, resourceclaims, resourceclaimtemplates, replicasets, deployments, "
           "statefulsets, daemonsets, jobs and cronjobs (and get on pods/proxy for --from-node)")
-_PATHS = {
-    "ReplicaSet": "apis/apps/v1/namespaces/{ns}/replicasets",
-    "Deployment": "apis/apps/v1/namespaces/{ns}/deployments",
-    "StatefulSet": "apis/apps/v1/namespaces/{ns}/statefulsets",
-    "DaemonSet": "apis/apps/v1/namespaces/{ns}/daemonsets",
-    "Job": "apis/batch/v1/namespaces/{ns}/jobs",
-    "CronJob": "apis/batch/v1/namespaces/{ns}/cronjobs",
-    "Pod": "api/v1/namespaces/{ns}/pods",
-    "ResourceClaim": "apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims",
-    "ResourceClaimTemplate": "apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaimtemplates",
-}
+# The kinds this command reads (RIGHTS): a pod, its owners up the chain, the claims and their templates.
+_READS = frozenset({"Pod", "ResourceClaim", "ResourceClaimTemplate", "ReplicaSet", "Deployment", "StatefulSet",
+                    "DaemonSet", "Job", "CronJob"})
 # The controller up the chain each owner kind may have (a ReplicaSet's Deployment, a Job's CronJob).
 _PARENT = {"ReplicaSet": "Deployment", "Job": "CronJob"}
 PLUGIN_SELECTOR = "app.kubernetes.io/name=gpu-dra-driver,app.kubernetes.io/component=kubelet-plugin"
@@ -41,10 +33,6 @@ PLUGIN_SELECTOR = "app.kubernetes.io/name=gpu-dra-driver,app.kubernetes.io/compo
 
 class AdviseReadError(RuntimeError):
     """A read the API server refused or did not answer; the message names it and what is needed."""
-
-
-def _collection(kind: str, namespace: str) -> str:
-    return "/" + _PATHS[kind].format(ns=namespace)
 
 
 def _fail(what: str, err: ApiError | ApiUnavailable) -> AdviseReadError:
@@ -57,7 +45,7 @@ def _fail(what: str, err: ApiError | ApiUnavailable) -> AdviseReadError:
 def get(kube: KubeApi, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
     """One object; None when it does not exist."""
     try:
-        return kube.get(f"{_collection(kind, namespace)}/{name}")
+        return kube.get(f"{namespaced_collection(kind, namespace)}/{name}")
     except ApiError as err:
         if err.not_found:
             return None
@@ -91,7 +79,7 @@ class Owners:
         key = (kind, namespace)
         if key not in self._names:
             try:
-                items = self.kube.list_metadata(_collection(kind, namespace))["items"]
+                items = self.kube.list_metadata(namespaced_collection(kind, namespace))["items"]
             except (ApiError, ApiUnavailable) as err:
                 raise _fail(f"{kind.lower()}s of namespace {namespace}", err) from err
             self._names[key] = [str((i.get("metadata") or {}).get("name", "")) for i in items]
@@ -114,7 +102,7 @@ class Owners:
 
     def _top(self, namespace: str, kind: str, name: str, fallback: Mapping[str, Any] | None = None) -> Workload:
         """The top owner from (kind, name) up: a ReplicaSet's Deployment, a Job's CronJob."""
-        if kind not in _PATHS:           # an owner of a kind this command does not read (a custom resource)
+        if kind not in _READS:           # an owner of a kind this command does not read (a custom resource)
             return Workload(namespace, kind, name, pod_spec_of("Pod", fallback) if fallback else None)
         obj = self._get(kind, namespace, name)
         if obj is None:

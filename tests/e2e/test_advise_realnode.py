@@ -60,9 +60,7 @@ def real() -> Iterator[RealNode]:
 
 @pytest.fixture(scope="module")
 def ours(real: RealNode) -> LocalNodePlugin:
-    assert real.node is not None
-    socket_path = real.node.root_dir / "pod-resources" / "kubelet.sock"
-    return real.start_plugin(real.plugin(D, "--pod-resources-socket", str(socket_path)))
+    return real.start_metrics_plugin(D)
 
 
 def template(name: str, cls: str, cel: str, config: dict[str, Any] | None) -> dict[str, Any]:

@@ -51,11 +51,7 @@ def real() -> Iterator[RealNode]:
 
 @pytest.fixture(scope="module")
 def ours(real: RealNode) -> LocalNodePlugin:
-    assert real.node is not None
-    socket = real.node.root_dir / "pod-resources" / "kubelet.sock"
-    plugin = real.start_plugin(real.plugin(DEFAULT_DRIVER_NAME, "--pod-resources-socket", str(socket)))
-    assert socket.is_socket(), f"the kubelet serves no PodResources socket at {socket}"
-    return plugin
+    return real.start_metrics_plugin()
 
 
 def mps_template(name: str, parent_uuid: str) -> dict[str, Any]:

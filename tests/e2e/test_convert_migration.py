@@ -22,6 +22,7 @@ from test_realnode_examples import check_pod
 
 from api.names import DEFAULT_DRIVER_NAME
 from cli.main import main
+from kube.client import namespaced_collection
 from ops.convert.conversion import EXIT_REFUSED
 from testbed.localnode import cuda_probe_image
 from testbed.podprobe import for_local_node
@@ -36,10 +37,6 @@ OLD = {
     "batch-infer": ("mig", "none", "1g.10gb", 1),
     "model-server": ("mig", "none", "3g.40gb", 1),
 }
-_COLLECTIONS = {"Deployment": "/apis/apps/v1/namespaces/{ns}/deployments",
-                "StatefulSet": "/apis/apps/v1/namespaces/{ns}/statefulsets",
-                "Job": "/apis/batch/v1/namespaces/{ns}/jobs",
-                "ResourceClaimTemplate": "/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaimtemplates"}
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +111,8 @@ def test_converted_workloads_get_what_the_device_plugin_gave_them(real: RealNode
     for obj in sorted(objects, key=lambda o: o["kind"] != "ResourceClaimTemplate"):
         if obj["kind"] != "ResourceClaimTemplate":
             obj = runnable(obj)
-        real.kube.create(_COLLECTIONS[obj["kind"]].format(ns=ns), {**obj, "metadata": {**obj["metadata"],
-                                                                                      "namespace": ns}})
+        real.kube.create(namespaced_collection(obj["kind"], ns),
+                         {**obj, "metadata": {**obj["metadata"], "namespace": ns}})
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and not all(_pods_of(real, ns, w) for w in OLD):
         time.sleep(0.5)

@@ -22,10 +22,10 @@ import yaml
 from allocation_helpers import EXAMPLES, FLEETS, PublishedFleet, renamed_fleet
 
 from dra.scheduling.poolview import allocation_results
-from kube.client import DEVICE_CLASSES, RESOURCE_V1, ApiError, KubeApi
+from kube.client import DEVICE_CLASSES, RESOURCE_V1, ApiError, KubeApi, namespaced_collection
 from ops.explain.reads import explain_target
 from ops.explain.verdict import ALLOCATABLE, FIRST_LINE_MAX, NOT_ALLOCATABLE, Explanation, format_text
-from testbed.demo_examples import apply_objects, collection, delete_namespace, load_example, load_examples
+from testbed.demo_examples import apply_objects, delete_namespace, load_example, load_examples
 
 pytestmark = pytest.mark.e2e
 
@@ -54,7 +54,7 @@ def _pod_claims(kube: KubeApi, ns: str, pod: dict[str, Any]) -> list[dict[str, A
         if not name:
             return None
         try:
-            out.append(kube.get(f"{collection('ResourceClaim', ns)}/{name}"))
+            out.append(kube.get(f"{namespaced_collection('ResourceClaim', ns)}/{name}"))
         except ApiError as exc:
             if exc.not_found:
                 return None
@@ -68,7 +68,7 @@ def scheduler_outcome(kube: KubeApi, ns: str, pod_name: str, timeout: float = 40
     deadline = time.monotonic() + timeout
     pending_since: float | None = None
     while time.monotonic() < deadline:
-        pod = kube.get(f"{collection('Pod', ns)}/{pod_name}")
+        pod = kube.get(f"{namespaced_collection('Pod', ns)}/{pod_name}")
         claims = _pod_claims(kube, ns, pod)
         if pod["spec"].get("nodeName") and claims and all(allocation_results(c) for c in claims):
             return Outcome(True, pod["spec"]["nodeName"],
@@ -437,8 +437,8 @@ def test_explain_agrees_with_the_scheduler(api_client: Any, case_env: Any, case:
         gated["spec"]["schedulingGates"] = [{"name": "example.com/explain-first"}]
         apply_objects(kube, [gated], ns)
         exp = explain_target(kube, "pod/under-test", ns)
-        kube.request("PATCH", f"{collection('Pod', ns)}/under-test", body={"spec": {"schedulingGates": None}},
-                     content_type="application/merge-patch+json")
+        kube.request("PATCH", f"{namespaced_collection('Pod', ns)}/under-test",
+                     body={"spec": {"schedulingGates": None}}, content_type="application/merge-patch+json")
     outcome = scheduler_outcome(kube, ns, "under-test")
     assert outcome.allocated == case.allocated, \
         f"{case.name}: the scheduler {'allocated' if outcome.allocated else 'did not allocate'} ({outcome.message})"
@@ -462,12 +462,12 @@ def _delete_and_wait(kube: KubeApi, kind: str, ns: str, name: str, timeout: floa
     """Delete an object at once and return when the API server no longer has it (finalizers included)."""
     body = {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0} if kind == "Pod" else None
     try:
-        kube.request("DELETE", f"{collection(kind, ns)}/{name}", body=body)
+        kube.request("DELETE", f"{namespaced_collection(kind, ns)}/{name}", body=body)
     except ApiError as exc:
         if not exc.not_found:
             raise
     deadline = time.monotonic() + timeout
-    while any(o["metadata"]["name"] == name for o in kube.list(collection(kind, ns))["items"]):
+    while any(o["metadata"]["name"] == name for o in kube.list(namespaced_collection(kind, ns))["items"]):
         assert time.monotonic() < deadline, f"{kind} {ns}/{name} was not deleted within {timeout:.0f} s"
         time.sleep(0.25)
 
@@ -490,11 +490,11 @@ def test_explain_agrees_on_a_pods_extended_resource(api_client: Any, case_env: A
                                     "resources": {"requests": {resource: "1"}, "limits": {resource: "1"}}}]}}
     apply_objects(kube, [pod], ns)
     exp = explain_target(kube, "pod/ext", ns)
-    kube.request("PATCH", f"{collection('Pod', ns)}/ext", body={"spec": {"schedulingGates": None}},
+    kube.request("PATCH", f"{namespaced_collection('Pod', ns)}/ext", body={"spec": {"schedulingGates": None}},
                  content_type="application/merge-patch+json")
     deadline = time.monotonic() + 40
     while True:
-        current = kube.get(f"{collection('Pod', ns)}/ext")
+        current = kube.get(f"{namespaced_collection('Pod', ns)}/ext")
         cond = next((c for c in (current.get("status") or {}).get("conditions") or []
                      if c.get("type") == "PodScheduled"), {})
         # A gated pod is PodScheduled False too (SchedulingGated): wait for the scheduler's own answer.
@@ -513,7 +513,8 @@ def test_explain_agrees_on_a_pods_extended_resource(api_client: Any, case_env: A
         while not made.get("resourceClaimName"):
             assert time.monotonic() < deadline, "no extendedResourceClaimStatus on the bound pod"
             time.sleep(0.25)
-            made = (kube.get(f"{collection('Pod', ns)}/ext").get("status") or {}).get("extendedResourceClaimStatus") or {}
+            pod = kube.get(f"{namespaced_collection('Pod', ns)}/ext")
+            made = (pod.get("status") or {}).get("extendedResourceClaimStatus") or {}
         after = explain_target(kube, "pod/ext", ns)
         assert after.verdict == "allocated" and node in after.sentence, after.sentence
 
@@ -579,7 +580,7 @@ def test_explain_counts_init_containers_as_the_scheduler_does(api_client: Any, c
     for name, init_gpus, fits in (("too-many", 3, False), ("fits", 2, True)):
         apply_objects(kube, [pod(name, init_gpus)], ns)
         exp = explain_target(kube, f"pod/{name}", ns)           # before the scheduler makes a claim of it
-        kube.request("PATCH", f"{collection('Pod', ns)}/{name}", body={"spec": {"schedulingGates": None}},
+        kube.request("PATCH", f"{namespaced_collection('Pod', ns)}/{name}", body={"spec": {"schedulingGates": None}},
                      content_type="application/merge-patch+json")
         outcome = _scheduled_or_not(kube, ns, name)
         assert outcome.allocated == fits, outcome
@@ -593,7 +594,7 @@ def _scheduled_or_not(kube: KubeApi, ns: str, name: str, timeout: float = 40.0) 
     """Bound, or given up on by the scheduler (a pod with extended resources only has no claim before)."""
     deadline = time.monotonic() + timeout
     while True:
-        current = kube.get(f"{collection('Pod', ns)}/{name}")
+        current = kube.get(f"{namespaced_collection('Pod', ns)}/{name}")
         cond = next((c for c in (current.get("status") or {}).get("conditions") or []
                      if c.get("type") == "PodScheduled"), {})
         if current["spec"].get("nodeName") or (cond.get("status") == "False" and cond.get("reason") != "SchedulingGated"):
@@ -623,7 +624,7 @@ def test_a_claim_that_cannot_be_created_is_the_verdict(api_client: Any, case_env
     while not refused():
         assert time.monotonic() < deadline, "no FailedResourceClaimCreation Event for the pod"
         time.sleep(0.25)
-    pod = kube.get(f"{collection('Pod', ns)}/watcher")
+    pod = kube.get(f"{namespaced_collection('Pod', ns)}/watcher")
     assert not pod["spec"].get("nodeName") and not (pod.get("status") or {}).get("resourceClaimStatuses")
     for target in ("pod/watcher", "template/watch"):
         exp = explain_target(kube, target, ns)

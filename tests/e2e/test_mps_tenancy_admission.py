@@ -24,8 +24,8 @@ from allocation_helpers import PublishedFleet
 from standin.workloads import wait_until
 
 from dra.model.tenancy import tenancy_taint, tenancy_taint_key, tenancy_toleration
-from kube.client import ApiError, KubeApi
-from testbed.demo_examples import apply_objects, collection, create_namespace, delete_namespace
+from kube.client import ApiError, KubeApi, namespaced_collection
+from testbed.demo_examples import apply_objects, create_namespace, delete_namespace
 from testbed.helmchart import render
 
 pytestmark = pytest.mark.e2e
@@ -62,7 +62,8 @@ def tenancy_policy(api_client: Any, driver_name: str) -> Iterator[KubeApi]:
             kube.create(path, obj)
 
         def in_force() -> bool:      # policies load asynchronously
-            claim = kube.create(collection("ResourceClaim", probe_ns), claim_body(f"probe-{next(_probes)}", driver_name))
+            claim = kube.create(namespaced_collection("ResourceClaim", probe_ns),
+                                claim_body(f"probe-{next(_probes)}", driver_name))
             return tenancy_toleration(driver_name, probe_ns) in tolerations_of(claim)[0]
 
         wait_until(in_force, 60, "the MutatingAdmissionPolicy to take effect")
@@ -112,17 +113,17 @@ def test_a_claims_own_tolerations_of_the_tenancy_key_are_replaced_by_its_namespa
         for name, form in user_forms(key, team_a).items():
             for first_available in (False, True):
                 suffix = "-fa" if first_available else ""
-                stored = kube.create(collection("ResourceClaim", team_b),
+                stored = kube.create(namespaced_collection("ResourceClaim", team_b),
                                      claim_body(f"{name}{suffix}", driver_name, [OTHER, form], first_available))
                 assert tolerations_of(stored) == [[OTHER, own]], (name, first_available, stored["spec"])
         # The 16 tolerations the API allows, all of the key: all dropped, the namespace's own in their place.
-        stored = kube.create(collection("ResourceClaim", team_b),
+        stored = kube.create(namespaced_collection("ResourceClaim", team_b),
                              claim_body("sixteen", driver_name, [user_forms(key, team_a)["exists"]] * 16))
         assert tolerations_of(stored) == [[own]]
         # 16 other tolerations leave no room for the namespace's own: kept as written, the claim is still made
         # (without the toleration the scheduler keeps it off every tenant's GPU; its GPU stays untainted).
         others = [{**OTHER, "key": f"example.com/t{i}"} for i in range(16)]
-        stored = kube.create(collection("ResourceClaim", team_b), claim_body("full", driver_name, others))
+        stored = kube.create(namespaced_collection("ResourceClaim", team_b), claim_body("full", driver_name, others))
         assert tolerations_of(stored) == [others]
     finally:
         delete_namespace(kube, team_b)
@@ -142,7 +143,7 @@ def pod(name: str, template: str) -> dict[str, Any]:
 
 def scheduling(kube: KubeApi, ns: str, name: str) -> str:
     """'bound' (to a node), 'unschedulable', or '' while the scheduler has not decided."""
-    got = kube.get(f"{collection('Pod', ns)}/{name}")
+    got = kube.get(f"{namespaced_collection('Pod', ns)}/{name}")
     if got["spec"].get("nodeName"):
         return "bound"
     cond = next((c for c in (got.get("status") or {}).get("conditions") or [] if c.get("type") == "PodScheduled"), {})

@@ -20,11 +20,11 @@ from standin.workloads import wait_until
 
 from controller.pendingclaims import MPS_TENANCY
 from dra.model.tenancy import tenancy_reason, tenancy_taint, tenancy_toleration
-from kube.client import KubeApi
+from kube.client import KubeApi, namespaced_collection
 from kube.events import EVENTS_V1
 from ops.explain.reads import explain_target
 from ops.explain.verdict import NOT_ALLOCATABLE, format_text
-from testbed.demo_examples import apply_objects, collection, create_namespace, delete_namespace
+from testbed.demo_examples import apply_objects, create_namespace, delete_namespace
 
 pytestmark = pytest.mark.e2e
 
@@ -60,7 +60,7 @@ def slot_template_and_pod(driver: str, namespace: str) -> list[dict[str, Any]]:
 
 
 def unschedulable(kube: KubeApi, ns: str, name: str) -> bool:
-    pod = kube.get(f"{collection('Pod', ns)}/{name}")
+    pod = kube.get(f"{namespaced_collection('Pod', ns)}/{name}")
     assert not pod["spec"].get("nodeName"), f"pod {ns}/{name} was bound to {pod['spec']['nodeName']}"
     cond = next((c for c in (pod.get("status") or {}).get("conditions") or [] if c.get("type") == "PodScheduled"), {})
     return cond.get("status") == "False" and cond.get("reason") == "Unschedulable"

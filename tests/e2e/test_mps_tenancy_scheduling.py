@@ -24,10 +24,11 @@ from typing import Any
 import pytest
 import yaml
 from realnode_helpers import REPO, RealNode
-from standin.workloads import collection, create, get, slice_devices, wait_until
+from standin.workloads import create, get, slice_devices, wait_until
 
 from api.names import DEFAULT_DRIVER_NAME
 from dra.model.tenancy import tenancy_taint, tenancy_toleration
+from kube.client import namespaced_collection
 from testbed.helmchart import render
 from testbed.localnode import cuda_probe_image
 from testbed.podprobe import for_local_node
@@ -147,7 +148,7 @@ class Tenancy:
         return str(self.devices()[device]["attributes"]["parentUUID"]["string"])
 
     def pods(self, namespace: str, app: str) -> list[dict[str, Any]]:
-        return self.kube.list(collection("Pod", namespace), label_selector=f"app={app}")["items"]
+        return self.kube.list(namespaced_collection("Pod", namespace), label_selector=f"app={app}")["items"]
 
     def events(self, namespace: str) -> list[dict[str, Any]]:
         return self.kube.list(f"/api/v1/namespaces/{namespace}/events")["items"]
@@ -164,7 +165,7 @@ class Tenancy:
         if get(self.kube, "ResourceClaimTemplate", namespace, template["metadata"]["name"]) is None:
             create(self.kube, namespace, template)
         create(self.kube, namespace, pod_spec(name, template["metadata"]["name"], self.node))
-        return self.kube.get(f"{collection('Pod', namespace)}/{name}")
+        return self.kube.get(f"{namespaced_collection('Pod', namespace)}/{name}")
 
     def delete_replica_set(self, namespace: str, name: str) -> None:
         self.kube.request("DELETE", f"/apis/apps/v1/namespaces/{namespace}/replicasets/{name}",
@@ -231,7 +232,7 @@ def test_with_every_gpu_held_another_namespace_is_pending_and_explain_says_why(t
         return any(e.get("reason") == "FailedScheduling" for e in tenancy.events(ns))
 
     wait_until(failed_scheduling, 60, "the scheduler to report tenant-c's pod unschedulable")
-    pod = tenancy.kube.get(f"{collection('Pod', ns)}/c-waits")
+    pod = tenancy.kube.get(f"{namespaced_collection('Pod', ns)}/c-waits")
     assert not pod["spec"].get("nodeName") and pod["status"]["phase"] == "Pending"
     out = tenancy.explain(ns, "pod/c-waits")
     assert out.returncode == 1, out.stdout + out.stderr

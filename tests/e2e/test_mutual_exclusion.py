@@ -22,8 +22,8 @@ from allocation_helpers import (
     wait_unschedulable,
 )
 
-from kube.client import ApiError, KubeApi
-from testbed.demo_examples import apply_objects, collection
+from kube.client import ApiError, KubeApi, namespaced_collection
+from testbed.demo_examples import apply_objects
 
 pytestmark = pytest.mark.e2e
 
@@ -92,9 +92,9 @@ class Claims:
 
     def remove(self, name: str, timeout: float = 60.0) -> None:
         """Deletes the pod and its claim, and returns once the claim is gone (its allocation released)."""
-        self.kube.request("DELETE", f"{collection('Pod', self.ns)}/{name}",
+        self.kube.request("DELETE", f"{namespaced_collection('Pod', self.ns)}/{name}",
                           body={"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0})
-        self.kube.request("DELETE", f"{collection('ResourceClaim', self.ns)}/{name}")
+        self.kube.request("DELETE", f"{namespaced_collection('ResourceClaim', self.ns)}/{name}")
         deadline = time.monotonic() + timeout
         while True:
             try:

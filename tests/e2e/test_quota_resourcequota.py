@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 import yaml
-from standin.workloads import EXAMPLES, apply_device_classes, collection, create, create_namespace, wait_until
+from standin.workloads import EXAMPLES, apply_device_classes, create, create_namespace, wait_until
 
 from api.deviceclasses import device_classes
 from api.names import DEFAULT_DRIVER_NAME
-from kube.client import ApiError, KubeApi
+from kube.client import ApiError, KubeApi, namespaced_collection
 from testbed.localcluster import ClusterError, LocalCluster, find_binaries, pinned_version
 
 pytestmark = pytest.mark.e2e
@@ -96,8 +96,8 @@ def test_claims_up_to_the_quota_are_admitted_and_one_more_is_refused(
     message = wait_until(refusal, 60, f"a FailedResourceClaimCreation event of pod {name}")
     print(f"pod {name}'s event: FailedResourceClaimCreation: {message}")
     assert "exceeded quota: gpus" in message and f"requested: {gpu}=1" in message, message
-    assert kube.get(f"{collection('Pod', namespace)}/{name}")["status"].get("phase") == "Pending"
-    assert len(kube.list(collection("ResourceClaim", namespace))["items"]) == len(claims)
+    assert kube.get(f"{namespaced_collection('Pod', namespace)}/{name}")["status"].get("phase") == "Pending"
+    assert len(kube.list(namespaced_collection("ResourceClaim", namespace))["items"]) == len(claims)
 
 
 def test_what_a_claim_is_charged(kube: KubeApi, namespace: str, driver_name: str) -> None:

@@ -16,10 +16,10 @@ from api.deviceclasses import device_classes
 from cli.publish_cmd import SIMULATED_LABEL, desired_fleet_pools
 from controller.cluster import ClusterController
 from dra.sim.fleet import load_fleet
-from kube.client import KubeApi
+from kube.client import KubeApi, namespaced_collection
 from kube.resourceslices import DesiredPool, Owner, ResourceSliceController
 from kube.serverversion import api_features
-from testbed.demo_examples import collection, create_namespace, delete_namespace
+from testbed.demo_examples import create_namespace, delete_namespace
 from testbed.demo_report import device_index
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,11 +115,11 @@ def claim_with_pod(name: str, device_class: str, cel: str | None = None,
 
 
 def get_claim(kube: KubeApi, ns: str, name: str) -> dict[str, Any]:
-    return kube.get(f"{collection('ResourceClaim', ns)}/{name}")
+    return kube.get(f"{namespaced_collection('ResourceClaim', ns)}/{name}")
 
 
 def get_pod(kube: KubeApi, ns: str, name: str) -> dict[str, Any]:
-    return kube.get(f"{collection('Pod', ns)}/{name}")
+    return kube.get(f"{namespaced_collection('Pod', ns)}/{name}")
 
 
 def allocated_devices(claim: dict[str, Any]) -> list[str]:

@@ -22,11 +22,11 @@ from typing import Any
 import cdivalidate
 import pytest
 import yaml
-from standin.workloads import collection, complete_pool, create, get, node_slices, slice_devices, wait_until
+from standin.workloads import complete_pool, create, get, node_slices, slice_devices, wait_until
 
 from api.deviceclasses import device_classes
 from api.names import DEFAULT_DRIVER_NAME
-from kube.client import DEVICE_CLASSES, ApiError, KubeApi
+from kube.client import DEVICE_CLASSES, ApiError, KubeApi, namespaced_collection
 from testbed.hostplumbing import cleanup_leftovers
 from testbed.localcluster import ClusterError, LocalCluster
 from testbed.localnode import LocalNode, NodeError, cuda_probe_image, install_driver_root
@@ -166,6 +166,15 @@ class RealNode:
         self.wait_for_slices(plugin)
         return plugin
 
+    def start_metrics_plugin(self, driver: str = DEFAULT_DRIVER_NAME) -> LocalNodePlugin:
+        """A started plugin that reads the kubelet's PodResources socket (which container holds which claim
+        device), as the per-claim metrics need."""
+        assert self.node is not None
+        socket = self.node.root_dir / "pod-resources" / "kubelet.sock"
+        plugin = self.start_plugin(self.plugin(driver, "--pod-resources-socket", str(socket)))
+        assert socket.is_socket(), f"the kubelet serves no PodResources socket at {socket}"
+        return plugin
+
     def wait_for_slices(self, plugin: LocalNodePlugin, timeout: float = 60.0) -> list[dict[str, Any]]:
         assert self.kube is not None and self.node is not None
 
@@ -216,7 +225,7 @@ class RealNode:
 
     def pod(self, namespace: str, name: str) -> dict[str, Any]:
         assert self.kube is not None
-        return self.kube.get(f"{collection('Pod', namespace)}/{name}")
+        return self.kube.get(f"{namespaced_collection('Pod', namespace)}/{name}")
 
     def wait_running(self, namespace: str, name: str, timeout: float = 60.0) -> dict[str, Any]:
         """The pod once Running with every container's probe complete; fails with the pod's events if not."""
@@ -256,7 +265,7 @@ class RealNode:
         """Deletes the pod and waits until the kubelet has stopped it and the API object is gone."""
         assert self.kube is not None
         try:
-            self.kube.request("DELETE", f"{collection('Pod', namespace)}/{name}")
+            self.kube.request("DELETE", f"{namespaced_collection('Pod', namespace)}/{name}")
         except ApiError as exc:
             if not exc.not_found:
                 raise
@@ -269,7 +278,7 @@ class RealNode:
         ref = next(c for c in pod["spec"]["resourceClaims"] if c["name"] == pod_claim)
         name = ref.get("resourceClaimName") or next(
             s["resourceClaimName"] for s in pod["status"]["resourceClaimStatuses"] if s["name"] == pod_claim)
-        return self.kube.get(f"{collection('ResourceClaim', namespace)}/{name}")
+        return self.kube.get(f"{namespaced_collection('ResourceClaim', namespace)}/{name}")
 
     # ---- what the plugin left on the node ---------------------------------------------------------
 

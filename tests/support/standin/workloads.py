@@ -12,18 +12,11 @@ import yaml
 
 from api.deviceclasses import device_classes
 from api.names import DEFAULT_DRIVER_NAME
-from kube.client import DEVICE_CLASSES, RESOURCE_V1, ApiError, KubeApi
+from kube.client import DEVICE_CLASSES, RESOURCE_V1, ApiError, KubeApi, namespaced_collection
 
 T = TypeVar("T")
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
-
-COLLECTIONS = {
-    "Pod": "/api/v1/namespaces/{ns}/pods",
-    "ResourceClaim": RESOURCE_V1 + "/namespaces/{ns}/resourceclaims",
-    "ResourceClaimTemplate": RESOURCE_V1 + "/namespaces/{ns}/resourceclaimtemplates",
-}
-
 
 def wait_until(check: Callable[[], T], timeout: float, what: str, interval: float = 0.2) -> T:
     """Poll ``check`` until it returns something truthy; the error says what was awaited and the last value."""
@@ -35,10 +28,6 @@ def wait_until(check: Callable[[], T], timeout: float, what: str, interval: floa
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
-
-
-def collection(kind: str, namespace: str) -> str:
-    return COLLECTIONS[kind].format(ns=namespace)
 
 
 def create_namespace(api: KubeApi, name: str) -> None:
@@ -94,12 +83,12 @@ def pin_to_node(pod: dict[str, Any], node: str) -> dict[str, Any]:
 def create(api: KubeApi, namespace: str, obj: dict[str, Any]) -> dict[str, Any]:
     obj = copy.deepcopy(obj)
     obj["metadata"]["namespace"] = namespace
-    return api.create(collection(obj["kind"], namespace), obj)
+    return api.create(namespaced_collection(obj["kind"], namespace), obj)
 
 
 def get(api: KubeApi, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
     try:
-        return api.get(f"{collection(kind, namespace)}/{name}")
+        return api.get(f"{namespaced_collection(kind, namespace)}/{name}")
     except ApiError as exc:
         if exc.not_found:
             return None
@@ -137,7 +126,7 @@ def wait_for_scheduled_pod(api: KubeApi, namespace: str, name: str, timeout: flo
 def delete_pod(api: KubeApi, namespace: str, name: str, timeout: float = 30.0) -> None:
     """Delete at once (no kubelet would ever confirm a graceful stop) and wait until it is gone."""
     try:
-        api.request("DELETE", f"{collection('Pod', namespace)}/{name}",
+        api.request("DELETE", f"{namespaced_collection('Pod', namespace)}/{name}",
                     body={"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0})
     except ApiError as exc:
         if not exc.not_found:
