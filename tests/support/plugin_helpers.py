@@ -9,7 +9,6 @@ from typing import Any, Callable
 from standin import ContainerEdits, PreparedPod, resolve_cdi
 from standin.node import SimulatedNode
 from standin.workloads import (
-    collection,
     create,
     delete_pod,
     for_driver,
@@ -19,7 +18,7 @@ from standin.workloads import (
     wait_for_scheduled_pod,
 )
 
-from kube.client import KubeApi
+from kube.client import KubeApi, namespaced_collection
 
 
 def run_objects(kube: KubeApi, node: SimulatedNode, namespace: str,
@@ -47,7 +46,7 @@ def published(node: SimulatedNode) -> dict[str, dict[str, Any]]:
 
 def allocated(kube: KubeApi, namespace: str, claim_name: str) -> list[dict[str, Any]]:
     """The claim's allocation results."""
-    claim = kube.get(f"{collection('ResourceClaim', namespace)}/{claim_name}")
+    claim = kube.get(f"{namespaced_collection('ResourceClaim', namespace)}/{claim_name}")
     return claim["status"]["allocation"]["devices"]["results"]
 
 
