@@ -29,7 +29,7 @@ class _Registration(reg_grpc.RegistrationServicer):
 
 def serve(path: str) -> None:
     """grpcio's synchronous server with a small pool (the plugin's kind of server,
-    kubeletplugin.transport.unixserver), with nothing else around it: what a Python plugin on grpcio holds and
+    kubeletplugin.transport.grpcserver), with nothing else around it: what a Python plugin on grpcio holds and
     spends."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)   # left by a killed run

@@ -5,7 +5,7 @@
 - ``registration``: the plugin-registration service on ``<registry dir>/<driver>-reg.sock``, and the probe of it.
 - ``server``: the DRA node service (v1 and v1beta1, one handler) and the health stream on the DRA socket.
 - ``health``: the board of device health the stream reports.
-- ``unixserver``: a grpcio server on one unix socket, with its limits and a bounded, pre-started pool.
+- ``grpcserver``: a grpcio server on one unix socket, with its limits and a bounded, pre-started pool.
 - ``sockets``: where the sockets live, and how they are created and removed.
 - ``endpoints``: both sockets served at process start, before the driver exists.
 

@@ -15,7 +15,7 @@ import grpc
 
 from api.generated.pluginregistration.v1 import api_pb2 as reg_pb
 from api.generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
-from kubeletplugin.transport.unixserver import UnixGrpcServer
+from kubeletplugin.transport.grpcserver import UnixGrpcServer
 
 PLUGIN_TYPE = "DRAPlugin"
 

@@ -2,7 +2,7 @@
 ``…v1beta1.DRAPlugin`` (one handler; the versions differ only in v1's ``Device.share_id``), plus the
 ``DRAResourceHealth`` stream in ``v1`` and ``v1alpha1``.
 
-Everything runs on the server's bounded pool (kubeletplugin.transport.unixserver): prepare and unprepare as plain
+Everything runs on the server's bounded pool (kubeletplugin.transport.grpcserver): prepare and unprepare as plain
 functions, a health stream as a blocking generator that sleeps between changes. Health streams are capped
 (``MAX_HEALTH_STREAMS``), so the pool always keeps workers for prepares, and a call whose client has gone is not
 handed to the driver.
@@ -34,8 +34,8 @@ from api.generated.dra_health.v1 import api_pb2 as health_v1_pb
 from api.generated.dra_health.v1 import api_pb2_grpc as health_v1_grpc
 from api.generated.dra_health.v1alpha1 import api_pb2 as health_v1alpha1_pb
 from api.generated.dra_health.v1alpha1 import api_pb2_grpc as health_v1alpha1_grpc
+from kubeletplugin.transport.grpcserver import UnixGrpcServer
 from kubeletplugin.transport.health import MAX_MESSAGE, HealthBoard
-from kubeletplugin.transport.unixserver import UnixGrpcServer
 
 if TYPE_CHECKING:
     from kubeletplugin.transport.nodedriver import ClaimRef, NodeDriver, RequestMetrics

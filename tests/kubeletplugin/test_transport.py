@@ -22,12 +22,12 @@ from api.generated.dra_health.v1alpha1 import api_pb2 as h1a1_pb
 from api.generated.dra_health.v1alpha1 import api_pb2_grpc as h1a1_grpc
 from api.generated.pluginregistration.v1 import api_pb2 as reg_pb
 from api.generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from kubeletplugin.transport.grpcserver import UnixGrpcServer
 from kubeletplugin.transport.health import DeviceHealth, HealthBoard, health_from_taints
 from kubeletplugin.transport.nodedriver import ClaimRef, PreparedDevice, PrepareResult, UnprepareResult
 from kubeletplugin.transport.registration import RegistrationServer, supported_services
 from kubeletplugin.transport.server import DRAServer
 from kubeletplugin.transport.sockets import MAX_UNIX_PATH, SocketPathError, socket_paths
-from kubeletplugin.transport.unixserver import UnixGrpcServer
 
 DRIVER = "gpu.dra-driver.io"
 

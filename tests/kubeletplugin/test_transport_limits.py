@@ -23,10 +23,10 @@ from api.generated.dra.v1 import api_pb2 as v1_pb
 from api.generated.dra.v1 import api_pb2_grpc as v1_grpc
 from api.generated.dra_health.v1 import api_pb2 as h1_pb
 from api.generated.dra_health.v1 import api_pb2_grpc as h1_grpc
+from kubeletplugin.transport.grpcserver import Limits, UnixGrpcServer
 from kubeletplugin.transport.health import DeviceHealth, HealthBoard
 from kubeletplugin.transport.nodedriver import ClaimRef, PreparedDevice, PrepareResult, UnprepareResult
 from kubeletplugin.transport.server import MAX_HEALTH_STREAMS, DRAPluginV1, DRAServer, DRAService
-from kubeletplugin.transport.unixserver import Limits, UnixGrpcServer
 
 REPO = Path(__file__).resolve().parents[2]
 UID = "0f6c8a6e-3d0b-4d0c-9d7e-7d8f1f2b3c4d"
